@@ -1,0 +1,63 @@
+"""A plain-text picture of what runs where: the mesh, the state, a batch."""
+
+import jax
+import numpy as np
+
+from keras_dp import mesh as mesh_lib
+
+
+def describe(mesh, state=None, batch=None):
+    """Describe `mesh`, and how `state` and a device `batch` are placed on it.
+
+    Args:
+        mesh: the `"batch"` mesh.
+        state: an optional replicated `TrainState`.
+        batch: an optional tree of device arrays.
+
+    Returns:
+        A multi-line string: the devices; for each state group its array
+        count, size and sharding; for each batch array its shape, sharding
+        and the rows each device holds.
+    """
+    devices = list(mesh.devices.flat)
+    lines = [
+        f"Mesh: {len(devices)} device(s) along axis {mesh_lib.BATCH_AXIS!r}, "
+        f"platform {devices[0].platform}",
+        "  " + ", ".join(_device_name(device) for device in devices),
+    ]
+    if state is not None:
+        lines.append("Model state (one full copy on every device):")
+        for name, values in state.groups():
+            size = sum(value.size for value in values)
+            nbytes = sum(value.nbytes for value in values)
+            spec = values[0].sharding.spec if values else "-"
+            lines.append(
+                f"  {name:<14}{len(values):>4} arrays {size:>12,} values "
+                f"{_megabytes(nbytes):>10} per device  PartitionSpec{tuple(spec)}"
+            )
+    if batch is not None:
+        lines.append("Batch (rows split along 'batch' when they divide evenly):")
+        for path, array in jax.tree_util.tree_leaves_with_path(batch):
+            lines.append(
+                f"  {jax.tree_util.keystr(path) or 'x':<14}{str(array.shape):<18}"
+                f"{str(array.dtype):<9}PartitionSpec{tuple(array.sharding.spec)}"
+            )
+            lines.append("    " + " | ".join(_shard_rows(array)))
+    return "\n".join(lines)
+
+
+def _shard_rows(array):
+    rows = []
+    for shard in sorted(array.addressable_shards, key=lambda s: s.device.id):
+        index = shard.index[0] if shard.index else slice(None)
+        start, stop, _ = index.indices(array.shape[0])
+        rows.append(f"{_device_name(shard.device)}: rows {start}-{stop - 1}")
+    return rows
+
+
+def _device_name(device):
+    return f"{device.platform}:{device.id}"
+
+
+def _megabytes(nbytes):
+    return f"{np.float64(nbytes) / 2**20:.2f} MiB"

@@ -1,0 +1,91 @@
+"""Devices and shardings: the 1-D `"batch"` mesh and where arrays live on it.
+
+Every placement keras_dp makes goes through this module: model state is
+*replicated* (`PartitionSpec()`, a full copy on every device) and each batch
+is *sharded* along its leading axis over the mesh axis `"batch"`.
+"""
+
+import jax
+import numpy as np
+from jax.sharding import AxisType
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
+
+BATCH_AXIS = "batch"
+
+
+def make_mesh(devices=None, mesh=None):
+    """Return the 1-D data-parallel mesh with the single axis `"batch"`.
+
+    Args:
+        devices: the devices to train on; all of JAX's devices when `None`.
+        mesh: a user's own `jax.sharding.Mesh`; it must have exactly one
+            axis, named `"batch"`. Mutually exclusive with `devices`.
+
+    Returns:
+        A `Mesh` whose axis type is `AxisType.Auto` (Keras's Dropout fails
+        under explicit-sharding axes).
+
+    Raises:
+        ValueError: both arguments given, an empty device list, or a mesh
+            whose axes are not exactly `("batch",)`.
+    """
+    if mesh is not None:
+        if devices is not None:
+            raise ValueError(
+                "Pass either `mesh` or `devices`, not both. Received: "
+                f"mesh={mesh}, devices={devices}."
+            )
+        if tuple(mesh.axis_names) != (BATCH_AXIS,):
+            raise ValueError(
+                "keras_dp needs a 1-D mesh with the single axis "
+                f"'{BATCH_AXIS}'. Received: mesh.axis_names={mesh.axis_names}. "
+                f"Build one with keras_dp.make_mesh(devices)."
+            )
+        return mesh
+    devices = jax.devices() if devices is None else list(devices)
+    if not devices:
+        raise ValueError("`devices` is empty. Pass at least one JAX device.")
+    return Mesh(
+        np.asarray(devices), (BATCH_AXIS,), axis_types=(AxisType.Auto,)
+    )
+
+
+def replicated(mesh):
+    """The sharding that keeps a full copy of an array on every device."""
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def batch_sharded(mesh):
+    """The sharding that splits an array's leading axis across `"batch"`."""
+    return NamedSharding(mesh, PartitionSpec(BATCH_AXIS))
+
+
+def replicate(tree, mesh):
+    """Copy every array of `tree` to every device of `mesh`.
+
+    The values are first copied to fresh host buffers: `jax.device_put` may
+    alias its argument's buffer, and the train step donates the state, so
+    without the copy donation would delete the Keras variables it came from.
+
+    Returns:
+        A tree of the same structure whose leaves are `jax.Array`s with the
+        replicated sharding.
+    """
+    host = jax.tree.map(lambda value: np.array(value, copy=True), tree)
+    return jax.device_put(host, replicated(mesh))
+
+
+def to_host(array):
+    """Return a numpy copy of a replicated array, read from a local shard.
+
+    Reading one addressable shard works for arrays that span several
+    processes, where `np.asarray(array)` would raise.
+    """
+    return np.array(array.addressable_data(0), copy=True)
+
+
+def num_devices(mesh):
+    """The number of devices along the `"batch"` axis."""
+    return mesh.shape[BATCH_AXIS]

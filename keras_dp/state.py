@@ -1,0 +1,89 @@
+"""The training state and its two boundaries with the Keras model.
+
+`TrainState.from_model` reads a built, compiled Keras model into replicated
+device arrays; `write_back` is the only code in keras_dp that assigns to Keras
+variables. In between, the state lives only in the compiled steps, which take
+it and return its successor.
+"""
+
+from typing import NamedTuple
+
+import jax
+
+from keras_dp import mesh as mesh_lib
+
+
+class TrainState(NamedTuple):
+    """Everything a train step reads and replaces, as lists of arrays.
+
+    Each list follows the order of the matching Keras attribute, so that
+    `model.stateless_call` and `optimizer.stateless_apply` accept it as is.
+
+    Attributes:
+        trainable: `model.trainable_variables` values.
+        non_trainable: `model.non_trainable_variables` values (BatchNorm
+            moving statistics, Dropout's seed-generator state, ...).
+        optimizer: `model.optimizer.variables` values (step count, slots).
+        metrics: `model.metrics_variables` values (loss tracker, metrics).
+    """
+
+    trainable: list
+    non_trainable: list
+    optimizer: list
+    metrics: list
+
+    @classmethod
+    def from_model(cls, model, mesh):
+        """Copy a built, compiled model's variables onto every device of `mesh`.
+
+        Returns:
+            A `TrainState` whose leaves are fresh (never aliased with the
+            Keras variables) and replicated over `mesh`.
+        """
+        return mesh_lib.replicate(
+            cls(
+                trainable=_values(model.trainable_variables),
+                non_trainable=_values(model.non_trainable_variables),
+                optimizer=_values(model.optimizer.variables),
+                metrics=_values(model.metrics_variables),
+            ),
+            mesh,
+        )
+
+    def groups(self):
+        """Yield `(name, list_of_arrays)` for each state group."""
+        return zip(self._fields, self)
+
+
+def write_back(state, model):
+    """Assign `state` to the Keras model's variables, copied to the host.
+
+    Afterwards the model holds the trained values as ordinary single-device
+    Keras variables: `model.predict`, `model.save` and the model's own
+    `fit` work on it as if keras_dp had never run. The copies are new
+    buffers, so donating `state` later leaves the model intact.
+    """
+    variables = (
+        model.trainable_variables,
+        model.non_trainable_variables,
+        model.optimizer.variables,
+        model.metrics_variables,
+    )
+    for group, values in zip(variables, state):
+        for variable, value in zip(group, values, strict=True):
+            variable.assign(mesh_lib.to_host(value))
+
+
+def fresh_metrics(model, mesh):
+    """Return the metric variables' reset values, replicated over `mesh`."""
+    model.reset_metrics()
+    return mesh_lib.replicate(_values(model.metrics_variables), mesh)
+
+
+def is_alive(state):
+    """Whether no array of `state` has been deleted (for example, donated)."""
+    return not any(leaf.is_deleted() for leaf in jax.tree.leaves(state))
+
+
+def _values(variables):
+    return [variable.value for variable in variables]

@@ -1,0 +1,113 @@
+"""The compiled steps: pure functions of (state, batch), jitted over the mesh.
+
+Each step sees the *global* batch as one sharded array and the model state as
+replicated arrays. The loss is the mean over the global batch, so its
+gradient with respect to the replicated weights is a sum over every device's
+rows: XLA's SPMD partitioner computes each device's partial gradient on its
+own shard and inserts one all-reduce to combine them. Every device then
+applies the same averaged gradient to the same weights, which is why the
+replicas never drift apart, and why a step on N devices equals the same step
+on one device over the same rows (up to float summation order).
+"""
+
+import jax
+import keras
+
+from keras_dp import mesh as mesh_lib
+from keras_dp.state import TrainState
+
+
+def make_train_step(model, mesh):
+    """Return the jitted `train_step(state, batch) -> (state, logs)`.
+
+    The forward pass and loss are Keras's own stateless
+    `model.compute_loss_and_updates` (`stateless_call` plus
+    `stateless_compute_loss`, with regularisation losses and loss scaling);
+    the update is `optimizer.stateless_apply`. `state` is donated, and the new
+    state and the logs come back replicated over `mesh`.
+
+    Args:
+        model: a built, compiled Keras model; only read while tracing.
+        mesh: the `"batch"` mesh the state is replicated over.
+    """
+
+    def train_step(state, batch):
+        x, y, sample_weight = batch
+        grad_fn = jax.value_and_grad(model.compute_loss_and_updates, has_aux=True)
+        (_, aux), grads = grad_fn(
+            state.trainable,
+            state.non_trainable,
+            state.metrics,
+            x,
+            y,
+            sample_weight,
+            training=True,
+            optimizer_variables=state.optimizer,
+        )
+        loss, y_pred, non_trainable, metrics = aux
+        trainable, optimizer = model.optimizer.stateless_apply(
+            state.optimizer, grads, state.trainable
+        )
+        metrics, logs = _update_metrics(
+            model, metrics, loss, x, y, y_pred, sample_weight
+        )
+        return TrainState(trainable, non_trainable, optimizer, metrics), logs
+
+    return jax.jit(
+        train_step, donate_argnums=0, out_shardings=mesh_lib.replicated(mesh)
+    )
+
+
+def make_test_step(model, mesh):
+    """Return the jitted `test_step(weights, metrics, batch) -> (metrics, logs)`.
+
+    `weights` is the `(trainable, non_trainable)` pair, read but not changed
+    (inference mode: BatchNorm uses its moving statistics, Dropout is off);
+    `metrics` is donated and returned updated with this batch.
+    """
+
+    def test_step(weights, metrics, batch):
+        x, y, sample_weight = batch
+        trainable, non_trainable = weights
+        _, (loss, y_pred, _, metrics) = model.compute_loss_and_updates(
+            trainable, non_trainable, metrics, x, y, sample_weight, training=False
+        )
+        return _update_metrics(model, metrics, loss, x, y, y_pred, sample_weight)
+
+    return jax.jit(
+        test_step, donate_argnums=1, out_shardings=mesh_lib.replicated(mesh)
+    )
+
+
+def make_predict_step(model):
+    """Return the jitted `predict_step(weights, x) -> y_pred`.
+
+    `y_pred` keeps the sharding of `x`: row i of the output is row i of the
+    input, on the device that holds it.
+    """
+
+    def predict_step(weights, x):
+        trainable, non_trainable = weights
+        y_pred, _ = model.stateless_call(trainable, non_trainable, x, training=False)
+        return y_pred
+
+    return jax.jit(predict_step)
+
+
+def _update_metrics(model, metrics, loss, x, y, y_pred, sample_weight):
+    """Update the loss tracker and compiled metrics statelessly.
+
+    Returns:
+        `(metrics, logs)`: the new metric variable values, in the order of
+        `model.metrics_variables`, and the running results as a dict.
+    """
+    variables = model.metrics_variables
+    with keras.StatelessScope(state_mapping=list(zip(variables, metrics))) as scope:
+        rows = jax.tree.leaves(x)[0].shape[0]
+        # Keras keeps the running loss in this private Mean; updating it as
+        # model.fit does keeps `logs["loss"]` identical to Keras's.
+        model._loss_tracker.update_state(loss, sample_weight=rows)
+        logs = model.compute_metrics(x, y, y_pred, sample_weight)
+    updated = [scope.get_current_value(variable) for variable in variables]
+    metrics = [new if new is not None else old for new, old in zip(updated, metrics)]
+    return metrics, logs

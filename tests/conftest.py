@@ -1,0 +1,78 @@
+"""Test setup: 8 simulated CPU devices, the shared MNIST, a slow marker.
+
+XLA reads the device count when JAX first starts a backend, so the flag is set
+here, before anything imports JAX.
+"""
+
+import os
+import pathlib
+
+os.environ["XLA_FLAGS"] = " ".join(
+    [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]
+).strip()
+os.environ.setdefault("KERAS_BACKEND", "jax")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+_SHARED_DATA = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
+if "KERAS_DP_DATA_DIR" not in os.environ and (_SHARED_DATA / "mnist.npz").is_file():
+    os.environ["KERAS_DP_DATA_DIR"] = str(_SHARED_DATA)
+
+import jax  # noqa: E402
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import keras_dp  # noqa: E402
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--runslow", action="store_true", help="also run tests marked slow"
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--runslow"):
+        return
+    skip = pytest.mark.skip(reason="slow: run with --runslow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def mnist():
+    """A small slice of real MNIST: 2,048 training and 1,024 test images."""
+    (x, y), (x_test, y_test) = keras_dp.datasets.load_mnist()
+    return (x[:2048, ..., None], y[:2048]), (x_test[:1024, ..., None], y_test[:1024])
+
+
+def convnet(seed=0, learning_rate=1e-3):
+    """The guide's convnet, compiled, with initial weights fixed by `seed`."""
+    keras.utils.set_random_seed(seed)
+    return keras_dp.models.compile_classifier(
+        keras_dp.models.convnet(), learning_rate=learning_rate
+    )
+
+
+def mlp(seed=0, dropout=0.0):
+    """A small compiled MLP on flattened 28x28 images: fast to compile."""
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential(
+        [
+            keras.Input((28, 28, 1)),
+            keras.layers.Rescaling(1 / 255),
+            keras.layers.Flatten(),
+            keras.layers.Dense(32, activation="relu"),
+            keras.layers.Dropout(dropout),
+            keras.layers.Dense(10),
+        ]
+    )
+    return keras_dp.models.compile_classifier(model)
+
+
+def weights(model):
+    return [np.asarray(w) for w in model.get_weights()]
+
+
+def devices(n):
+    return jax.devices()[:n]
