@@ -39,11 +39,19 @@ def describe(mesh, state=None, batch=None):
         lines.append("Batch (rows split along 'batch' when they divide evenly):")
         for path, array in jax.tree_util.tree_leaves_with_path(batch):
             lines.append(
-                f"  {jax.tree_util.keystr(path) or 'x':<14}{str(array.shape):<18}"
+                f"  {_batch_name(path):<14}{str(array.shape):<18}"
                 f"{str(array.dtype):<9}PartitionSpec{tuple(array.sharding.spec)}"
             )
             lines.append("    " + " | ".join(_shard_rows(array)))
     return "\n".join(lines)
+
+
+def _batch_name(path):
+    """'x', 'y', 'sample_weight', then any nested keys: x['image']."""
+    names = ("x", "y", "sample_weight")
+    if path and isinstance(path[0], jax.tree_util.SequenceKey) and path[0].idx < 3:
+        return names[path[0].idx] + jax.tree_util.keystr(path[1:])
+    return jax.tree_util.keystr(path) or "x"
 
 
 def _shard_rows(array):

@@ -304,11 +304,12 @@ class _Throttle:
 
 
 def _to_python(logs):
-    """Logs as python floats (arrays for non-scalar metrics), order kept:
-    the loss first, then the compiled metrics, as `model.evaluate` lists them."""
+    """Logs as python floats (arrays for non-scalar metrics), in the order
+    `model.evaluate` lists them: the loss first, then the rest by name."""
     host = jax.device_get(logs)
-    return {name: value.item() if np.ndim(value) == 0 else np.asarray(value)
-            for name, value in host.items()}
+    names = sorted(host, key=lambda name: (name != "loss", name))
+    return {name: host[name].item() if np.ndim(host[name]) == 0 else np.asarray(host[name])
+            for name in names}
 
 
 def _callback_list(callbacks, model, verbose, **params):

@@ -1,0 +1,98 @@
+"""Bad input fails at once, with a message that names the problem and the fix."""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_dp
+from conftest import devices, mlp
+
+
+def test_a_non_keras_object_is_refused():
+    with pytest.raises(TypeError, match="keras_dp trains a keras.Model.*Received an object of type"):
+        keras_dp.fit_sharded(object(), np.zeros((8, 28, 28, 1)), np.zeros(8))
+    with pytest.raises(TypeError, match="Wrap layers in keras.Sequential"):
+        keras_dp.ShardedTrainer(keras.layers.Dense(3))
+
+
+@pytest.mark.parametrize("data", [[], "exhausted generator"])
+def test_a_dataset_that_yields_nothing_is_refused(data):
+    if data == "exhausted generator":
+        data = (batch for batch in [])
+    with pytest.raises(ValueError, match="yielded no batches in epoch 0"):
+        keras_dp.fit_sharded(mlp(), data, verbose=0, devices=devices(2))
+
+
+def test_a_generator_used_up_after_one_epoch_is_refused_in_the_next(mnist):
+    (x, y), _ = mnist
+    batches = ((x[i:i + 64], y[i:i + 64]) for i in range(0, 128, 64))
+    model = mlp()
+    with pytest.raises(ValueError, match="yielded no batches in epoch 1.*re-iterable"):
+        keras_dp.fit_sharded(model, batches, epochs=2, verbose=0, devices=devices(2))
+
+
+def test_arrays_without_rows_are_refused():
+    with pytest.raises(ValueError, match="has no rows"):
+        keras_dp.fit_sharded(mlp(), np.zeros((0, 28, 28, 1)), np.zeros(0), verbose=0)
+
+
+def test_a_global_batch_smaller_than_the_device_count_is_refused(mnist):
+    (x, y), _ = mnist
+    with pytest.raises(ValueError, match="4 rows is smaller than the 8 devices.*at least 8"):
+        keras_dp.fit_sharded(mlp(), x[:64], y[:64], batch_size=4, verbose=0, devices=devices(8))
+    with pytest.raises(ValueError, match="3 rows is smaller than the 8 devices"):
+        keras_dp.fit_sharded(mlp(), [(x[:3], y[:3])], verbose=0, devices=devices(8))
+
+
+def test_a_batch_that_does_not_split_evenly_is_refused_up_front(mnist):
+    (x, y), _ = mnist
+    with pytest.raises(ValueError, match="100 rows does not split evenly over 8 devices.*96 or 104"):
+        keras_dp.fit_sharded(mlp(), x, y, batch_size=100, verbose=0, devices=devices(8))
+
+
+def test_labels_that_do_not_fit_the_output_are_refused_before_compiling(mnist):
+    (x, y), _ = mnist
+    one_hot = np.eye(10, dtype=np.float32)[y[:64]]
+    with pytest.raises(ValueError, match=r"labels do not fit.*y has shape \(64, 10\).*sparse_categorical"):
+        keras_dp.fit_sharded(mlp(), x[:64], one_hot, batch_size=64, verbose=0, devices=devices(2))
+    with pytest.raises(ValueError, match="labels do not fit"):
+        keras_dp.fit_sharded(mlp(), x[:64], np.zeros((64, 3)), batch_size=64, verbose=0)
+
+
+def test_x_and_y_of_different_lengths_are_refused(mnist):
+    (x, y), _ = mnist
+    with pytest.raises(ValueError, match="same number of rows.*one entry per sample"):
+        keras_dp.fit_sharded(mlp(), x[:64], y[:63], batch_size=32, verbose=0)
+
+
+def test_an_uncompiled_model_without_optimizer_and_loss_is_refused():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    with pytest.raises(ValueError, match="not compiled.*model.compile"):
+        keras_dp.ShardedTrainer(model)
+
+
+def test_an_unbuildable_model_is_refused_with_the_fix(mnist):
+    (x, y), _ = mnist
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(10)])
+    keras_dp.models.compile_classifier(model)
+    with pytest.raises(ValueError, match="could not be built.*x matches"):
+        keras_dp.fit_sharded(model, x[:64], y[:64], batch_size=64, verbose=0)
+
+
+def test_init_state_of_an_unbuilt_model_names_the_fix():
+    model = keras_dp.models.compile_classifier(keras.Sequential([keras.layers.Dense(10)]))
+    with pytest.raises(ValueError, match=r"not built.*trainer.build\(batch\)"):
+        keras_dp.ShardedTrainer(model).init_state()
+
+
+def test_a_mesh_without_the_batch_axis_is_refused():
+    import jax
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    with pytest.raises(ValueError, match="single axis 'batch'.*keras_dp.make_mesh"):
+        keras_dp.ShardedTrainer(mlp(), mesh=mesh)
+
+
+def test_batch_size_with_a_dataset_is_refused(mnist):
+    (x, y), _ = mnist
+    with pytest.raises(ValueError, match="Do not pass `batch_size` with a dataset"):
+        keras_dp.fit_sharded(mlp(), [(x[:64], y[:64])], batch_size=64, verbose=0)

@@ -1,0 +1,195 @@
+"""fit_sharded as a Keras user meets it: data kinds, callbacks, write-back."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_dp
+from conftest import convnet, devices, mlp, weights
+
+
+def test_fit_sharded_trains_mnist_and_returns_history(mnist):
+    (x, y), (x_test, y_test) = mnist
+    model = convnet()
+    history = keras_dp.fit_sharded(
+        model, x, y, epochs=2, batch_size=64, verbose=0,
+        validation_data=(x_test, y_test), devices=devices(2),
+    )
+    assert isinstance(history, keras.callbacks.History)
+    assert history.epoch == [0, 1]
+    assert set(history.history) == {"loss", "accuracy", "val_loss", "val_accuracy"}
+    assert history.history["loss"][1] < history.history["loss"][0]
+    assert history.history["accuracy"][1] > 0.45  # measured 0.54 after 2 epochs of 2,048
+    assert model.history is history
+
+
+def test_model_predict_equals_trainer_predict_and_keras_file_round_trips(mnist, tmp_path):
+    (x, y), (x_test, _) = mnist
+    model = convnet()
+    keras_dp.fit_sharded(model, x[:512], y[:512], batch_size=64, verbose=0, devices=devices(4))
+    trainer = keras_dp.ShardedTrainer(model, devices=devices(4))
+    sharded = trainer.predict(x_test[:300], batch_size=64, verbose=0)  # last batch: 44 rows
+    assert sharded.shape == (300, 10)
+    np.testing.assert_allclose(model.predict(x_test[:300], verbose=0), sharded, rtol=1e-5, atol=1e-5)
+    model.save(tmp_path / "convnet.keras")
+    loaded = keras.models.load_model(tmp_path / "convnet.keras")
+    np.testing.assert_allclose(loaded.predict(x_test[:300], verbose=0), sharded, rtol=1e-5, atol=1e-5)
+
+
+def test_evaluate_matches_keras_evaluate(mnist):
+    (x, y), (x_test, y_test) = mnist
+    model = mlp()
+    keras_dp.fit_sharded(model, x[:512], y[:512], batch_size=64, verbose=0, devices=devices(2))
+    ours = keras_dp.ShardedTrainer(model, devices=devices(8)).evaluate(
+        x_test, y_test, batch_size=128, verbose=0, return_dict=True)
+    theirs = model.evaluate(x_test, y_test, batch_size=128, verbose=0, return_dict=True)
+    assert list(ours) == ["loss", "accuracy"]
+    np.testing.assert_allclose(ours["loss"], theirs["loss"], rtol=1e-5)
+    np.testing.assert_allclose(ours["accuracy"], theirs["accuracy"], rtol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["tuple", "sample_weight", "tf.data", "list", "generator"])
+def test_every_input_kind_gives_the_same_training(mnist, kind):
+    (x, y), _ = mnist
+    x, y = x[:256], y[:256]
+    reference = mlp()
+    keras_dp.fit_sharded(reference, x, y, batch_size=64, shuffle=False, verbose=0, devices=devices(2))
+    batches = [(x[i:i + 64], y[i:i + 64]) for i in range(0, 256, 64)]
+    data = {
+        "tuple": (x, y),
+        "sample_weight": (x, y, np.ones(256, np.float32)),
+        "tf.data": tf.data.Dataset.from_tensor_slices((x, y)).batch(64),
+        "list": batches,
+        "generator": (batch for batch in batches),
+    }[kind]
+    model = mlp()
+    batch_size = 64 if kind in ("tuple", "sample_weight") else None
+    keras_dp.fit_sharded(model, data, batch_size=batch_size, shuffle=False, verbose=0, devices=devices(2))
+    for a, b in zip(weights(reference), weights(model)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_every_sample_is_seen_once_per_epoch_with_shuffle(mnist):
+    # A counting metric: the loss tracker's count is the rows it has seen.
+    (x, y), _ = mnist
+    seen = []
+
+    class Count(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            seen.append(int(self.model._loss_tracker.count.numpy()))
+
+    model = mlp()
+    keras_dp.fit_sharded(model, x[:1000], y[:1000], batch_size=64, epochs=2, verbose=0,
+                         callbacks=[Count()], devices=devices(4))
+    assert seen == [1000, 1000]
+
+
+def test_callbacks_see_the_model_fit_hooks(mnist):
+    (x, y), (x_test, y_test) = mnist
+    calls = []
+
+    class Record(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            calls.append("train_begin")
+
+        def on_epoch_begin(self, epoch, logs=None):
+            calls.append(f"epoch_begin {epoch}")
+
+        def on_train_batch_end(self, batch, logs=None):
+            calls.append("batch")
+            assert "loss" in logs
+
+        def on_test_end(self, logs=None):
+            calls.append("test_end")
+
+        def on_epoch_end(self, epoch, logs=None):
+            calls.append(f"epoch_end {epoch} {sorted(logs)}")
+
+        def on_train_end(self, logs=None):
+            calls.append("train_end")
+
+    keras_dp.fit_sharded(mlp(), x[:256], y[:256], batch_size=64, epochs=2, verbose=0,
+                         validation_data=(x_test[:128], y_test[:128]),
+                         callbacks=[Record()], devices=devices(2))
+    epoch_end = "['accuracy', 'loss', 'val_accuracy', 'val_loss']"
+    assert calls == (
+        ["train_begin"]
+        + ["epoch_begin 0"] + ["batch"] * 4 + ["test_end", f"epoch_end 0 {epoch_end}"]
+        + ["epoch_begin 1"] + ["batch"] * 4 + ["test_end", f"epoch_end 1 {epoch_end}"]
+        + ["train_end"]
+    )
+
+
+def test_early_stopping_stops_and_progress_bar_prints(mnist, capsys):
+    (x, y), _ = mnist
+    stop = keras.callbacks.EarlyStopping(monitor="loss", patience=0, min_delta=10.0)
+    history = keras_dp.fit_sharded(mlp(), x[:256], y[:256], batch_size=64, epochs=5,
+                                   verbose=1, callbacks=[stop], devices=devices(2))
+    assert history.epoch == [0, 1]  # no 10.0 improvement: stops after epoch 2
+    out = capsys.readouterr().out
+    assert "Epoch 1/5" in out and "4/4" in out
+
+
+def test_model_keeps_trained_weights_when_training_raises_mid_epoch(mnist):
+    (x, y), _ = mnist
+    batches = [(x[i:i + 64], y[i:i + 64]) for i in range(0, 640, 64)]
+
+    class Boom(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 5:
+                raise RuntimeError("boom")
+
+    model = convnet(seed=4)
+    initial = weights(model)
+    with pytest.raises(RuntimeError, match="boom"):
+        keras_dp.fit_sharded(model, batches, callbacks=[Boom()], verbose=0, devices=devices(2))
+    # The model holds the state after exactly the 6 steps that ran.
+    reference = convnet(seed=4)
+    trainer = keras_dp.ShardedTrainer(reference, devices=devices(2))
+    trainer.build(batches[0])
+    state = trainer.init_state()
+    for batch in batches[:6]:
+        state, _ = trainer.train_step(state, trainer.shard(batch))
+    trainer.write_back(state)
+    after = weights(model)
+    assert any(not np.array_equal(a, b) for a, b in zip(initial, after))
+    for a, b in zip(weights(reference), after):
+        np.testing.assert_array_equal(a, b)
+    assert np.isfinite(model.predict(x[:8], verbose=0)).all()
+
+
+def test_compile_arguments_override_and_uncompiled_models_train(mnist):
+    (x, y), _ = mnist
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.layers.Flatten(), keras.layers.Dense(10)])  # unbuilt, uncompiled
+    history = keras_dp.fit_sharded(
+        model, x[:256] / 255.0, y[:256], batch_size=64, epochs=2, verbose=0,
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"], devices=devices(4),
+    )
+    assert model.built and isinstance(model.optimizer, keras.optimizers.SGD)
+    assert history.history["loss"][1] < history.history["loss"][0]
+
+
+def test_subclassed_and_functional_models_train(mnist):
+    (x, y), _ = mnist
+
+    class Classifier(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.flatten = keras.layers.Flatten()
+            self.hidden = keras.layers.Dense(32, activation="relu")
+            self.out = keras.layers.Dense(10)
+
+        def call(self, inputs, training=False):
+            return self.out(self.hidden(self.flatten(inputs / 255.0)))
+
+    inputs = keras.Input((28, 28, 1))
+    functional = keras.Model(inputs, keras.layers.Dense(10)(keras.layers.Flatten()(inputs / 255.0)))
+    for model in (Classifier(), functional):
+        keras_dp.models.compile_classifier(model)
+        history = keras_dp.fit_sharded(model, x[:512], y[:512], batch_size=64, epochs=2,
+                                       verbose=0, devices=devices(8))
+        assert history.history["loss"][1] < history.history["loss"][0]
