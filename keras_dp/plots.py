@@ -13,6 +13,7 @@ def plot_history(history, path, title=None):
 
     matplotlib.use("Agg")  # No display needed, and none is touched.
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     logs = getattr(history, "history", history)
     names = [name for name in ("loss", "accuracy") if name in logs]
@@ -23,6 +24,7 @@ def plot_history(history, path, title=None):
         if f"val_{name}" in logs:
             axis.plot(epochs, logs[f"val_{name}"], marker="o", label="validation")
         axis.set_xlabel("epoch")
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
         axis.set_ylabel(name)
         axis.grid(alpha=0.3)
         axis.legend()
