@@ -164,6 +164,7 @@ class ShardedTrainer:
         val = None
         if validation_data is not None:
             val = self._batches(validation_data, None, None, batch_size, False)
+            self.build(val.peek())  # bad validation labels fail now, not after epoch 1
         callbacks = _callback_list(
             callbacks, self.model, verbose, epochs=epochs, steps=batches.steps
         )

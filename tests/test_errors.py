@@ -96,3 +96,18 @@ def test_batch_size_with_a_dataset_is_refused(mnist):
     (x, y), _ = mnist
     with pytest.raises(ValueError, match="Do not pass `batch_size` with a dataset"):
         keras_dp.fit_sharded(mlp(), [(x[:64], y[:64])], batch_size=64, verbose=0)
+
+
+def test_bad_validation_labels_fail_before_the_first_step(mnist):
+    (x, y), _ = mnist
+    steps = []
+
+    class Count(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            steps.append(batch)
+
+    with pytest.raises(ValueError, match="labels do not fit"):
+        keras_dp.fit_sharded(mlp(), x[:128], y[:128], batch_size=64, verbose=0,
+                             validation_data=(x[:64], np.zeros((64, 3))),
+                             callbacks=[Count()], devices=devices(2))
+    assert steps == []
