@@ -10,7 +10,6 @@ and its training curves (PNG).
 import argparse
 import os
 import pathlib
-import sys
 import time
 
 # Importing Keras (and through it JAX) starts no backend, so --cpu-devices can
@@ -75,15 +74,16 @@ def use_cpu_devices(count):
     """
     if count < 1:
         raise ValueError(f"--cpu-devices must be at least 1. Received: {count}.")
-    if "jax" in sys.modules:
-        from jax._src import xla_bridge  # No public way to ask this.
+    # JAX is always imported here (through Keras); what matters is whether it
+    # has started a backend yet. There is no public way to ask this.
+    from jax._src import xla_bridge
 
-        if xla_bridge.backends_are_initialized():
-            raise RuntimeError(
-                "JAX has already started, so the number of CPU devices can no "
-                "longer change. Set XLA_FLAGS=--xla_force_host_platform_device_count"
-                f"={count} before starting Python, or restart the kernel."
-            )
+    if xla_bridge.backends_are_initialized():
+        raise RuntimeError(
+            "JAX has already started, so the number of CPU devices can no "
+            "longer change. Set XLA_FLAGS=--xla_force_host_platform_device_count"
+            f"={count} before starting Python, or restart the kernel."
+        )
     flags = [
         flag for flag in os.environ.get("XLA_FLAGS", "").split()
         if not flag.startswith("--xla_force_host_platform_device_count")
