@@ -6,15 +6,23 @@ keras_dp accepts what `model.fit` accepts most often: numpy arrays (`x`, `y`,
 any re-iterable of such batches. Each becomes a `Batches` object that yields
 host batches `(x, y, sample_weight)` of numpy arrays, epoch after epoch.
 
-On the devices, a batch whose rows divide evenly by the device count is
-sharded along `"batch"`; a final partial batch that does not divide is
-replicated instead, so every device computes it whole and the result is
-exactly that of one device. No row is ever dropped or invented.
+Any global batch goes on the devices, whatever its size: `to_device` pads
+its rows (repeating the last row) to a multiple of the device count, the
+only split `jax.device_put` accepts, and records the real row count as a
+static part of the `DeviceBatch`. Inside a compiled step, `real_rows` cuts
+the padding off again, so the model, its loss, BatchNorm's batch statistics
+and the metrics all see exactly the real rows, split unevenly over the
+devices: XLA's SPMD partitioner masks the missing rows out of every
+reduction. No row is dropped, none is invented, and no model needs a mask.
 """
 
+import collections.abc as collections_abc
+import dataclasses
 import itertools
+import warnings
 
 import jax
+import keras
 import numpy as np
 
 from keras_dp import mesh as mesh_lib
@@ -57,21 +65,61 @@ def batch_rows(batch):
     return sizes.pop()
 
 
+@dataclasses.dataclass(frozen=True)
+class DeviceBatch:
+    """A global batch on the mesh, its rows padded to split evenly.
+
+    Attributes:
+        data: the batch's tree of `jax.Array`s; each has `rows` real rows
+            followed by copies of the last one, up to the next multiple of
+            the device count, sharded along `"batch"`.
+        rows: the number of real rows. It is static under `jax.jit`, so a
+            step compiles once per distinct row count and reuses that
+            program in every later epoch.
+    """
+
+    data: object
+    rows: int
+
+
+jax.tree_util.register_dataclass(DeviceBatch, data_fields=["data"], meta_fields=["rows"])
+
+
 def to_device(batch, mesh):
-    """Place a host batch on `mesh`: sharded by rows, or replicated.
+    """Place a host batch (any tree of arrays) on `mesh`, split by rows.
 
     Returns:
-        The same tree of `jax.Array`s. Rows are split evenly over `"batch"`
-        when they divide by the device count; otherwise (a final partial
-        batch) every device holds all rows, which keeps the step exact.
+        A `DeviceBatch`. Padding repeats the last real row, so that the
+        padded rows are values the model already handles; they never reach
+        a result (see `real_rows`).
     """
-    divisible = batch_rows(batch) % mesh_lib.num_devices(mesh) == 0
-    sharding = mesh_lib.batch_sharded(mesh) if divisible else mesh_lib.replicated(mesh)
-    return jax.device_put(batch, sharding)
+    rows = batch_rows(batch)
+    count = mesh_lib.num_devices(mesh)
+    extra = -rows % count
+    if extra:
+        batch = jax.tree.map(
+            lambda array: np.concatenate([array, np.repeat(array[-1:], extra, axis=0)]),
+            batch,
+        )
+    return DeviceBatch(jax.device_put(batch, mesh_lib.batch_sharded(mesh)), rows)
+
+
+def real_rows(batch, mesh):
+    """Inside a compiled step: the real rows of a `DeviceBatch`.
+
+    The padding is cut off and the rows stay split over `"batch"` (unevenly
+    when they do not divide), so every computation that follows, means and
+    BatchNorm statistics included, is over exactly the real rows.
+    """
+    sharding = mesh_lib.batch_sharded(mesh)
+    return jax.tree.map(
+        lambda array: jax.lax.with_sharding_constraint(array[: batch.rows], sharding),
+        batch.data,
+    )
 
 
 def make_batches(x, y=None, sample_weight=None, *, batch_size=None, shuffle=False,
-                 seed=0, num_devices=1):
+                 seed=0, class_weight=None):
     """Wrap user data as `Batches`, validating what can be checked up front.
 
     Args:
@@ -79,15 +127,18 @@ def make_batches(x, y=None, sample_weight=None, *, batch_size=None, shuffle=Fals
             `tf.data.Dataset` of batches, or a re-iterable of batches.
         y, sample_weight: arrays, only with array `x`.
         batch_size: global rows per step for arrays (default 32, as in
-            Keras); must be `None` for datasets, which are batched already.
+            Keras), any positive number whatever the device count; must be
+            `None` for datasets, which are batched already.
         shuffle: reshuffle array rows every epoch (seeded by `seed`).
         seed: seed of the shuffle order; the same seed gives the same order.
-        num_devices: devices the global batch is split over.
+        class_weight: `{class_id: weight}`, turned into per-sample weights
+            from the labels as `model.fit` does (integer ids, or the argmax
+            of one-hot rows); classes not listed weigh 1.
 
     Raises:
-        ValueError: a `batch_size` smaller than or not divisible by the
-            device count, arrays of different lengths, no rows, or a
-            `batch_size` given with a dataset.
+        ValueError: arrays of different lengths or of a non-numeric dtype,
+            no rows, a `batch_size` below 1 or given with a dataset, or
+            `class_weight` with `sample_weight` or with several outputs.
     """
     if x is None:
         raise ValueError("No training data: pass x (and y), or a dataset.")
@@ -95,7 +146,7 @@ def make_batches(x, y=None, sample_weight=None, *, batch_size=None, shuffle=Fals
         if isinstance(x, tuple) and y is None:
             x, y, sample_weight = unpack(x)
         return ArrayBatches(x, y, sample_weight, batch_size=batch_size,
-                            shuffle=shuffle, seed=seed, num_devices=num_devices)
+                            shuffle=shuffle, seed=seed, class_weight=class_weight)
     if y is not None or sample_weight is not None:
         raise ValueError(
             "`y` and `sample_weight` go with array inputs only; a dataset "
@@ -107,19 +158,84 @@ def make_batches(x, y=None, sample_weight=None, *, batch_size=None, shuffle=Fals
             f"Received: batch_size={batch_size}. Batch the dataset itself "
             "(for tf.data, `dataset.batch(n)`)."
         )
-    return IterableBatches(x, num_devices=num_devices)
+    return IterableBatches(x, class_weight=class_weight)
+
+
+def split_validation(x, y, sample_weight, validation_split):
+    """Split off the last `validation_split` of array data, as `model.fit` does.
+
+    The split is taken before any shuffling, so the validation rows are the
+    same every epoch and in every run.
+
+    Returns:
+        `((x, y, sample_weight), (x_val, y_val, sample_weight_val))`.
+
+    Raises:
+        ValueError: a fraction outside (0, 1), data that is not arrays, or
+            a split that leaves either part without rows.
+    """
+    if not 0 < validation_split < 1:
+        raise ValueError(
+            "`validation_split` is the fraction of rows held out, between 0 "
+            f"and 1. Received: validation_split={validation_split}."
+        )
+    if not _is_array_data(x, y):
+        raise ValueError(
+            "`validation_split` works on arrays only; a dataset cannot be "
+            "split without reading it. Pass `validation_data=` instead. "
+            f"Received x of type {type(x).__name__}."
+        )
+    if isinstance(x, tuple) and y is None:
+        x, y, sample_weight = unpack(x)
+    arrays = jax.tree.map(np.asarray, (x, y, sample_weight))
+    total = batch_rows(arrays)
+    split = int(np.floor(total * (1 - validation_split)))
+    if split == 0 or split == total:
+        raise ValueError(
+            f"`validation_split={validation_split}` of {total} rows leaves "
+            f"{split} rows for training and {total - split} for validation; "
+            "both need at least one. Use a fraction that splits the data."
+        )
+    return (
+        jax.tree.map(lambda array: array[:split], arrays),
+        jax.tree.map(lambda array: array[split:], arrays),
+    )
+
+
+def class_weight_to_sample_weight(y, class_weight):
+    """Per-sample weights `class_weight[class of row]`, 1 for unlisted classes.
+
+    The class of a row is its label when `y` holds class ids (shape `(n,)`
+    or `(n, 1)`), and the argmax when `y` holds one-hot rows.
+    """
+    y = np.asarray(y)
+    if y.ndim > 1:
+        y = np.argmax(y, axis=-1) if y.shape[-1] != 1 else np.squeeze(y, axis=-1)
+    ids = np.round(y).astype(np.int64)
+    weights = np.ones(ids.shape[0], dtype=keras.config.floatx())
+    for class_id, weight in class_weight.items():
+        weights[ids == int(class_id)] = weight
+    return weights
 
 
 class ArrayBatches:
     """Batches sliced from in-memory arrays, the last one partial if needed."""
 
-    def __init__(self, x, y, sample_weight, *, batch_size, shuffle, seed, num_devices):
+    reiterable = True
+
+    def __init__(self, x, y, sample_weight, *, batch_size, shuffle, seed, class_weight):
         arrays = jax.tree.map(np.asarray, (x, y, sample_weight))
+        _check_dtypes(arrays)
         self.num_samples = batch_rows(arrays)
         if self.num_samples == 0:
             raise ValueError("The data has no rows. Pass at least one sample.")
         self.batch_size = 32 if batch_size is None else int(batch_size)
-        _check_global_batch(self.batch_size, num_devices)
+        if self.batch_size < 1:
+            raise ValueError(
+                f"`batch_size` must be at least 1. Received: batch_size={batch_size}."
+            )
+        if class_weight is not None:
+            arrays = _apply_class_weight(arrays, class_weight)
         self._arrays, self._shuffle, self._seed = arrays, shuffle, seed
 
     @property
@@ -148,21 +264,25 @@ class ArrayBatches:
 class IterableBatches:
     """Batches from a `tf.data.Dataset` or any iterable, one pass per epoch.
 
-    A one-shot iterator (a generator) gives one epoch; a later epoch that
-    yields nothing raises a clear error instead of silently training on
-    nothing.
+    Every batch is checked as it arrives against the first: the same
+    structure (x, y, sample_weight and their nesting), at least one row,
+    and one row count across its arrays. A one-shot iterator (a generator)
+    gives one epoch; a later epoch that yields nothing raises a clear error
+    instead of silently training on nothing.
     """
 
-    def __init__(self, source, *, num_devices):
+    def __init__(self, source, *, class_weight=None):
         if not hasattr(source, "__iter__"):
             raise TypeError(
                 "Training data must be arrays, a tf.data.Dataset or an "
                 f"iterable of batches. Received: {type(source).__name__}."
             )
         self._source = _as_numpy_iterable(source)
-        self._num_devices = num_devices
+        self.reiterable = not isinstance(self._source, collections_abc.Iterator)
+        self._class_weight = class_weight
         self._first = None
         self._replay = None
+        self._structure = None
         self.steps = None
         self.num_samples = None
 
@@ -173,31 +293,122 @@ class IterableBatches:
             first = next(iterator, None)
             if first is None:
                 raise ValueError(_empty_message(0))
-            self._first = _host_batch(first)
-            if iterator is self._source:
+            self._first = self._host_batch(first, 0, 0)
+            if not self.reiterable:
                 self._replay = self._first
-            # The first batch sets the global batch size, like `batch_size`
-            # for arrays; later partial batches are run exactly.
-            _check_global_batch(batch_rows(self._first), self._num_devices)
         return self._first
 
     def epoch(self, epoch):
         """Yield this epoch's host batches as `(x, y, sample_weight)`."""
         self.peek()
-        source = iter(self._source)
-        if self._replay is not None:
-            source = itertools.chain([self._replay], source)
-            self._replay = None
         count = 0
-        for batch in source:
+        if self._replay is not None:
+            replay, self._replay = self._replay, None
             count += 1
-            yield _host_batch(batch)
+            yield replay
+        for batch in iter(self._source):
+            yield self._host_batch(batch, count, epoch)
+            count += 1
         if count == 0:
             raise ValueError(_empty_message(epoch))
 
+    def _host_batch(self, batch, index, epoch):
+        batch = jax.tree.map(np.asarray, unpack(batch))
+        where = f"Batch {index} of epoch {epoch}"
+        structure = jax.tree.structure(batch)
+        if self._structure is None:
+            self._structure = structure
+        elif structure != self._structure:
+            raise ValueError(
+                f"{where} has a different structure from the first batch: "
+                f"{structure} instead of {self._structure}. Every batch must "
+                "hold the same x, y and sample_weight arrays in the same nesting."
+            )
+        _check_dtypes(batch, where)
+        if batch_rows(batch) == 0:
+            raise ValueError(
+                f"{where} has no rows. Every batch needs at least one sample; "
+                "drop empty batches from the dataset (for tf.data, "
+                "`dataset.filter(lambda x, *rest: tf.shape(x)[0] > 0)`)."
+            )
+        if self._class_weight is not None:
+            batch = _apply_class_weight(batch, self._class_weight)
+        return batch
 
-def _host_batch(batch):
-    return jax.tree.map(np.asarray, unpack(batch))
+
+class StepsPerEpoch:
+    """Epochs of a fixed number of steps, drawn from one continuing stream.
+
+    Epoch e takes the next `steps` batches. When the data ends, a
+    re-iterable source (arrays, a `tf.data.Dataset`, a list) starts a new
+    pass, reshuffled for arrays, so an epoch may span two passes. A one-shot
+    iterator that runs out ends the epoch early and sets `exhausted`, and
+    the trainer stops, as `model.fit` does.
+    """
+
+    def __init__(self, batches, steps):
+        if int(steps) < 1:
+            raise ValueError(
+                f"`steps_per_epoch` must be at least 1. Received: {steps}."
+            )
+        self.steps = int(steps)
+        self.exhausted = False
+        self._batches = batches
+        self._stream = self._passes()
+
+    def peek(self):
+        return self._batches.peek()
+
+    def epoch(self, epoch):
+        """Yield the next `steps` batches of the stream."""
+        for _ in range(self.steps):
+            batch = next(self._stream, None)
+            if batch is None:
+                self.exhausted = True
+                warnings.warn(
+                    f"The input ran out of data in epoch {epoch}; training "
+                    "stops here. Make sure the data can give at least "
+                    "`steps_per_epoch * epochs` batches: pass a re-iterable "
+                    "(a tf.data.Dataset, a list) or `.repeat()` the dataset.",
+                    stacklevel=2,
+                )
+                return
+            yield batch
+
+    def _passes(self):
+        for data_pass in itertools.count():
+            yield from self._batches.epoch(data_pass)
+            if not self._batches.reiterable:
+                return
+
+
+def _apply_class_weight(batch, class_weight):
+    x, y, sample_weight = batch
+    if sample_weight is not None:
+        raise ValueError(
+            "Pass either `class_weight` or `sample_weight`, not both: "
+            "class_weight is turned into sample weights. To combine them, "
+            "multiply the class weights into your sample_weight yourself."
+        )
+    if y is None or len(jax.tree.leaves(y)) != 1 or not hasattr(y, "shape"):
+        raise ValueError(
+            "`class_weight` needs one array of labels `y` (a model with a "
+            "single output), as in model.fit. For several outputs, pass "
+            "per-output `sample_weight` instead."
+        )
+    return x, y, class_weight_to_sample_weight(y, class_weight)
+
+
+def _check_dtypes(batch, where="The data"):
+    for leaf in jax.tree.leaves(batch):
+        if leaf.dtype.kind not in "biuf":
+            raise ValueError(
+                f"{where} has an array of dtype {leaf.dtype} (shape "
+                f"{leaf.shape}); keras_dp trains on numeric arrays only. "
+                "Convert it to numbers first; ragged sequences become "
+                "`object` arrays: pad them to one length "
+                "(keras.utils.pad_sequences)."
+            )
 
 
 def _as_numpy_iterable(source):
@@ -242,24 +453,6 @@ def _is_array_data(x, y):
     return isinstance(x, dict) or hasattr(x, "__array__") or (
         isinstance(x, list) and y is not None
     )
-
-
-def _check_global_batch(rows, num_devices):
-    if rows < num_devices:
-        raise ValueError(
-            f"A global batch of {rows} rows is smaller than the {num_devices} "
-            "devices it is split over, so some devices would get no rows. "
-            f"Use a batch size of at least {num_devices} (a multiple of "
-            f"{num_devices}), or train on fewer devices."
-        )
-    if rows % num_devices:
-        raise ValueError(
-            f"A global batch of {rows} rows does not split evenly over "
-            f"{num_devices} devices. Use a batch size that is a multiple of "
-            f"{num_devices}, for example {rows - rows % num_devices or num_devices}"
-            f" or {rows + num_devices - rows % num_devices}. (Only the last "
-            "batch of an epoch may be partial; keras_dp runs it exactly.)"
-        )
 
 
 def _empty_message(epoch):

@@ -12,7 +12,7 @@ def describe(mesh, state=None, batch=None):
     Args:
         mesh: the `"batch"` mesh.
         state: an optional replicated `TrainState`.
-        batch: an optional tree of device arrays.
+        batch: an optional `DeviceBatch`.
 
     Returns:
         A multi-line string: the devices; for each state group its array
@@ -36,8 +36,14 @@ def describe(mesh, state=None, batch=None):
                 f"{_megabytes(nbytes):>10} per device  PartitionSpec{tuple(spec)}"
             )
     if batch is not None:
-        lines.append("Batch (rows split along 'batch' when they divide evenly):")
-        for path, array in jax.tree_util.tree_leaves_with_path(batch):
+        padded = jax.tree.leaves(batch.data)[0].shape[0]
+        lines.append(
+            f"Batch: {batch.rows} rows, split along 'batch'"
+            + (f" (padded to {padded}; the step cuts rows {batch.rows}-{padded - 1} off)"
+               if padded != batch.rows else "")
+            + ":"
+        )
+        for path, array in jax.tree_util.tree_leaves_with_path(batch.data):
             lines.append(
                 f"  {_batch_name(path):<14}{str(array.shape):<18}"
                 f"{str(array.dtype):<9}PartitionSpec{tuple(array.sharding.spec)}"

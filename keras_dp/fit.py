@@ -4,15 +4,19 @@ from keras_dp.trainer import ShardedTrainer
 
 
 def fit_sharded(model, x=None, y=None, *, epochs=1, batch_size=None,
-                validation_data=None, callbacks=None, verbose="auto",
-                shuffle=True, sample_weight=None, optimizer=None, loss=None,
-                metrics=None, mesh=None, devices=None, seed=0):
+                validation_split=0.0, validation_data=None, callbacks=None,
+                verbose="auto", shuffle=True, class_weight=None,
+                sample_weight=None, initial_epoch=0, steps_per_epoch=None,
+                validation_freq=1, optimizer=None, loss=None, metrics=None,
+                mesh=None, devices=None, seed=0):
     """Train `model` with synchronous data parallelism and return its History.
 
     Each global batch is split by rows over the devices, every device holds
     the whole model, and gradients are averaged across devices inside each
     compiled step, so the result equals training on one device with the
-    same batches (up to float summation order). When the call returns,
+    same batches (up to float summation order), whatever the batch size:
+    a batch that does not divide by the device count is split unevenly,
+    never dropped or padded into the result. When the call returns,
     normally or by an exception, the model holds the trained weights.
 
     Args:
@@ -20,12 +24,14 @@ def fit_sharded(model, x=None, y=None, *, epochs=1, batch_size=None,
         x: arrays (with `y`), a `(x, y[, sample_weight])` tuple, a
             `tf.data.Dataset` of batches, or a re-iterable of batches.
         y, sample_weight: arrays, with array `x` only.
-        epochs, batch_size, validation_data, callbacks, verbose, shuffle: as
-            in `model.fit`; `batch_size` is the global batch, a multiple of
-            the device count.
+        epochs, batch_size, validation_split, validation_data, callbacks,
+            verbose, shuffle, class_weight, initial_epoch, steps_per_epoch,
+            validation_freq: as in `model.fit` (see `ShardedTrainer.fit`);
+            `batch_size` is the global batch, any size.
         optimizer, loss, metrics: override what the model was compiled with.
         mesh, devices: where to train (default: all of JAX's devices).
-        seed: seed of the per-epoch shuffle order.
+        seed: seed of the per-epoch shuffle order; the same seed, data and
+            device count give bitwise identical weights on CPU.
 
     Returns:
         A `keras.callbacks.History`, as `model.fit` returns.
@@ -47,6 +53,9 @@ def fit_sharded(model, x=None, y=None, *, epochs=1, batch_size=None,
     )
     return trainer.fit(
         x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
-        callbacks=callbacks, validation_data=validation_data, shuffle=shuffle,
-        sample_weight=sample_weight,
+        callbacks=callbacks, validation_split=validation_split,
+        validation_data=validation_data, shuffle=shuffle,
+        class_weight=class_weight, sample_weight=sample_weight,
+        initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
+        validation_freq=validation_freq,
     )

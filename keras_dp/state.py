@@ -74,6 +74,18 @@ def write_back(state, model):
             variable.assign(mesh_lib.to_host(value))
 
 
+def model_weights(model, mesh):
+    """The model's `(trainable, non_trainable)` values, replicated over `mesh`.
+
+    All that inference reads: unlike `TrainState.from_model`, this needs no
+    built optimizer or metrics.
+    """
+    return mesh_lib.replicate(
+        (_values(model.trainable_variables), _values(model.non_trainable_variables)),
+        mesh,
+    )
+
+
 def fresh_metrics(model, mesh):
     """Return the metric variables' reset values, replicated over `mesh`."""
     model.reset_metrics()

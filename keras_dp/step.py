@@ -1,7 +1,10 @@
 """The compiled steps: pure functions of (state, batch), jitted over the mesh.
 
 Each step sees the *global* batch as one sharded array and the model state as
-replicated arrays. The loss is the mean over the global batch, so its
+replicated arrays. The batch arrives as a `DeviceBatch` padded to split
+evenly; the step first cuts it back to its real rows (`data.real_rows`), so
+that whatever the batch size, the step computes exactly what one device
+would on those rows, BatchNorm statistics, loss mean and metrics included. The loss is the mean over the global batch, so its
 gradient with respect to the replicated weights is a sum over every device's
 rows: XLA's SPMD partitioner computes each device's partial gradient on its
 own shard and inserts one all-reduce to combine them. Every device then
@@ -11,8 +14,10 @@ on one device over the same rows (up to float summation order).
 """
 
 import jax
+import jax.numpy as jnp
 import keras
 
+from keras_dp import data as data_lib
 from keras_dp import mesh as mesh_lib
 from keras_dp.state import TrainState
 
@@ -32,7 +37,7 @@ def make_train_step(model, mesh):
     """
 
     def train_step(state, batch):
-        x, y, sample_weight = batch
+        x, y, sample_weight = data_lib.real_rows(batch, mesh)
         grad_fn = jax.value_and_grad(model.compute_loss_and_updates, has_aux=True)
         (_, aux), grads = grad_fn(
             state.trainable,
@@ -67,7 +72,7 @@ def make_test_step(model, mesh):
     """
 
     def test_step(weights, metrics, batch):
-        x, y, sample_weight = batch
+        x, y, sample_weight = data_lib.real_rows(batch, mesh)
         trainable, non_trainable = weights
         _, (loss, y_pred, _, metrics) = model.compute_loss_and_updates(
             trainable, non_trainable, metrics, x, y, sample_weight, training=False
@@ -79,17 +84,27 @@ def make_test_step(model, mesh):
     )
 
 
-def make_predict_step(model):
-    """Return the jitted `predict_step(weights, x) -> y_pred`.
+def make_predict_step(model, mesh):
+    """Return the jitted `predict_step(weights, batch) -> y_pred`.
 
-    `y_pred` keeps the sharding of `x`: row i of the output is row i of the
-    input, on the device that holds it.
+    `batch` is a `DeviceBatch` of inputs. `y_pred` has as many rows as the
+    batch has padded rows, split over `"batch"` like the input: row i of
+    the output is row i of the input, and rows past `batch.rows` are zeros
+    (the model never sees the padding).
     """
 
-    def predict_step(weights, x):
+    def predict_step(weights, batch):
         trainable, non_trainable = weights
+        x = data_lib.real_rows(batch, mesh)
         y_pred, _ = model.stateless_call(trainable, non_trainable, x, training=False)
-        return y_pred
+        padded_rows = jax.tree.leaves(batch.data)[0].shape[0]
+        return jax.tree.map(
+            lambda out: jax.lax.with_sharding_constraint(
+                jnp.pad(out, [(0, padded_rows - batch.rows)] + [(0, 0)] * (out.ndim - 1)),
+                mesh_lib.batch_sharded(mesh),
+            ),
+            y_pred,
+        )
 
     return jax.jit(predict_step)
 

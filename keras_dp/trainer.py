@@ -26,6 +26,7 @@ from keras_dp import step as step_lib
 from keras_dp.state import TrainState
 from keras_dp.state import fresh_metrics
 from keras_dp.state import is_alive
+from keras_dp.state import model_weights
 from keras_dp.state import write_back
 
 
@@ -71,7 +72,7 @@ class ShardedTrainer:
         self.steps_in_flight = steps_in_flight or (1 if on_cpu else 2)
         self._train_step = step_lib.make_train_step(model, self.mesh)
         self._test_step = step_lib.make_test_step(model, self.mesh)
-        self._predict_step = step_lib.make_predict_step(model)
+        self._predict_step = step_lib.make_predict_step(model, self.mesh)
 
     @property
     def num_devices(self):
@@ -82,6 +83,9 @@ class ShardedTrainer:
 
     def build(self, batch):
         """Build the model, its loss, metrics and optimizer from a host batch.
+
+        A batch without labels builds the model's layers only (enough to
+        predict).
 
         Also checks, before anything is compiled, that the labels fit the
         model's output under its loss.
@@ -141,30 +145,62 @@ class ShardedTrainer:
     # -- The Keras-shaped loops ----------------------------------------------
 
     def fit(self, x=None, y=None, *, batch_size=None, epochs=1, verbose="auto",
-            callbacks=None, validation_data=None, shuffle=True, sample_weight=None):
+            callbacks=None, validation_split=0.0, validation_data=None,
+            shuffle=True, class_weight=None, sample_weight=None,
+            initial_epoch=0, steps_per_epoch=None, validation_freq=1):
         """Train for `epochs` epochs, as `model.fit` does, on every device.
+
+        Every row is used exactly once per epoch, whatever `batch_size` and
+        the device count; each step equals one single-device step on the
+        same rows.
 
         Args:
             x, y, sample_weight, batch_size: the training data (see
-                `keras_dp.data.make_batches`); `batch_size` is global.
-            epochs: passes over the data.
+                `keras_dp.data.make_batches`); `batch_size` is global and
+                need not divide by the device count.
+            epochs: the index of the last epoch, as in `model.fit`: training
+                runs epochs `initial_epoch` to `epochs - 1`.
             verbose: 0 silent, 1 progress bar, 2 one line per epoch.
             callbacks: Keras callbacks; they see the same hooks and logs as
                 under `model.fit`. The model's weights are current at epoch
                 boundaries.
+            validation_split: hold out this last fraction of array data
+                (taken before shuffling) and score it after each epoch.
             validation_data: `(x, y[, sample_weight])` or a dataset, scored
                 after every epoch as `val_*` logs.
-            shuffle: reshuffle array data every epoch.
+            shuffle: reshuffle array data every epoch, in an order fixed by
+                the trainer's `seed` and the epoch index.
+            class_weight: `{class_id: weight}`, applied as sample weights.
+            initial_epoch: the epoch to start at (to resume a run); the
+                shuffle order of epoch e is the same as in an unbroken run.
+            steps_per_epoch: run this many steps per epoch, drawing batches
+                from one continuing stream (for endless datasets). A
+                re-iterable source restarts when it ends; a one-shot
+                iterator that runs out stops training with a warning.
+            validation_freq: validate every this many epochs (an int), or
+                after the listed epochs (1-based, as in Keras).
 
         Returns:
             The `keras.callbacks.History` of the run.
         """
-        batches = self._batches(x, y, sample_weight, batch_size, shuffle)
+        if validation_split:
+            if validation_data is not None:
+                raise ValueError(
+                    "Pass either `validation_data` or `validation_split`, not "
+                    "both: keras_dp would not know which to score."
+                )
+            (x, y, sample_weight), validation_data = data_lib.split_validation(
+                x, y, sample_weight, validation_split
+            )
+        batches = self._batches(x, y, sample_weight, batch_size, shuffle, class_weight)
+        if steps_per_epoch is not None:
+            batches = data_lib.StepsPerEpoch(batches, steps_per_epoch)
         self.build(batches.peek())
         val = None
         if validation_data is not None:
             val = self._batches(validation_data, None, None, batch_size, False)
             self.build(val.peek())  # bad validation labels fail now, not after epoch 1
+        _check_validation_freq(validation_freq)
         callbacks = _callback_list(
             callbacks, self.model, verbose, epochs=epochs, steps=batches.steps
         )
@@ -173,9 +209,12 @@ class ShardedTrainer:
         live = _Live()
         try:
             epoch_logs = {}
-            for epoch in range(epochs):
-                epoch_logs = self._fit_epoch(live, batches, epoch, callbacks, val)
-                if self.model.stop_training:
+            for epoch in range(initial_epoch, epochs):
+                validate = val is not None and _should_validate(epoch, validation_freq)
+                epoch_logs = self._fit_epoch(
+                    live, batches, epoch, callbacks, val if validate else None
+                )
+                if self.model.stop_training or getattr(batches, "exhausted", False):
                     break
             callbacks.on_train_end(epoch_logs)
         finally:
@@ -210,14 +249,16 @@ class ShardedTrainer:
         batches = self._batches(x, None, None, batch_size, False)
         self.build(batches.peek())
         callbacks = _callback_list(callbacks, self.model, verbose, steps=batches.steps)
-        state = self.init_state()
-        weights = (state.trainable, state.non_trainable)
+        weights = model_weights(self.model, self.mesh)
         outputs = []
         callbacks.on_predict_begin()
         for index, batch in enumerate(batches.epoch(0)):
             callbacks.on_predict_batch_begin(index)
             x_device = data_lib.to_device(batch[0], self.mesh)
-            output = jax.tree.map(np.asarray, self._predict_step(weights, x_device))
+            output = jax.tree.map(
+                lambda out: np.asarray(out)[: x_device.rows],
+                self._predict_step(weights, x_device),
+            )
             outputs.append(output)
             callbacks.on_predict_batch_end(index, {"outputs": output})
         callbacks.on_predict_end()
@@ -225,10 +266,10 @@ class ShardedTrainer:
 
     # -- Internals -----------------------------------------------------------
 
-    def _batches(self, x, y, sample_weight, batch_size, shuffle):
+    def _batches(self, x, y, sample_weight, batch_size, shuffle, class_weight=None):
         return data_lib.make_batches(
             x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
-            seed=self.seed, num_devices=self.num_devices,
+            seed=self.seed, class_weight=class_weight,
         )
 
     def _fit_epoch(self, live, batches, epoch, callbacks, val):
@@ -249,8 +290,9 @@ class ShardedTrainer:
                 break
         throttle.drain()
         live.write_back_if_alive(self.model)
-        epoch_logs = _to_python(logs)
-        if val is not None:
+        # No logs: a one-shot stream ran dry at the epoch's start (fit stops).
+        epoch_logs = {} if logs is None else _to_python(logs)
+        if val is not None and logs is not None:
             val_logs = self._evaluate(live.state, val, callbacks)
             epoch_logs.update({f"val_{name}": value for name, value in val_logs.items()})
         live.state = None
@@ -313,6 +355,23 @@ def _to_python(logs):
             for name in names}
 
 
+def _check_validation_freq(validation_freq):
+    if isinstance(validation_freq, bool) or not isinstance(validation_freq, (int, list, tuple)):
+        raise ValueError(
+            "`validation_freq` is an int (validate every that many epochs) or "
+            f"a list of 1-based epochs. Received: {validation_freq!r}."
+        )
+    if isinstance(validation_freq, int) and validation_freq < 1:
+        raise ValueError(f"`validation_freq` must be at least 1. Received: {validation_freq}.")
+
+
+def _should_validate(epoch, validation_freq):
+    """Keras's rule: `validation_freq` counts epochs from 1."""
+    if isinstance(validation_freq, int):
+        return (epoch + 1) % validation_freq == 0
+    return epoch + 1 in validation_freq
+
+
 def _callback_list(callbacks, model, verbose, **params):
     if isinstance(callbacks, keras.callbacks.CallbackList):
         return callbacks
@@ -366,7 +425,9 @@ def _build(model, batch):
             "the model's inputs, or build the model yourself with "
             f"model.build(input_shape). Keras reported: {error}"
         ) from error
-    if y is not None and model._compile_loss is not None:
+    if y is None:
+        return  # inputs only (predict): the symbolic call built every layer
+    if model._compile_loss is not None:
         _check_labels(model, x, y, y_pred, sample_weight)
     model._symbolic_build(data_batch=batch)
 

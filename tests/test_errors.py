@@ -36,20 +36,6 @@ def test_arrays_without_rows_are_refused():
         keras_dp.fit_sharded(mlp(), np.zeros((0, 28, 28, 1)), np.zeros(0), verbose=0)
 
 
-def test_a_global_batch_smaller_than_the_device_count_is_refused(mnist):
-    (x, y), _ = mnist
-    with pytest.raises(ValueError, match="4 rows is smaller than the 8 devices.*at least 8"):
-        keras_dp.fit_sharded(mlp(), x[:64], y[:64], batch_size=4, verbose=0, devices=devices(8))
-    with pytest.raises(ValueError, match="3 rows is smaller than the 8 devices"):
-        keras_dp.fit_sharded(mlp(), [(x[:3], y[:3])], verbose=0, devices=devices(8))
-
-
-def test_a_batch_that_does_not_split_evenly_is_refused_up_front(mnist):
-    (x, y), _ = mnist
-    with pytest.raises(ValueError, match="100 rows does not split evenly over 8 devices.*96 or 104"):
-        keras_dp.fit_sharded(mlp(), x, y, batch_size=100, verbose=0, devices=devices(8))
-
-
 def test_labels_that_do_not_fit_the_output_are_refused_before_compiling(mnist):
     (x, y), _ = mnist
     one_hot = np.eye(10, dtype=np.float32)[y[:64]]

@@ -70,21 +70,6 @@ def test_every_input_kind_gives_the_same_training(mnist, kind):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
-def test_every_sample_is_seen_once_per_epoch_with_shuffle(mnist):
-    # A counting metric: the loss tracker's count is the rows it has seen.
-    (x, y), _ = mnist
-    seen = []
-
-    class Count(keras.callbacks.Callback):
-        def on_epoch_end(self, epoch, logs=None):
-            seen.append(int(self.model._loss_tracker.count.numpy()))
-
-    model = mlp()
-    keras_dp.fit_sharded(model, x[:1000], y[:1000], batch_size=64, epochs=2, verbose=0,
-                         callbacks=[Count()], devices=devices(4))
-    assert seen == [1000, 1000]
-
-
 def test_callbacks_see_the_model_fit_hooks(mnist):
     (x, y), (x_test, y_test) = mnist
     calls = []

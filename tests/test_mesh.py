@@ -35,9 +35,15 @@ def test_replicate_copies_so_donation_never_deletes_the_source():
     np.testing.assert_array_equal(mesh_lib.to_host(mesh_lib.replicate(source, mesh)), np.arange(6.0))
 
 
-def test_indivisible_batches_are_replicated_divisible_ones_sharded():
+def test_every_batch_is_sharded_padded_to_split_evenly():
     mesh = keras_dp.make_mesh(devices(4))
-    sharded = keras_dp.data.to_device((np.zeros((8, 2)), np.zeros(8), None), mesh)
-    assert [s.data.shape for s in sharded[0].addressable_shards] == [(2, 2)] * 4
-    replicated = keras_dp.data.to_device((np.zeros((6, 2)), np.zeros(6), None), mesh)
-    assert replicated[0].sharding.is_fully_replicated and replicated[2] is None
+    even = keras_dp.data.to_device((np.zeros((8, 2)), np.zeros(8), None), mesh)
+    assert even.rows == 8
+    assert [s.data.shape for s in even.data[0].addressable_shards] == [(2, 2)] * 4
+    # 6 rows on 4 devices: padded to 8 with copies of the last row.
+    x = np.arange(12.0).reshape(6, 2)
+    uneven = keras_dp.data.to_device((x, np.arange(6), None), mesh)
+    assert uneven.rows == 6 and uneven.data[2] is None
+    assert [s.data.shape for s in uneven.data[0].addressable_shards] == [(2, 2)] * 4
+    np.testing.assert_array_equal(np.asarray(uneven.data[0]), np.concatenate([x, x[[5, 5]]]))
+    np.testing.assert_array_equal(np.asarray(uneven.data[1]), [0, 1, 2, 3, 4, 5, 5, 5])

@@ -120,18 +120,25 @@ def test_state_is_replicated_and_batch_is_sharded(mnist):
     for leaf in jax.tree.leaves(state):
         assert leaf.sharding.is_fully_replicated
         assert len(leaf.sharding.device_set) == 4
-    x, y, _ = trainer.shard(batch)
+    sharded = trainer.shard(batch)
+    x, y, _ = sharded.data
+    assert sharded.rows == 64
     assert [s.data.shape[0] for s in x.addressable_shards] == [16] * 4
     text = trainer.describe(batch)
     assert "4 device(s) along axis 'batch'" in text
+    assert "Batch: 64 rows, split along 'batch':" in text
     assert "cpu:1: rows 16-31" in text
+    text = trainer.describe((batch[0][:30], batch[1][:30]))
+    assert "30 rows, split along 'batch' (padded to 32; the step cuts rows 30-31 off)" in text
+    assert "cpu:3: rows 24-31" in text
     assert "trainable" in text and "PartitionSpec()" in text
 
 
 @pytest.mark.parametrize("n_devices", [1, 2, 8])
 def test_partial_last_batch_runs_exactly(mnist, n_devices):
     # 100 rows at batch 64: the last batch has 36 rows, which 8 devices do
-    # not divide; it runs replicated and matches one device. (SGD: Adam
+    # not divide; it is padded to 40, cut back to 36 inside the step, and
+    # matches one device. (SGD: Adam
     # would turn float32 rounding in near-zero gradients into +-lr steps.)
     (x, y), _ = mnist
     results = []

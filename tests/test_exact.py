@@ -1,0 +1,272 @@
+"""Exact data parallelism: any batch size, any length, the one-device answer.
+
+Batches that do not divide by the device count are padded for the transfer
+and cut back to their real rows inside the compiled step; these tests check
+that the result is what Keras computes on one device, sample for sample.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_dp
+from conftest import convnet, devices, mlp, weights
+from test_equivalence import NO_GRADIENT
+
+
+def sgd_convnet(seed=7):
+    # The guide's convnet (BatchNorm and Dropout 0.5 both active in
+    # training) with SGD: Adam turns float32 rounding in near-zero
+    # gradients into +-learning-rate steps, which no tolerance can follow.
+    model = convnet(seed)
+    model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+                  loss=model.loss, metrics=["accuracy"])
+    return model
+
+
+def sgd_mlp(seed=0, dropout=0.0):
+    model = mlp(seed, dropout)
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss=model.loss, metrics=["accuracy"])
+    return model
+
+
+def assert_variables_close(a, b, rtol=1e-5, atol=1e-6):
+    for va, vb in zip(a.variables, b.variables, strict=True):
+        if va.path != NO_GRADIENT:
+            np.testing.assert_allclose(np.asarray(va.value), np.asarray(vb.value),
+                                       rtol=rtol, atol=atol, err_msg=va.path)
+
+
+def test_one_epoch_on_3_devices_equals_keras_fit_on_one(mnist):
+    # 1,000 rows at batch 64 on 3 devices: no batch divides (64 % 3 = 1) and
+    # the last has 40 rows. Dropout draws the same masks as under model.fit:
+    # the seed generator state is part of the trained state, and JAX's
+    # partitionable threefry gives the same bits however the rows are split.
+    (x, y), _ = mnist
+    x, y = x[:1000], y[:1000]
+    keras_model, ours = sgd_convnet(), sgd_convnet()
+    keras_history = keras_model.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
+    history = keras_dp.fit_sharded(ours, x, y, batch_size=64, epochs=1, shuffle=False,
+                                   verbose=0, devices=devices(3))
+    assert int(ours.optimizer.iterations.numpy()) == 16
+    np.testing.assert_allclose(history.history["loss"], keras_history.history["loss"], rtol=1e-5)
+    assert history.history["accuracy"] == pytest.approx(keras_history.history["accuracy"], abs=1e-7)
+    assert_variables_close(keras_model, ours)
+
+
+@pytest.mark.parametrize("n_devices", [1, 2, 3, 4])
+def test_every_sample_is_used_exactly_once_per_epoch(n_devices):
+    # Each row's label is its own id; a metric adds up a histogram of the
+    # ids it is shown. A padded row would count the last id twice.
+    rows = 250
+
+    class IdHistogram(keras.metrics.Metric):
+        def __init__(self, name="ids"):
+            super().__init__(name=name)
+            self.counts = self.add_variable((rows,), initializer="zeros", name="counts")
+
+        def update_state(self, y_true, y_pred, sample_weight=None):
+            ids = keras.ops.cast(keras.ops.reshape(y_true, (-1,)), "int32")
+            self.counts.assign_add(keras.ops.sum(keras.ops.one_hot(ids, rows), axis=0))
+
+        def result(self):
+            return keras.ops.convert_to_tensor(self.counts)
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse", metrics=[IdHistogram()])
+    ids = np.arange(rows, dtype=np.float32)
+    history = keras_dp.fit_sharded(model, ids[:, None], ids, batch_size=64, epochs=2,
+                                   verbose=0, devices=devices(n_devices))
+    for counts in history.history["ids"]:
+        np.testing.assert_array_equal(counts, np.ones(rows))
+    assert int(model.optimizer.iterations.numpy()) == 2 * 4  # 64, 64, 64, 58
+
+
+def test_batch_sizes_that_do_not_divide_or_are_below_the_device_count_train_exactly(mnist):
+    (x, y), _ = mnist
+    reference = sgd_mlp()
+    reference.fit(x[:300], y[:300], batch_size=100, shuffle=False, verbose=0)
+    ours = sgd_mlp()
+    keras_dp.fit_sharded(ours, x[:300], y[:300], batch_size=100, shuffle=False, verbose=0,
+                         devices=devices(8))  # 100 rows: 13 per device, 4 padding rows
+    assert_variables_close(reference, ours)
+    small = sgd_mlp()
+    keras_dp.fit_sharded(small, x[:12], y[:12], batch_size=4, shuffle=False, verbose=0,
+                         devices=devices(8))  # 4 rows on 8 devices
+    reference = sgd_mlp()
+    reference.fit(x[:12], y[:12], batch_size=4, shuffle=False, verbose=0)
+    assert_variables_close(reference, small)
+
+
+def test_predict_and_evaluate_on_any_length_equal_one_device(mnist):
+    _, (x_test, y_test) = mnist
+    x_test = np.concatenate([x_test, x_test[:100]])  # 1,124 rows
+    y_test = np.concatenate([y_test, y_test[:100]])
+    model = sgd_convnet()
+    trainer = keras_dp.ShardedTrainer(model, devices=devices(3))
+    predictions = trainer.predict(x_test[:1001], verbose=0)  # 32-row batches; the last has 9
+    assert predictions.shape == (1001, 10)
+    np.testing.assert_allclose(predictions, model.predict(x_test[:1001], verbose=0),
+                               rtol=1e-5, atol=1e-6)
+    ours = trainer.evaluate(x_test[:1004], y_test[:1004], verbose=0, return_dict=True)
+    theirs = model.evaluate(x_test[:1004], y_test[:1004], verbose=0, return_dict=True)
+    assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
+    assert ours["accuracy"] == pytest.approx(theirs["accuracy"], abs=1e-7)
+
+
+def test_a_partial_last_batch_compiles_the_train_step_once_more(mnist):
+    (x, y), _ = mnist
+    trainer = keras_dp.ShardedTrainer(mlp(), devices=devices(3))
+    trainer.fit(x[:200], y[:200], batch_size=64, epochs=3, verbose=0)  # 64, 64, 64, 8
+    assert trainer._train_step._cache_size() == 2
+
+
+def test_the_same_seed_gives_bitwise_identical_weights(mnist):
+    (x, y), _ = mnist
+    results = []
+    for _ in range(2):
+        model = mlp(seed=5, dropout=0.5)
+        keras_dp.fit_sharded(model, x[:500], y[:500], batch_size=50, epochs=2, seed=11,
+                             verbose=0, devices=devices(3))
+        results.append(weights(model))
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)
+    other = mlp(seed=5, dropout=0.5)
+    keras_dp.fit_sharded(other, x[:500], y[:500], batch_size=50, epochs=2, seed=12,
+                         verbose=0, devices=devices(3))
+    assert not np.array_equal(weights(other)[0], results[0][0])  # the seed sets the order
+
+
+def test_class_weight_and_sample_weight_match_keras_fit(mnist):
+    (x, y), _ = mnist
+    x, y = x[:300], y[:300]
+    class_weight = {0: 3.0, 1: 0.5, 7: 2.0}
+    reference = sgd_mlp()
+    reference.fit(x, y, batch_size=64, shuffle=False, class_weight=class_weight, verbose=0)
+    ours = sgd_mlp()
+    keras_dp.fit_sharded(ours, x, y, batch_size=64, shuffle=False, class_weight=class_weight,
+                         verbose=0, devices=devices(3))
+    assert_variables_close(reference, ours)
+    # The same weights given per sample train the same way.
+    weighted = sgd_mlp()
+    sample_weight = np.vectorize(lambda c: class_weight.get(c, 1.0))(y).astype(np.float32)
+    keras_dp.fit_sharded(weighted, x, y, sample_weight=sample_weight, batch_size=64,
+                         shuffle=False, verbose=0, devices=devices(3))
+    assert_variables_close(ours, weighted, rtol=1e-6, atol=1e-7)
+    one_hot = sgd_mlp()  # class ids read from one-hot labels
+    one_hot.compile(optimizer=keras.optimizers.SGD(0.05),
+                    loss=keras.losses.CategoricalCrossentropy(from_logits=True))
+    reference = sgd_mlp()
+    reference.compile(optimizer=keras.optimizers.SGD(0.05),
+                      loss=keras.losses.CategoricalCrossentropy(from_logits=True))
+    reference.fit(x, np.eye(10)[y], batch_size=64, shuffle=False, class_weight=class_weight,
+                  verbose=0)
+    keras_dp.fit_sharded(one_hot, x, np.eye(10)[y], batch_size=64, shuffle=False,
+                         class_weight=class_weight, verbose=0, devices=devices(3))
+    assert_variables_close(reference, one_hot)
+
+
+def test_validation_split_and_freq_follow_keras(mnist):
+    (x, y), _ = mnist
+    x, y = x[:400], y[:400]
+    reference = sgd_mlp()
+    theirs = reference.fit(x, y, batch_size=64, epochs=3, shuffle=False, validation_split=0.25,
+                           validation_freq=2, verbose=0).history
+    ours = keras_dp.fit_sharded(sgd_mlp(), x, y, batch_size=64, epochs=3, shuffle=False,
+                                validation_split=0.25, validation_freq=2, verbose=0,
+                                devices=devices(3)).history
+    assert len(ours["loss"]) == 3 and len(ours["val_loss"]) == 1  # after epoch 2 only
+    np.testing.assert_allclose(ours["loss"], theirs["loss"], rtol=1e-5)
+    np.testing.assert_allclose(ours["val_loss"], theirs["val_loss"], rtol=1e-5)
+    assert ours["val_accuracy"] == pytest.approx(theirs["val_accuracy"], abs=1e-7)
+    listed = keras_dp.fit_sharded(sgd_mlp(), x, y, batch_size=64, epochs=3, verbose=0,
+                                  validation_data=(x[:10], y[:10], np.ones(10)),
+                                  validation_freq=[1, 3], devices=devices(3)).history
+    assert len(listed["val_loss"]) == 2
+
+
+def test_steps_per_epoch_reads_an_endless_dataset_and_stops_a_short_generator(mnist):
+    (x, y), _ = mnist
+    endless = tf.data.Dataset.from_tensor_slices((x[:256], y[:256])).batch(64).repeat()
+    model = mlp()
+    history = keras_dp.fit_sharded(model, endless, steps_per_epoch=5, epochs=2, verbose=0,
+                                   devices=devices(2))
+    assert int(model.optimizer.iterations.numpy()) == 10 and history.epoch == [0, 1]
+    # Arrays: an epoch of 3 steps may run into the next pass over the data.
+    model = mlp()
+    keras_dp.fit_sharded(model, x[:256], y[:256], batch_size=64, steps_per_epoch=3, epochs=3,
+                         verbose=0, devices=devices(2))
+    assert int(model.optimizer.iterations.numpy()) == 9
+    short = ((x[i:i + 32], y[i:i + 32]) for i in range(0, 224, 32))  # 7 batches
+    model = mlp()
+    with pytest.warns(UserWarning, match="ran out of data in epoch 1.*steps_per_epoch \\* epochs"):
+        history = keras_dp.fit_sharded(model, short, steps_per_epoch=5, epochs=3, verbose=0,
+                                       devices=devices(2))
+    assert int(model.optimizer.iterations.numpy()) == 7 and history.epoch == [0, 1]
+
+
+def test_initial_epoch_resumes_the_same_run(mnist):
+    (x, y), _ = mnist
+    unbroken = mlp(dropout=0.5)
+    keras_dp.fit_sharded(unbroken, x[:256], y[:256], batch_size=64, epochs=3, verbose=0,
+                         devices=devices(3))
+    resumed = mlp(dropout=0.5)
+    keras_dp.fit_sharded(resumed, x[:256], y[:256], batch_size=64, epochs=1, verbose=0,
+                         devices=devices(3))
+    history = keras_dp.fit_sharded(resumed, x[:256], y[:256], batch_size=64, epochs=3,
+                                   initial_epoch=1, verbose=0, devices=devices(3))
+    assert history.epoch == [1, 2]
+    for a, b in zip(weights(unbroken), weights(resumed)):
+        np.testing.assert_array_equal(a, b)
+
+
+def batches_then(mnist, bad):
+    (x, y), _ = mnist
+    return [(x[:32], y[:32]), bad(x, y)]
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda x, y: (x[:0], y[:0]), "Batch 1 of epoch 0 has no rows"),
+    (lambda x, y: (x[:32], y[:32], np.ones(32)), "Batch 1 of epoch 0 has a different structure"),
+    (lambda x, y: (x[:32], y[:31]), "same number of rows"),
+])
+def test_a_bad_batch_in_a_dataset_is_named(mnist, bad, message):
+    with pytest.raises(ValueError, match=message):
+        keras_dp.fit_sharded(mlp(), batches_then(mnist, bad), verbose=0, devices=devices(2))
+
+
+def test_bad_array_arguments_are_refused_before_the_first_step(mnist):
+    (x, y), _ = mnist
+    ragged = np.array([[1, 2], [3]], dtype=object)
+    with pytest.raises(ValueError, match="dtype object.*pad them to one length"):
+        keras_dp.fit_sharded(mlp(), ragged, np.zeros(2), verbose=0)
+    with pytest.raises(ValueError, match="either `class_weight` or `sample_weight`"):
+        keras_dp.fit_sharded(mlp(), x[:64], y[:64], sample_weight=np.ones(64),
+                             class_weight={0: 2.0}, verbose=0)
+    with pytest.raises(ValueError, match="`validation_split` works on arrays only"):
+        keras_dp.fit_sharded(mlp(), [(x[:32], y[:32])], validation_split=0.5, verbose=0)
+    with pytest.raises(ValueError, match="either `validation_data` or `validation_split`"):
+        keras_dp.fit_sharded(mlp(), x[:64], y[:64], validation_split=0.5,
+                             validation_data=(x[:8], y[:8]), verbose=0)
+    with pytest.raises(ValueError, match="leaves 0 rows for training"):
+        keras_dp.fit_sharded(mlp(), x[:1], y[:1], validation_split=0.5, verbose=0)
+    with pytest.raises(ValueError, match="`batch_size` must be at least 1"):
+        keras_dp.fit_sharded(mlp(), x[:64], y[:64], batch_size=0, verbose=0)
+    with pytest.raises(ValueError, match="`steps_per_epoch` must be at least 1"):
+        keras_dp.fit_sharded(mlp(), x[:64], y[:64], steps_per_epoch=0, verbose=0)
+    with pytest.raises(ValueError, match="`validation_freq` is an int"):
+        keras_dp.fit_sharded(mlp(), x[:64], y[:64], validation_freq="2", verbose=0)
+
+
+def test_no_collective_gathers_the_uneven_batch(mnist):
+    # The cut to real rows is local to each device: the compiled step has
+    # the gradient all-reduce and no all-gather of the batch.
+    (x, y), _ = mnist
+    trainer = keras_dp.ShardedTrainer(mlp(), devices=devices(3))
+    batch = (x[:64], y[:64])
+    trainer.build(batch)
+    text = trainer.compiled_train_step(trainer.init_state(), trainer.shard(batch)).as_text()
+    assert "all-reduce" in text
+    assert "all-gather" not in text and "all-to-all" not in text
