@@ -270,3 +270,23 @@ def test_no_collective_gathers_the_uneven_batch(mnist):
     text = trainer.compiled_train_step(trainer.init_state(), trainer.shard(batch)).as_text()
     assert "all-reduce" in text
     assert "all-gather" not in text and "all-to-all" not in text
+
+
+def test_keras_data_parallel_refuses_the_batches_we_train_exactly(mnist):
+    # The peer: model.fit under keras.distribution.DataParallel needs every
+    # global batch to divide by the device count, and finds out only when
+    # it reaches one that does not (here the last, 2 rows, after 3 steps).
+    (x, y), _ = mnist
+    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices(3)))
+    try:
+        model = sgd_mlp()  # created under the distribution, as Keras requires
+        with pytest.raises(Exception, match="should evenly divide") as error:
+            model.fit(x[:200], y[:200], batch_size=66, shuffle=False, verbose=0)
+    finally:
+        keras.distribution.set_distribution(None)
+    assert type(error.value).__name__ == "IndivisibleError"
+    assert int(model.optimizer.iterations.numpy()) == 3
+    ours = sgd_mlp()
+    keras_dp.fit_sharded(ours, x[:200], y[:200], batch_size=66, shuffle=False, verbose=0,
+                         devices=devices(3))
+    assert int(ours.optimizer.iterations.numpy()) == 4
