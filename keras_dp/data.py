@@ -94,14 +94,34 @@ def to_device(batch, mesh):
         a result (see `real_rows`).
     """
     rows = batch_rows(batch)
-    count = mesh_lib.num_devices(mesh)
-    extra = -rows % count
-    if extra:
-        batch = jax.tree.map(
-            lambda array: np.concatenate([array, np.repeat(array[-1:], extra, axis=0)]),
-            batch,
-        )
+    batch = _pad(batch, rows, mesh)
     return DeviceBatch(jax.device_put(batch, mesh_lib.batch_sharded(mesh)), rows)
+
+
+def to_device_stacked(batches, mesh):
+    """Place K host batches of equal row count on `mesh` as one stack.
+
+    Returns:
+        A `DeviceBatch` whose arrays have shape `[K, padded_rows, ...]`,
+        sharded `PartitionSpec(None, "batch")`: every device holds its rows
+        of all K batches, for a multi-step program to scan over.
+    """
+    rows = batch_rows(batches[0])
+    if any(batch_rows(batch) != rows for batch in batches):
+        raise ValueError(f"Stacked batches must all have {rows} rows.")
+    padded = [_pad(batch, rows, mesh) for batch in batches]
+    stack = jax.tree.map(lambda *arrays: np.stack(arrays), *padded)
+    return DeviceBatch(jax.device_put(stack, mesh_lib.stacked_batch_sharded(mesh)), rows)
+
+
+def _pad(batch, rows, mesh):
+    extra = -rows % mesh_lib.num_devices(mesh)
+    if not extra:
+        return batch
+    return jax.tree.map(
+        lambda array: np.concatenate([array, np.repeat(array[-1:], extra, axis=0)]),
+        batch,
+    )
 
 
 def real_rows(batch, mesh):
@@ -334,6 +354,25 @@ class IterableBatches:
         if self._class_weight is not None:
             batch = _apply_class_weight(batch, self._class_weight)
         return batch
+
+
+def group_steps(batches, steps_per_execution):
+    """Group host batches for execution: lists of K batches of one row count.
+
+    A run of fewer than K batches of one row count (an epoch's end, a
+    partial batch) comes out as single-batch lists, for the one-step
+    program: every batch is used, in order, and only two programs compile.
+    """
+    pending = []
+    for batch in batches:
+        if pending and batch_rows(batch) != batch_rows(pending[0]):
+            yield from ([single] for single in pending)
+            pending = []
+        pending.append(batch)
+        if len(pending) == steps_per_execution:
+            yield pending
+            pending = []
+    yield from ([single] for single in pending)
 
 
 class StepsPerEpoch:

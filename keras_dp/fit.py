@@ -7,8 +7,8 @@ def fit_sharded(model, x=None, y=None, *, epochs=1, batch_size=None,
                 validation_split=0.0, validation_data=None, callbacks=None,
                 verbose="auto", shuffle=True, class_weight=None,
                 sample_weight=None, initial_epoch=0, steps_per_epoch=None,
-                validation_freq=1, optimizer=None, loss=None, metrics=None,
-                mesh=None, devices=None, seed=0):
+                validation_freq=1, steps_per_execution=None, optimizer=None,
+                loss=None, metrics=None, mesh=None, devices=None, seed=0):
     """Train `model` with synchronous data parallelism and return its History.
 
     Each global batch is split by rows over the devices, every device holds
@@ -28,6 +28,8 @@ def fit_sharded(model, x=None, y=None, *, epochs=1, batch_size=None,
             verbose, shuffle, class_weight, initial_epoch, steps_per_epoch,
             validation_freq: as in `model.fit` (see `ShardedTrainer.fit`);
             `batch_size` is the global batch, any size.
+        steps_per_execution: optimizer steps per compiled call (default:
+            the model's, from `compile`); the result equals single steps.
         optimizer, loss, metrics: override what the model was compiled with.
         mesh, devices: where to train (default: all of JAX's devices).
         seed: seed of the per-epoch shuffle order; the same seed, data and
@@ -49,7 +51,7 @@ def fit_sharded(model, x=None, y=None, *, epochs=1, batch_size=None,
     """
     trainer = ShardedTrainer(
         model, optimizer=optimizer, loss=loss, metrics=metrics, mesh=mesh,
-        devices=devices, seed=seed,
+        devices=devices, seed=seed, steps_per_execution=steps_per_execution,
     )
     return trainer.fit(
         x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,

@@ -62,6 +62,11 @@ def batch_sharded(mesh):
     return NamedSharding(mesh, PartitionSpec(BATCH_AXIS))
 
 
+def stacked_batch_sharded(mesh):
+    """For `[steps, batch, ...]` stacks: steps whole, rows split over `"batch"`."""
+    return NamedSharding(mesh, PartitionSpec(None, BATCH_AXIS))
+
+
 def replicate(tree, mesh):
     """Copy every array of `tree` to every device of `mesh`.
 

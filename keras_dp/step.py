@@ -35,6 +35,40 @@ def make_train_step(model, mesh):
         model: a built, compiled Keras model; only read while tracing.
         mesh: the `"batch"` mesh the state is replicated over.
     """
+    return jax.jit(
+        _train_step(model, mesh), donate_argnums=0,
+        out_shardings=mesh_lib.replicated(mesh),
+    )
+
+
+def make_multi_train_step(model, mesh, unroll=1):
+    """Return the jitted `train_steps(state, batches) -> (state, logs)`.
+
+    `batches` is a stacked `DeviceBatch` (`data.to_device_stacked`): K
+    batches of the same row count, shape `[K, rows, ...]`, sharded
+    `PartitionSpec(None, "batch")`. The program runs K optimizer steps, each
+    exactly the step of `make_train_step` (its own gradient all-reduce), as
+    a `lax.scan` carrying the state; `unroll` steps are unrolled per loop
+    iteration (`unroll=K` unrolls fully, which XLA:CPU runs faster). The
+    logs are those after the last step, as Keras reports them under
+    `steps_per_execution`: the metrics' running values over the epoch so far.
+    """
+    step = _train_step(model, mesh)
+
+    def train_steps(state, batches):
+        def body(state, data):
+            return step(state, data_lib.DeviceBatch(data, batches.rows))
+
+        state, logs = jax.lax.scan(body, state, batches.data, unroll=unroll)
+        return state, jax.tree.map(lambda values: values[-1], logs)
+
+    return jax.jit(
+        train_steps, donate_argnums=0, out_shardings=mesh_lib.replicated(mesh)
+    )
+
+
+def _train_step(model, mesh):
+    """The pure step shared by the single- and multi-step programs."""
 
     def train_step(state, batch):
         x, y, sample_weight = data_lib.real_rows(batch, mesh)
@@ -58,9 +92,7 @@ def make_train_step(model, mesh):
         )
         return TrainState(trainable, non_trainable, optimizer, metrics), logs
 
-    return jax.jit(
-        train_step, donate_argnums=0, out_shardings=mesh_lib.replicated(mesh)
-    )
+    return train_step
 
 
 def make_test_step(model, mesh):

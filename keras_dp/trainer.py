@@ -44,6 +44,15 @@ class ShardedTrainer:
         devices: the devices to train on (default: all of JAX's devices).
             Use either `mesh` or `devices`.
         seed: seed of the per-epoch shuffle of array data.
+        steps_per_execution: optimizer steps per compiled call (default:
+            the model's `steps_per_execution` from `compile`, else 1). K
+            batches of equal size are stacked and sent at once, and one
+            program runs K steps, each exactly a single step; batches left
+            over at an epoch's end run one by one. Callbacks and the
+            progress bar are called once per call, as in `model.fit`.
+        unroll: how many of the K steps to unroll per loop iteration of
+            the compiled scan (default: all of them on CPU, where XLA runs
+            a rolled loop of this kind slower; 1 elsewhere).
         steps_in_flight: at most this many dispatched steps may be unfinished
             before the next is dispatched. Defaults to 1 on CPU (several
             queued cross-device all-reduces can deadlock XLA:CPU's thread
@@ -56,7 +65,8 @@ class ShardedTrainer:
     """
 
     def __init__(self, model, optimizer=None, loss=None, metrics=None, mesh=None,
-                 devices=None, seed=0, steps_in_flight=None):
+                 devices=None, seed=0, steps_per_execution=None, unroll=None,
+                 steps_in_flight=None):
         if not isinstance(model, keras.Model):
             raise TypeError(
                 "keras_dp trains a keras.Model. Received an object of type "
@@ -70,7 +80,18 @@ class ShardedTrainer:
         self.seed = seed
         on_cpu = self.mesh.devices.flat[0].platform == "cpu"
         self.steps_in_flight = steps_in_flight or (1 if on_cpu else 2)
+        if steps_per_execution is None:
+            steps_per_execution = getattr(model, "steps_per_execution", None) or 1
+        self.steps_per_execution = int(steps_per_execution)
+        if self.steps_per_execution < 1:
+            raise ValueError(
+                "`steps_per_execution` must be at least 1. Received: "
+                f"{steps_per_execution}."
+            )
+        if unroll is None:
+            unroll = self.steps_per_execution if on_cpu else 1
         self._train_step = step_lib.make_train_step(model, self.mesh)
+        self._train_steps = step_lib.make_multi_train_step(model, self.mesh, unroll)
         self._test_step = step_lib.make_test_step(model, self.mesh)
         self._predict_step = step_lib.make_predict_step(model, self.mesh)
 
@@ -281,11 +302,17 @@ class ShardedTrainer:
         live.state = self.init_state()
         throttle = _Throttle(self.steps_in_flight)
         logs = None
-        for index, batch in enumerate(batches.epoch(epoch)):
+        index = 0
+        for group in data_lib.group_steps(batches.epoch(epoch), self.steps_per_execution):
             callbacks.on_train_batch_begin(index)
-            live.state, logs = self._train_step(live.state, self.shard(batch))
+            if len(group) == 1:
+                live.state, logs = self._train_step(live.state, self.shard(group[0]))
+            else:
+                stack = data_lib.to_device_stacked(group, self.mesh)
+                live.state, logs = self._train_steps(live.state, stack)
+            index += len(group)
             throttle.add(logs)
-            callbacks.on_train_batch_end(index, logs)
+            callbacks.on_train_batch_end(index - 1, logs)
             if self.model.stop_training:
                 break
         throttle.drain()
