@@ -19,6 +19,8 @@ reduction. No row is dropped, none is invented, and no model needs a mask.
 import collections.abc as collections_abc
 import dataclasses
 import itertools
+import queue
+import threading
 import warnings
 
 import jax
@@ -373,6 +375,54 @@ def group_steps(batches, steps_per_execution):
             yield pending
             pending = []
     yield from ([single] for single in pending)
+
+
+def prefetch(items, depth):
+    """Yield `items` in order, produced up to `depth` ahead by a thread.
+
+    The producer (slicing, shuffling, reading tf.data, padding and the copy
+    to the devices) then runs while the devices compute the previous step.
+    It dispatches no computation, so it does not count against the bound on
+    steps in flight. An exception in the producer is raised here, at the
+    item where it happened; closing this generator stops the producer.
+    `depth=0` produces inline, without a thread.
+    """
+    if depth <= 0:
+        yield from items
+        return
+    slots = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    end = object()
+
+    def offer(entry):
+        while not stop.is_set():
+            try:
+                slots.put(entry, timeout=0.1)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def produce():
+        try:
+            for item in items:
+                if not offer((item, None)):
+                    return
+            offer((end, None))
+        except BaseException as error:  # noqa: BLE001 - re-raised by the consumer
+            offer((None, error))
+
+    threading.Thread(target=produce, name="keras_dp-prefetch", daemon=True).start()
+    try:
+        while True:
+            item, error = slots.get()
+            if error is not None:
+                raise error
+            if item is end:
+                return
+            yield item
+    finally:
+        stop.set()
 
 
 class StepsPerEpoch:

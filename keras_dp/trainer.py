@@ -53,6 +53,9 @@ class ShardedTrainer:
         unroll: how many of the K steps to unroll per loop iteration of
             the compiled scan (default: all of them on CPU, where XLA runs
             a rolled loop of this kind slower; 1 elsewhere).
+        prefetch: how many batches (or stacks of K) a background thread
+            prepares and copies to the devices ahead of the step that needs
+            them; 0 prepares each in line.
         steps_in_flight: at most this many dispatched steps may be unfinished
             before the next is dispatched. Defaults to 1 on CPU (several
             queued cross-device all-reduces can deadlock XLA:CPU's thread
@@ -66,7 +69,7 @@ class ShardedTrainer:
 
     def __init__(self, model, optimizer=None, loss=None, metrics=None, mesh=None,
                  devices=None, seed=0, steps_per_execution=None, unroll=None,
-                 steps_in_flight=None):
+                 prefetch=2, steps_in_flight=None):
         if not isinstance(model, keras.Model):
             raise TypeError(
                 "keras_dp trains a keras.Model. Received an object of type "
@@ -80,6 +83,7 @@ class ShardedTrainer:
         self.seed = seed
         on_cpu = self.mesh.devices.flat[0].platform == "cpu"
         self.steps_in_flight = steps_in_flight or (1 if on_cpu else 2)
+        self.prefetch = prefetch
         if steps_per_execution is None:
             steps_per_execution = getattr(model, "steps_per_execution", None) or 1
         self.steps_per_execution = int(steps_per_execution)
@@ -302,15 +306,14 @@ class ShardedTrainer:
         live.state = self.init_state()
         throttle = _Throttle(self.steps_in_flight)
         logs = None
+        groups = data_lib.group_steps(batches.epoch(epoch), self.steps_per_execution)
+        placed = data_lib.prefetch(map(self._place, groups), self.prefetch)
         index = 0
-        for group in data_lib.group_steps(batches.epoch(epoch), self.steps_per_execution):
+        for steps, device_batch in placed:
             callbacks.on_train_batch_begin(index)
-            if len(group) == 1:
-                live.state, logs = self._train_step(live.state, self.shard(group[0]))
-            else:
-                stack = data_lib.to_device_stacked(group, self.mesh)
-                live.state, logs = self._train_steps(live.state, stack)
-            index += len(group)
+            step = self._train_step if steps == 1 else self._train_steps
+            live.state, logs = step(live.state, device_batch)
+            index += steps
             throttle.add(logs)
             callbacks.on_train_batch_end(index - 1, logs)
             if self.model.stop_training:
@@ -326,6 +329,12 @@ class ShardedTrainer:
         callbacks.on_epoch_end(epoch, epoch_logs)
         return epoch_logs
 
+    def _place(self, group):
+        """`(steps, DeviceBatch)` for a group of host batches from `group_steps`."""
+        if len(group) == 1:
+            return 1, self.shard(group[0])
+        return len(group), data_lib.to_device_stacked(group, self.mesh)
+
     def _evaluate(self, state, batches, callbacks):
         """Score `batches` with `state`'s weights; returns python-float logs."""
         weights = (state.trainable, state.non_trainable)
@@ -333,9 +342,10 @@ class ShardedTrainer:
         throttle = _Throttle(self.steps_in_flight)
         logs = None
         callbacks.on_test_begin()
-        for index, batch in enumerate(batches.epoch(0)):
+        placed = data_lib.prefetch(map(self.shard, batches.epoch(0)), self.prefetch)
+        for index, device_batch in enumerate(placed):
             callbacks.on_test_batch_begin(index)
-            metrics, logs = self._test_step(weights, metrics, self.shard(batch))
+            metrics, logs = self._test_step(weights, metrics, device_batch)
             throttle.add(logs)
             callbacks.on_test_batch_end(index, logs)
         throttle.drain()

@@ -60,3 +60,30 @@ def test_a_rolled_scan_gives_the_same_steps(mnist, unroll):
     trainer.fit(x[:256], y[:256], batch_size=64, shuffle=False, verbose=0)
     for a, b in zip(weights(reference), weights(model)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_prefetch_keeps_order_raises_in_place_and_stops_when_closed():
+    import threading
+    import time
+
+    from keras_dp.data import prefetch
+
+    assert list(prefetch(iter(range(50)), 2)) == list(range(50))
+    assert list(prefetch(iter(range(5)), 0)) == list(range(5))
+
+    def failing():
+        yield 1
+        raise ValueError("batch 1 is bad")
+
+    seen = []
+    with pytest.raises(ValueError, match="batch 1 is bad"):
+        for item in prefetch(failing(), 2):
+            seen.append(item)
+    assert seen == [1]
+    produced = []
+    stream = prefetch((produced.append(i) or i for i in range(1000)), 2)
+    assert next(stream) == 0
+    stream.close()
+    time.sleep(0.5)
+    assert len(produced) <= 4  # the one taken, two queued, one waiting
+    assert not any(t.name == "keras_dp-prefetch" for t in threading.enumerate())
