@@ -19,6 +19,9 @@ if keras.backend.backend() != "jax":
 
 from keras_dp import datasets  # noqa: E402
 from keras_dp import models  # noqa: E402
+from keras_dp.ensemble import EnsembleResult  # noqa: E402
+from keras_dp.ensemble import EnsembleTrainer  # noqa: E402
+from keras_dp.ensemble import fit_ensemble  # noqa: E402
 from keras_dp.fit import fit_sharded  # noqa: E402
 from keras_dp.mesh import make_mesh  # noqa: E402
 from keras_dp.state import TrainState  # noqa: E402
@@ -27,9 +30,12 @@ from keras_dp.trainer import ShardedTrainer  # noqa: E402
 __version__ = "0.1.0"
 
 __all__ = [
+    "EnsembleResult",
+    "EnsembleTrainer",
     "ShardedTrainer",
     "TrainState",
     "datasets",
+    "fit_ensemble",
     "fit_sharded",
     "make_mesh",
     "models",

@@ -51,6 +51,12 @@ def build_parser():
                        help="the PNG of the curves (default: OUTPUT_DIR/training_curves.png)")
     train.add_argument("--seed", type=int, default=0,
                        help="seed of initial weights and data order (default: %(default)s)")
+    train.add_argument("--ensemble", type=int, default=None, metavar="N",
+                       help="train N models from different initial weights (seeds "
+                            "SEED..SEED+N-1), N a multiple of the device count or at "
+                            "most it, every member on every batch; print each "
+                            "member's test accuracy and that of their averaged "
+                            "probabilities, and save the averaging model")
     train.add_argument("--verbose", type=int, default=1, choices=[0, 1, 2],
                        help="Keras progress output: 0 none, 1 bar, 2 a line per epoch")
     return parser
@@ -61,7 +67,9 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     if args.cpu_devices is not None:
         use_cpu_devices(args.cpu_devices)
-    if args.command == "train":
+    if args.command == "train" and args.ensemble is not None:
+        train_ensemble(args)
+    elif args.command == "train":
         train(args)
 
 
@@ -129,6 +137,50 @@ def train(args):
     model.save(model_path)
     plot_history(history, plot_path, title=f"{args.model} on MNIST, {trainer.num_devices} device(s)")
     print(f"Saved the model to {model_path} and the training curves to {plot_path}")
+    return history, test
+
+
+def train_ensemble(args):
+    """The main job for `--ensemble N`: train N members, score each and their mean.
+
+    Returns:
+        The history and the test scores (`EnsembleTrainer.evaluate`'s dict).
+    """
+    import jax
+
+    import keras_dp
+
+    (x_train, y_train), (x_test, y_test), source = _mnist(args.data_dir, args.train_samples)
+
+    def build_model():
+        return keras_dp.models.compile_classifier(
+            keras_dp.models.MODELS[args.model](), learning_rate=args.learning_rate
+        )
+
+    trainer = keras_dp.EnsembleTrainer(build_model, args.ensemble, seed=args.seed)
+    print(f"keras_dp {keras_dp.__version__} | jax {jax.__version__} | keras {keras.__version__}")
+    print(f"Data: {source}: {len(x_train)} training and {len(x_test)} test images")
+    print(trainer.describe())
+    # The test set is scored after every epoch; the last scores are the result.
+    history = trainer.fit(
+        x_train, y_train, batch_size=args.batch_size, epochs=args.epochs,
+        verbose=args.verbose, validation_data=(x_test, y_test),
+    )
+    test = {name[len("val_"):]: values[-1] for name, values in history.items()
+            if name.startswith("val_")}
+    for index, (loss, accuracy) in enumerate(zip(test["loss"], test["accuracy"])):
+        print(f"Member {index}: test loss {loss:.4f}  accuracy {accuracy:.4f}")
+    print(
+        f"Ensemble of {len(trainer.members)}: test loss {test['ensemble_loss']:.4f}  "
+        f"accuracy {test['ensemble_accuracy']:.4f}  (members' mean accuracy "
+        f"{sum(test['accuracy']) / len(test['accuracy']):.4f})"
+    )
+    model_path = pathlib.Path(
+        args.model_path or pathlib.Path(args.output_dir) / f"{args.model}_ensemble.keras"
+    )
+    model_path.parent.mkdir(parents=True, exist_ok=True)
+    trainer.averaging_model().save(model_path)
+    print(f"Saved the averaging model to {model_path}")
     return history, test
 
 

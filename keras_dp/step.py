@@ -68,10 +68,24 @@ def make_multi_train_step(model, mesh, unroll=1):
 
 
 def _train_step(model, mesh):
-    """The pure step shared by the single- and multi-step programs."""
+    """The sharded step shared by the single- and multi-step programs."""
+    step = model_train_step(model)
 
     def train_step(state, batch):
-        x, y, sample_weight = data_lib.real_rows(batch, mesh)
+        return step(state, data_lib.real_rows(batch, mesh))
+
+    return train_step
+
+
+def model_train_step(model):
+    """The pure optimizer step of `model` on a batch `(x, y, sample_weight)`.
+
+    Unjitted and unaware of devices: `make_train_step` runs it on the real
+    rows of a sharded batch, and the ensemble vmaps it over its members.
+    """
+
+    def train_step(state, batch):
+        x, y, sample_weight = batch
         grad_fn = jax.value_and_grad(model.compute_loss_and_updates, has_aux=True)
         (_, aux), grads = grad_fn(
             state.trainable,

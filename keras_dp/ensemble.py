@@ -1,0 +1,396 @@
+"""Ensembles across devices: one member per device, probabilities averaged.
+
+An ensemble of `M` models of one architecture, each from its own random
+initialisation, trains as one compiled step: the members' state is stacked
+on a member axis split over the devices (`keras_dp.members`), every device
+receives each batch whole, and updates only its own members
+(`keras_dp.ensemble_step`), with no cross-device communication at all. The
+ensemble predicts the mean of its members' class probabilities; only
+evaluation and prediction bring the members together, on the host.
+"""
+
+import collections
+from typing import NamedTuple
+
+import jax
+import keras
+import numpy as np
+
+from keras_dp import data as data_lib
+from keras_dp import ensemble_step
+from keras_dp import members as members_lib
+from keras_dp import mesh as mesh_lib
+from keras_dp.scores import classification_scores
+from keras_dp.state import is_alive
+from keras_dp.trainer import ShardedTrainer
+
+
+class EnsembleResult(NamedTuple):
+    """What `fit_ensemble` returns.
+
+    Attributes:
+        members: the `M` trained Keras models, member `i` at index `i`.
+        model: a Keras model of the members that outputs the mean of their
+            class probabilities (`EnsembleTrainer.averaging_model`).
+        history: the per-epoch logs (`EnsembleTrainer.fit`).
+    """
+
+    members: list
+    model: keras.Model
+    history: dict
+
+
+def fit_ensemble(build_model, x=None, y=None, *, members=None, epochs=1,
+                 batch_size=None, validation_data=None, shuffle=True,
+                 member_shuffle=False, sample_weight=None, from_logits=None,
+                 seed=0, mesh=None, devices=None, verbose="auto"):
+    """Train an ensemble, one member per device, that averages probabilities.
+
+    Member `i` is `build_model()` called right after
+    `keras.utils.set_random_seed(seed + i)`, and every member trains on the
+    same batches (with `member_shuffle`, member `i` shuffles with seed
+    `seed + i` instead). So member `i` of a run with `shuffle=False` is
+    the model that `keras.utils.set_random_seed(seed + i)`,
+    `model = build_model()`, `model.fit(x, y, batch_size=batch_size,
+    epochs=epochs, shuffle=False)` trains alone.
+
+    Args:
+        build_model: a function of no arguments returning a new compiled
+            multi-class classifier (`keras.Model`) on each call; or a
+            `keras.Model`, which is cloned with fresh weights and compiled
+            like it.
+        x, y, sample_weight: training data, as for `fit_sharded`.
+        members: the ensemble size `M` (default: the device count `D`). Up
+            to `D`, member `i` runs on device `i`; a multiple of `D` puts
+            `M / D` members on each device.
+        epochs, batch_size, shuffle: as in `model.fit`; each member trains
+            on every batch whole.
+        validation_data: `(x, y[, sample_weight])`, scored after each epoch
+            for every member and for the ensemble.
+        member_shuffle: give each member its own shuffle order.
+        from_logits: whether the models output logits (a softmax comes
+            before averaging); `None` reads it from the compiled loss.
+        seed: seed of the members' initialisations and of the data order.
+        mesh, devices: where to train (default: all of JAX's devices).
+        verbose: 0 silent; otherwise one line per epoch.
+
+    Returns:
+        `EnsembleResult(members, model, history)`.
+
+    Example:
+
+    ```python
+    def build_model():
+        return keras_dp.models.compile_classifier(keras_dp.models.convnet())
+
+    result = keras_dp.fit_ensemble(build_model, x_train, y_train,
+                                   batch_size=64, epochs=2)
+    probabilities = result.model.predict(x_test)  # the members' mean
+    ```
+    """
+    trainer = EnsembleTrainer(
+        build_model, members, seed=seed, mesh=mesh, devices=devices,
+        from_logits=from_logits,
+    )
+    history = trainer.fit(
+        x, y, batch_size=batch_size, epochs=epochs, shuffle=shuffle,
+        member_shuffle=member_shuffle, sample_weight=sample_weight,
+        validation_data=validation_data, verbose=verbose,
+    )
+    return EnsembleResult(trainer.members, trainer.averaging_model(), history)
+
+
+class EnsembleTrainer:
+    """Trains the `M` members of an ensemble together, on a member axis.
+
+    The state is a `TrainState` whose arrays have a leading member axis of
+    size `M`, split over the mesh axis `"batch"` (`PartitionSpec("batch")`);
+    batches are replicated. `train_step` is one jitted step with no
+    collective in its compiled program (`keras_dp.ensemble_step`).
+
+    Args:
+        build_model, members, seed, mesh, devices: see `fit_ensemble`.
+            With fewer members than devices, the first `members` devices
+            are used.
+        from_logits: whether the members output logits, whose softmax over
+            the last axis is then taken before averaging; `None` reads it
+            from the compiled loss (`keras_dp.members.read_from_logits`).
+
+    Raises:
+        TypeError: `build_model` is neither callable nor a `keras.Model`, or
+            returned something that is not a `keras.Model`.
+        ValueError: the members do not fit the devices, `build_model`
+            returned an uncompiled model or one model twice, or the loss
+            does not tell whether the outputs are logits.
+    """
+
+    def __init__(self, build_model, members=None, *, seed=0, mesh=None,
+                 devices=None, from_logits=None):
+        count, self.mesh = members_lib.member_mesh(members, mesh, devices)
+        self.seed = seed
+        self.members = members_lib.make_members(build_model, count, seed)
+        self.from_logits = members_lib.read_from_logits(self.members[0], from_logits)
+        self._block_each_step = self.mesh.devices.flat[0].platform == "cpu"
+        self._train_steps = {}
+        self._predict_step = ensemble_step.make_predict_step(
+            self.members[0], self.mesh, self.from_logits)
+        self._x_example = None
+
+    @property
+    def members_per_device(self):
+        """How many members each device holds and updates."""
+        return len(self.members) // mesh_lib.num_devices(self.mesh)
+
+    # -- The parts, for training by hand ------------------------------------
+
+    def build(self, batch):
+        """Build every member (layers, loss, metrics, optimizer) from a host batch.
+
+        Raises:
+            ValueError: a member cannot be built on `x`, or the labels do
+                not fit its output.
+        """
+        batch = data_lib.unpack(batch)
+        for model in self.members:
+            ShardedTrainer(model, mesh=self.mesh).build(batch)
+        self._x_example = batch[0]
+
+    def init_state(self):
+        """Return the members' variables as one stacked, member-sharded `TrainState`.
+
+        Raises:
+            ValueError: the members are not built yet, or their variables
+                differ in number, shape or dtype.
+        """
+        if self._x_example is None:
+            raise ValueError(
+                "The members are not built. Call trainer.build(batch) with one "
+                "batch of data first (fit, evaluate and predict do this)."
+            )
+        return members_lib.stack_state(self.members, self.mesh)
+
+    def replicate(self, batch):
+        """Put a host batch `(x, y[, sample_weight])` whole on every device."""
+        return jax.device_put(data_lib.unpack(batch), mesh_lib.replicated(self.mesh))
+
+    def stack(self, batches):
+        """Put one host batch per member on the mesh, each on its member's device."""
+        stacked = jax.tree.map(lambda *a: np.stack(a), *map(data_lib.unpack, batches))
+        return jax.device_put(stacked, members_lib.member_sharded(self.mesh))
+
+    def train_step(self, state, batch, *, per_member=False):
+        """Run one compiled step of every member: `(state, logs)`.
+
+        Args:
+            state: from `init_state` or the previous step; it is donated.
+            batch: from `replicate` (every member trains on it), or from
+                `stack` with `per_member=True` (member `i` on its own).
+
+        Returns:
+            The new state, and logs mapping each metric to an `(M,)` array.
+        """
+        return self._step(per_member)(state, batch)
+
+    def compiled_train_step(self, state, batch, *, per_member=False):
+        """The train step compiled for these arguments (`.as_text()` is HLO)."""
+        return self._step(per_member).lower(state, batch).compile()
+
+    def write_back(self, state):
+        """Copy member `i`'s row of the stacked `state` into member `i`'s model."""
+        members_lib.write_back_members(state, self.members)
+
+    def describe(self):
+        """Two lines: how many members on how many devices, and which where."""
+        return members_lib.describe_placement(self.mesh, len(self.members))
+
+    # -- Training, scoring, predicting ---------------------------------------
+
+    def fit(self, x=None, y=None, *, batch_size=None, epochs=1, shuffle=True,
+            member_shuffle=False, sample_weight=None, validation_data=None,
+            verbose="auto"):
+        """Train every member for `epochs` epochs (see `fit_ensemble`).
+
+        The members' Keras models are updated after every epoch and when
+        `fit` returns or stops by an exception.
+
+        Returns:
+            The history, a dict of per-epoch lists: each training metric of
+            the compiled models (`loss`, `accuracy`, ...) and `val_loss`,
+            `val_accuracy` hold a list of `M` floats per epoch, one per
+            member (the training ones as `model.fit` logs them; the
+            validation ones as `evaluate` scores them); `val_ensemble_loss`
+            and `val_ensemble_accuracy` one float per epoch.
+
+        Raises:
+            ValueError: `member_shuffle` without shuffled array data.
+        """
+        sources = self._sources(x, y, sample_weight, batch_size, shuffle, member_shuffle)
+        self.build(sources[0].peek())
+        val = None
+        if validation_data is not None:
+            val = self._batches(validation_data, None, None, batch_size, False, self.seed)
+            self.build(val.peek())  # bad validation labels fail now, not after epoch 1
+        history = collections.defaultdict(list)
+        live = _Live(self.init_state())
+        try:
+            for epoch in range(epochs):
+                logs = self._fit_epoch(live, sources, epoch)
+                self.write_back(live.state)
+                if val is not None:
+                    weights = (live.state.trainable, live.state.non_trainable)
+                    scores = self._evaluate(weights, val)
+                    logs.update({f"val_{name}": value for name, value in scores.items()})
+                for name, value in logs.items():
+                    history[name].append(value)
+                if verbose:
+                    print(_epoch_line(epoch, epochs, logs), flush=True)
+        finally:
+            # A step that failed after its state was donated leaves nothing
+            # to write; the models keep the weights of the last whole epoch.
+            if is_alive(live.state):
+                self.write_back(live.state)
+        return dict(history)
+
+    def evaluate(self, x=None, y=None, *, batch_size=None, sample_weight=None):
+        """Score each member and the ensemble (`keras_dp.scores`).
+
+        Labels are class ids or one-hot rows. The loss is the cross-entropy
+        of the labels under the (mean) probabilities, the accuracy the share
+        of rows whose most probable class is the label; both are means over
+        rows, weighted by `sample_weight` when given.
+
+        Returns:
+            `{"loss": [M floats], "accuracy": [M floats], "ensemble_loss":
+            float, "ensemble_accuracy": float}`.
+        """
+        batches = self._batches(x, y, sample_weight, batch_size, False, self.seed)
+        self.build(batches.peek())
+        return self._evaluate(self._weights(), batches)
+
+    def predict_members(self, x, *, batch_size=None):
+        """Return each member's class probabilities, shape `(M, N, classes)`."""
+        batches = self._batches(x, None, None, batch_size, False, self.seed)
+        self.build(batches.peek())
+        return self._predictions(self._weights(), batches)[0]
+
+    def predict(self, x, *, batch_size=None):
+        """Return the ensemble's probabilities, the members' mean: `(N, classes)`."""
+        return self.predict_members(x, batch_size=batch_size).mean(axis=0)
+
+    def averaging_model(self):
+        """Return one Keras model that outputs the members' mean probabilities.
+
+        A Functional model named `ensemble`: an input declared like member
+        0's (like the data's `x` for subclassed members), the members as
+        sub-models sharing their weights with `self.members`, a softmax
+        after each when they output logits, and an `Average` layer. It is
+        not compiled, and saves and loads as a `.keras` file.
+        """
+        if self._x_example is None:
+            raise ValueError("Fit or build the ensemble before asking for its model.")
+        return members_lib.averaging_model(self.members, self.from_logits, self._x_example)
+
+    # -- Internals -----------------------------------------------------------
+
+    def _step(self, per_member):
+        if per_member not in self._train_steps:  # member 0 stands for all, to trace
+            self._train_steps[per_member] = ensemble_step.make_train_step(
+                self.members[0], self.mesh, per_member)
+        return self._train_steps[per_member]
+
+    def _weights(self):
+        """The models' current `(trainable, non_trainable)`, stacked on the mesh."""
+        groups = ("trainable", "non_trainable")
+        state = members_lib.stack_state(self.members, self.mesh, groups=groups)
+        return state.trainable, state.non_trainable
+
+    def _batches(self, x, y, sample_weight, batch_size, shuffle, seed):
+        # Every member trains on whole batches: no rows are split over devices.
+        return data_lib.make_batches(
+            x, y, sample_weight, batch_size=batch_size, shuffle=shuffle, seed=seed
+        )
+
+    def _sources(self, x, y, sample_weight, batch_size, shuffle, member_shuffle):
+        first = self._batches(x, y, sample_weight, batch_size, shuffle, self.seed)
+        if not member_shuffle:
+            return [first]
+        if not isinstance(first, data_lib.ArrayBatches) or not shuffle:
+            raise ValueError(
+                "member_shuffle gives each member its own shuffle of array data, "
+                f"so it needs arrays and shuffle=True. Received x of type "
+                f"{type(x).__name__} and shuffle={shuffle}. Pass numpy arrays, "
+                "or set member_shuffle=False."
+            )
+        return [first] + [
+            self._batches(x, y, sample_weight, batch_size, shuffle, self.seed + index)
+            for index in range(1, len(self.members))
+        ]
+
+    def _fit_epoch(self, live, sources, epoch):
+        """Train one epoch on `live.state`; return the members' logs as floats."""
+        per_member = len(sources) > 1
+        if per_member:
+            batches = map(self.stack, zip(*(source.epoch(epoch) for source in sources)))
+        else:
+            batches = map(self.replicate, sources[0].epoch(epoch))
+        # Keras restarts the running metrics every epoch; so does each member.
+        for model in self.members:
+            model.reset_metrics()
+        fresh = members_lib.stack_state(self.members, self.mesh, groups=("metrics",))
+        live.state = live.state._replace(metrics=fresh.metrics)
+        pending = collections.deque()
+        logs = None
+        for batch in batches:
+            live.state, logs = self.train_step(live.state, batch, per_member=per_member)
+            pending.append(logs)
+            # XLA:CPU can deadlock with several steps queued: wait for each
+            # one there; elsewhere keep at most two in flight.
+            while len(pending) >= (1 if self._block_each_step else 2):
+                jax.block_until_ready(pending.popleft())
+        logs = jax.device_get(logs)
+        names = sorted(logs, key=lambda name: (name != "loss", name))
+        return {name: [float(value) for value in logs[name]] for name in names}
+
+    def _predictions(self, weights, batches):
+        """Members' probabilities `(M, N, classes)`, with the batches' labels and weights."""
+        parts, labels, sample_weights = [], [], []
+        for x, y, sample_weight in batches.epoch(0):
+            x = jax.device_put(x, mesh_lib.replicated(self.mesh))
+            # np.asarray waits for the step: one in flight, as XLA:CPU needs.
+            parts.append(np.asarray(self._predict_step(weights, x)))
+            labels.append(y)
+            sample_weights.append(sample_weight)
+        return np.concatenate(parts, axis=1), labels, sample_weights
+
+    def _evaluate(self, weights, batches):
+        probabilities, labels, sample_weights = self._predictions(weights, batches)
+        if labels[0] is None:
+            raise ValueError("Scoring needs labels. Pass y, or (x, y) batches.")
+        y = np.concatenate(labels)
+        sample_weight = None if sample_weights[0] is None else np.concatenate(sample_weights)
+        member_loss, member_accuracy = classification_scores(probabilities, y, sample_weight)
+        loss, accuracy = classification_scores(probabilities.mean(axis=0), y, sample_weight)
+        return {
+            "loss": member_loss.tolist(),
+            "accuracy": member_accuracy.tolist(),
+            "ensemble_loss": float(loss),
+            "ensemble_accuracy": float(accuracy),
+        }
+
+
+class _Live:
+    """The state being trained, kept where `fit` can write it back on any exit."""
+
+    def __init__(self, state):
+        self.state = state
+
+
+def _epoch_line(epoch, epochs, logs):
+    """'epoch 1/2: loss <member mean> (<min>-<max>) ... val_ensemble_accuracy <v>'."""
+    parts = [f"epoch {epoch + 1}/{epochs}:"]
+    for name, value in logs.items():
+        if isinstance(value, list):
+            parts.append(f"{name} {np.mean(value):.4f} ({min(value):.4f}-{max(value):.4f})")
+        else:
+            parts.append(f"{name} {value:.4f}")
+    return "  ".join(parts)

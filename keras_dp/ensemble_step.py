@@ -1,0 +1,74 @@
+"""The ensemble's compiled steps: each device updates its own members, alone.
+
+The members' state is stacked on a member axis split over `"batch"` (see
+`keras_dp.members`). Each step is a `shard_map` over the mesh whose body
+`vmap`s the single-model step over the device's own block of members, so a
+device never reads another device's members and the compiled program holds
+no collective: no all-reduce, all-gather, all-to-all or collective-permute.
+Member `i` computes what the same model computes alone on the same batches,
+up to the float rounding of batched kernels. Measured in float32 on CPU
+against `model.fit`: the test MLP's weights agree to 1e-5 relative (1e-6
+absolute) after 16 Adam steps; the guide's convnet's step losses agree to
+1e-6, its weights to about 3e-5 after 8 steps.
+"""
+
+import jax
+from jax.sharding import PartitionSpec
+
+from keras_dp import mesh as mesh_lib
+from keras_dp import step as step_lib
+
+
+def make_train_step(model, mesh, per_member_batches=False):
+    """Return the jitted `train_step(state, batch) -> (state, logs)`.
+
+    The per-member step is the one `keras_dp.step` runs: Keras's
+    `model.compute_loss_and_updates`, its gradient, and
+    `optimizer.stateless_apply`; the metrics update as under `model.fit`.
+
+    Args:
+        model: member 0, built and compiled; only read while tracing (all
+            members share its architecture).
+        mesh: the mesh the member axis is split over.
+        per_member_batches: `batch` has a leading member axis, split like
+            the state (member `i` trains on row `i`); otherwise `batch` is
+            replicated and every member trains on all of it.
+
+    Returns:
+        A function of a stacked `TrainState` (donated) and a batch
+        `(x, y, sample_weight)`, returning the new stacked state and the
+        logs, each metric an `(M,)` array, all split over the member axis.
+    """
+    member_step = step_lib.model_train_step(model)
+    return jax.jit(_on_each_device(member_step, mesh, per_member_batches), donate_argnums=0)
+
+
+def make_predict_step(model, mesh, from_logits):
+    """Return the jitted `predict_step(weights, x) -> probabilities`.
+
+    `weights` is the stacked `(trainable, non_trainable)` pair and `x` a
+    replicated input batch; the result has shape `(M, rows, classes)`, in
+    float32, split over the member axis: each member's softmax of its
+    outputs when `from_logits`, else its outputs as they are.
+    """
+
+    def member_predict(weights, x):
+        y_pred, _ = model.stateless_call(*weights, x, training=False)
+        y_pred = y_pred.astype("float32")
+        return jax.nn.softmax(y_pred, axis=-1) if from_logits else y_pred
+
+    return jax.jit(_on_each_device(member_predict, mesh, False))
+
+
+def _on_each_device(member_fn, mesh, per_member_batches):
+    """Map `member_fn(member_state, batch)` over the members, on their devices.
+
+    Left to the SPMD partitioner, a plain `vmap` over the sharded member
+    axis compiled convolutions (members folded into feature groups) with
+    all-gathers of the weights; `shard_map` gives each device its block of
+    members and nothing else.
+    """
+    members = PartitionSpec(mesh_lib.BATCH_AXIS)
+    batch = members if per_member_batches else PartitionSpec()
+    mapped = jax.vmap(member_fn, in_axes=(0, 0 if per_member_batches else None))
+    return jax.shard_map(mapped, mesh=mesh, in_specs=(members, batch), out_specs=members)

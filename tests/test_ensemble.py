@@ -1,0 +1,307 @@
+"""Ensembles across devices: members equal models trained alone, the mean of
+their probabilities is the prediction, and the train step never communicates."""
+
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import keras
+import numpy as np
+import pytest
+
+import keras_dp
+from conftest import devices, mlp
+from keras_dp.data import make_batches
+from keras_dp.scores import classification_scores
+
+COLLECTIVES = ("all-reduce", "all-gather", "collective-permute", "all-to-all", "reduce-scatter")
+
+
+def build_mlp(dropout=0.25):
+    """conftest's MLP without its own seeding: the ensemble seeds each member.
+
+    Dropout is on, so each member's own dropout stream is checked too.
+    """
+    model = keras.Sequential([
+        keras.Input((28, 28, 1)),
+        keras.layers.Rescaling(1 / 255),
+        keras.layers.Flatten(),
+        keras.layers.Dense(32, activation="relu"),
+        keras.layers.Dropout(dropout),
+        keras.layers.Dense(10),
+    ])
+    return keras_dp.models.compile_classifier(model)
+
+
+def alone(seed, build=build_mlp):
+    """Member `seed - ensemble_seed`, built the way fit_ensemble documents."""
+    keras.utils.set_random_seed(seed)
+    return build()
+
+
+def softmax(logits):
+    return np.asarray(keras.ops.softmax(logits, axis=-1))
+
+
+def assert_same_weights(ours, theirs, label):
+    # Float32 on CPU: batched (vmapped) kernels round differently from the
+    # unbatched ones of model.fit; the atol covers weights near zero.
+    for a, b, variable in zip(ours.get_weights(), theirs.get_weights(), theirs.weights):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=f"{label} {variable.path}")
+
+
+@pytest.fixture(scope="module")
+def trained(mnist):
+    """4 MLP members on 4 devices, 3 epochs on 2,048 MNIST images, scored on 1,024."""
+    (x, y), (x_test, y_test) = mnist
+    trainer = keras_dp.EnsembleTrainer(build_mlp, 4, seed=10, devices=devices(4))
+    history = trainer.fit(x, y, batch_size=64, epochs=3, verbose=0,
+                          validation_data=(x_test, y_test))
+    return trainer, history
+
+
+@pytest.mark.parametrize("members", [4, 8])
+def test_member_i_equals_the_same_model_trained_alone_with_model_fit(mnist, members):
+    # 8 members on 4 devices: two per device, vmapped within each device.
+    (x, y), _ = mnist
+    x, y = x[:512], y[:512]
+    result = keras_dp.fit_ensemble(
+        build_mlp, x, y, members=members, epochs=2, batch_size=64, shuffle=False,
+        seed=3, devices=devices(4), verbose=0,
+    )
+    assert len(result.members) == members
+    for i, member in enumerate(result.members):
+        reference = alone(3 + i)
+        history = reference.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
+        member_losses = [epoch[i] for epoch in result.history["loss"]]
+        np.testing.assert_allclose(member_losses, history.history["loss"], rtol=1e-5)
+        assert_same_weights(member, reference, f"member {i}")
+    # Different seeds really gave different members.
+    first, second = (m.get_weights()[2] for m in result.members[:2])
+    assert np.abs(first - second).max() > 1e-2
+
+
+def test_member_shuffle_gives_member_i_the_order_of_seed_plus_i(mnist):
+    (x, y), _ = mnist
+    x, y = x[:256], y[:256]
+    result = keras_dp.fit_ensemble(
+        build_mlp, x, y, members=2, batch_size=64, member_shuffle=True, seed=5,
+        devices=devices(2), verbose=0,
+    )
+    orders = []
+    for i, member in enumerate(result.members):
+        reference = alone(5 + i)
+        batches = list(make_batches(x, y, batch_size=64, shuffle=True, seed=5 + i).epoch(0))
+        for bx, by, _ in batches:
+            reference.train_on_batch(bx, by)
+        assert_same_weights(member, reference, f"member {i}")
+        orders.append(batches[0][1])
+    assert not np.array_equal(orders[0], orders[1])  # the orders really differ
+
+
+def test_the_prediction_is_the_mean_of_the_members_softmax(trained, mnist):
+    trainer, _ = trained
+    _, (x_test, _) = mnist
+    members = np.stack([softmax(m.predict(x_test, verbose=0)) for m in trainer.members])
+    ours = trainer.predict(x_test, batch_size=100)  # the last batch has 24 rows
+    assert ours.shape == (1024, 10)
+    np.testing.assert_allclose(ours, members.mean(axis=0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ours.sum(axis=1), 1.0, rtol=1e-5)
+    model = trainer.averaging_model()
+    np.testing.assert_allclose(model.predict(x_test, verbose=0), members.mean(axis=0),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_the_ensemble_is_at_least_as_accurate_as_its_average_member(trained, mnist):
+    trainer, history = trained
+    _, (x_test, y_test) = mnist
+    scores = trainer.evaluate(x_test, y_test, batch_size=128)
+    members, ensemble = scores["accuracy"], scores["ensemble_accuracy"]
+    message = f"ensemble {ensemble:.4f}, members {np.round(members, 4).tolist()}"
+    print(message)
+    assert ensemble >= np.mean(members), message
+    assert min(members) > 0.6, message  # they trained (measured 0.79-0.81 after 3 epochs; the ensemble 0.82)
+    # The last epoch's validation logs are these scores.
+    assert history["val_ensemble_accuracy"][-1] == pytest.approx(ensemble, abs=1e-9)
+    np.testing.assert_allclose(history["val_accuracy"][-1], members, atol=1e-9)
+    # Each member's accuracy and loss are Keras's own for that model. (A
+    # row whose top two logits tie to float rounding could flip: 1/1024.)
+    for i, member in enumerate(trainer.members):
+        keras_scores = member.evaluate(x_test, y_test, verbose=0, return_dict=True)
+        assert members[i] == pytest.approx(keras_scores["accuracy"], abs=1 / 1024)
+        assert scores["loss"][i] == pytest.approx(keras_scores["loss"], rel=1e-4)
+    # History: one value per member per epoch; the training loss fell.
+    assert [len(epoch) for epoch in history["loss"]] == [4, 4, 4]
+    assert all(a > b for a, b in zip(history["loss"][0], history["loss"][-1]))
+
+
+def test_the_averaging_model_saves_and_loads_as_a_keras_file(trained, mnist, tmp_path):
+    trainer, _ = trained
+    _, (x_test, _) = mnist
+    model = trainer.averaging_model()
+    assert [layer.name for layer in model.layers[1:5]] == [f"member_{i}" for i in range(4)]
+    before = model.predict(x_test[:300], verbose=0)
+    model.save(tmp_path / "ensemble.keras")
+    loaded = keras.saving.load_model(tmp_path / "ensemble.keras")
+    np.testing.assert_array_equal(loaded.predict(x_test[:300], verbose=0), before)
+
+
+def test_the_train_step_has_no_collective_and_members_stay_on_their_devices(mnist):
+    # The convnet with 2 members per device: a plain vmap under the SPMD
+    # partitioner compiled its convolutions with all-gathers.
+    (x, y), _ = mnist
+    trainer = keras_dp.EnsembleTrainer(
+        lambda: keras_dp.models.compile_classifier(keras_dp.models.convnet()), 8,
+        devices=devices(4),
+    )
+    batch = (x[:64], y[:64])
+    trainer.build(batch)
+    state = trainer.init_state()
+    kernel = state.trainable[0]
+    assert kernel.shape[0] == 8 and kernel.sharding.spec == jax.sharding.PartitionSpec("batch")
+    assert [shard.data.shape[0] for shard in kernel.addressable_shards] == [2, 2, 2, 2]
+    for per_member, device_batch in [
+        (False, trainer.replicate(batch)),
+        (True, trainer.stack([batch] * 8)),
+    ]:
+        hlo = trainer.compiled_train_step(state, device_batch, per_member=per_member).as_text()
+        found = {name: hlo.count(name) for name in COLLECTIVES if name in hlo}
+        assert not found, f"per_member={per_member}: {found}"
+    # The check can fail: data parallelism's step does all-reduce.
+    sharded = keras_dp.ShardedTrainer(mlp(), devices=devices(2))
+    sharded.build(batch)
+    assert "all-reduce" in sharded.compiled_train_step(
+        sharded.init_state(), sharded.shard(batch)).as_text()
+
+
+def test_members_are_placed_on_a_sub_mesh_or_several_per_device():
+    three = keras_dp.EnsembleTrainer(build_mlp, 3, devices=devices(4))
+    assert three.mesh.devices.size == 3
+    assert three.describe().splitlines()[1].strip() == (
+        "cpu:0: member 0 | cpu:1: member 1 | cpu:2: member 2")
+    eight = keras_dp.EnsembleTrainer(build_mlp, devices=devices(2), members=8)
+    assert eight.members_per_device == 4
+    assert "cpu:1: members 4-7" in eight.describe()
+    assert keras_dp.EnsembleTrainer(build_mlp, devices=devices(2)).mesh.devices.size == 2
+
+
+def test_a_model_is_cloned_with_fresh_weights_per_member():
+    source = mlp(seed=99)
+    trainer = keras_dp.EnsembleTrainer(source, 2, seed=7, devices=devices(2))
+    for i, member in enumerate(trainer.members):
+        keras.utils.set_random_seed(7 + i)
+        expected = keras.models.clone_model(source)
+        for a, b in zip(member.get_weights(), expected.get_weights()):
+            np.testing.assert_array_equal(a, b)
+        assert member.compiled and member.optimizer is not source.optimizer
+        assert type(member.optimizer) is type(source.optimizer)
+    kernels = [m.get_weights()[0] for m in [source, *trainer.members]]
+    assert np.abs(kernels[0] - kernels[1]).max() > 1e-2
+    assert np.abs(kernels[1] - kernels[2]).max() > 1e-2
+    assert trainer.from_logits is True  # read from SparseCategoricalCrossentropy
+
+
+def test_logits_or_probabilities_is_read_from_the_loss():
+    def probabilities_model(loss):
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="softmax")])
+        model.compile(optimizer="adam", loss=loss)
+        return model
+
+    named = keras_dp.EnsembleTrainer(
+        lambda: probabilities_model("sparse_categorical_crossentropy"), 1, devices=devices(1))
+    assert named.from_logits is False
+    custom = lambda y, p: keras.ops.mean((y - p) ** 2)  # noqa: E731
+    explicit = keras_dp.EnsembleTrainer(
+        lambda: probabilities_model(custom), 1, devices=devices(1), from_logits=False)
+    assert explicit.from_logits is False
+    with pytest.raises(ValueError, match="Cannot tell from the compiled loss.*from_logits=True"):
+        keras_dp.EnsembleTrainer(lambda: probabilities_model(custom), 1, devices=devices(1))
+
+
+def test_scores_on_one_hot_labels_and_sample_weights():
+    probabilities = np.array([[[0.7, 0.3], [0.4, 0.6]], [[0.2, 0.8], [0.9, 0.1]]])
+    loss, accuracy = classification_scores(probabilities, np.array([[1, 0], [0, 1]]))
+    np.testing.assert_allclose(accuracy, [1.0, 0.0])
+    np.testing.assert_allclose(loss, [-(np.log(0.7) + np.log(0.6)) / 2,
+                                      -(np.log(0.2) + np.log(0.1)) / 2])
+    loss, accuracy = classification_scores(probabilities[0], np.array([0, 0]), np.array([3.0, 1.0]))
+    assert accuracy == pytest.approx(0.75)
+    assert loss == pytest.approx(-(3 * np.log(0.7) + np.log(0.4)) / 4)
+    with pytest.raises(ValueError, match=r"class ids of shape \(N,\).*Received labels of shape \(2, 3\)"):
+        classification_scores(probabilities, np.zeros((2, 3)))
+
+
+# -- Clear errors ---------------------------------------------------------------
+
+def test_build_model_must_return_a_new_compiled_keras_model():
+    with pytest.raises(TypeError, match="must return a keras.Model.*member 0.*builtins.str"):
+        keras_dp.EnsembleTrainer(lambda: "not a model", 2, devices=devices(2))
+    with pytest.raises(TypeError, match="must be a function.*Received an object of type int"):
+        keras_dp.EnsembleTrainer(3, 2, devices=devices(2))
+    uncompiled = lambda: keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])  # noqa: E731
+    with pytest.raises(ValueError, match="uncompiled model.*model.compile"):
+        keras_dp.EnsembleTrainer(uncompiled, 2, devices=devices(2))
+    shared = build_mlp()
+    with pytest.raises(ValueError, match="same model object twice"):
+        keras_dp.EnsembleTrainer(lambda: shared, 2, devices=devices(2))
+
+
+def test_members_must_fit_the_devices():
+    with pytest.raises(ValueError, match="6 ensemble members do not fit 4 devices.*4 or 8"):
+        keras_dp.EnsembleTrainer(build_mlp, 6, devices=devices(4))
+    for bad in (0, -2, 2.0, True):
+        with pytest.raises(ValueError, match="positive integer"):
+            keras_dp.EnsembleTrainer(build_mlp, bad, devices=devices(4))
+
+
+def test_members_must_share_one_architecture(mnist):
+    (x, y), _ = mnist
+    widths = iter([32, 16])
+
+    def build():
+        model = keras.Sequential([keras.Input((28, 28, 1)), keras.layers.Flatten(),
+                                  keras.layers.Dense(next(widths)), keras.layers.Dense(10)])
+        return keras_dp.models.compile_classifier(model)
+
+    trainer = keras_dp.EnsembleTrainer(build, 2, devices=devices(2))
+    with pytest.raises(ValueError, match="not built.*trainer.build"):
+        trainer.init_state()
+    with pytest.raises(ValueError, match="Fit or build the ensemble"):
+        trainer.averaging_model()
+    trainer.build((x[:8], y[:8]))
+    with pytest.raises(ValueError, match="Member 1's variables differ from member 0's"):
+        trainer.init_state()
+
+
+def test_member_shuffle_needs_shuffled_arrays_and_scoring_needs_labels(mnist):
+    (x, y), _ = mnist
+    trainer = keras_dp.EnsembleTrainer(build_mlp, 2, devices=devices(2))
+    batches = [(x[:64], y[:64]), (x[64:128], y[64:128])]
+    with pytest.raises(ValueError, match="member_shuffle.*Received x of type list"):
+        trainer.fit(batches, member_shuffle=True, verbose=0)
+    with pytest.raises(ValueError, match="member_shuffle.*shuffle=False"):
+        trainer.fit(x[:64], y[:64], shuffle=False, member_shuffle=True, verbose=0)
+    with pytest.raises(ValueError, match="Scoring needs labels"):
+        trainer.evaluate(x[:64])
+
+
+def test_cli_prints_each_member_and_the_ensemble_and_saves_the_model(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "keras_dp", "train", "--ensemble", "4", "--cpu-devices", "2",
+         "--train-samples", "512", "--epochs", "1", "--verbose", "0",
+         "--output-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "Ensemble: 4 member(s) on 2 device(s)" in out
+    assert "cpu:0: members 0-1 | cpu:1: members 2-3" in out
+    members = [float(a) for a in re.findall(r"Member \d: test loss [\d.]+  accuracy ([\d.]+)", out)]
+    assert len(members) == 4 and all(0.0 <= a <= 1.0 for a in members)
+    ensemble = re.search(r"Ensemble of 4: test loss [\d.]+  accuracy ([\d.]+)  "
+                         r"\(members' mean accuracy ([\d.]+)\)", out)
+    assert ensemble and float(ensemble.group(2)) == pytest.approx(np.mean(members), abs=1e-4)
+    model = keras.saving.load_model(tmp_path / "convnet_ensemble.keras")
+    assert model.output_shape == (None, 10)
