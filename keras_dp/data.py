@@ -94,8 +94,17 @@ def to_device(batch, mesh):
         A `DeviceBatch`. Padding repeats the last real row, so that the
         padded rows are values the model already handles; they never reach
         a result (see `real_rows`).
+
+    Raises:
+        ValueError: a batch without rows.
     """
     rows = batch_rows(batch)
+    if rows == 0:
+        raise ValueError(
+            "A batch with no rows cannot be placed: a step needs at least one "
+            "sample. Check the slice that made it (for example x[start:stop] "
+            "past the end of the data)."
+        )
     batch = _pad(batch, rows, mesh)
     return DeviceBatch(jax.device_put(batch, mesh_lib.batch_sharded(mesh)), rows)
 

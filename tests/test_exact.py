@@ -237,6 +237,13 @@ def test_a_bad_batch_in_a_dataset_is_named(mnist, bad, message):
         keras_dp.fit_sharded(mlp(), batches_then(mnist, bad), verbose=0, devices=devices(2))
 
 
+def test_sharding_a_batch_without_rows_by_hand_is_refused(mnist):
+    (x, y), _ = mnist
+    trainer = keras_dp.ShardedTrainer(mlp(), devices=devices(2))
+    with pytest.raises(ValueError, match="no rows cannot be placed.*past the end"):
+        trainer.shard((x[5000:5064], y[5000:5064]))
+
+
 def test_bad_array_arguments_are_refused_before_the_first_step(mnist):
     (x, y), _ = mnist
     ragged = np.array([[1, 2], [3]], dtype=object)
