@@ -28,7 +28,7 @@ def build_parser():
         "train", help="train a model on MNIST over all local devices",
         description="Train a model on MNIST with data parallelism over all local devices.",
     )
-    train.add_argument("--model", default="convnet", choices=["convnet"],
+    train.add_argument("--model", default="convnet", choices=["convnet", "resnet18"],
                        help="the model to train (default: %(default)s)")
     train.add_argument("--epochs", type=int, default=2, help="default: %(default)s")
     train.add_argument("--batch-size", type=int, default=64,

@@ -1,4 +1,4 @@
-"""Models: the convnet of the Keras multi-device guide."""
+"""Models: the convnet of the Keras multi-device guide, and d2l's ResNet-18."""
 
 import keras
 from keras import layers
@@ -29,6 +29,42 @@ def convnet(input_shape=(28, 28, 1), num_classes=10):
     return keras.Model(inputs, outputs, name="convnet")
 
 
+def resnet18(input_shape=(28, 28, 1), num_classes=10):
+    """Return the uncompiled ResNet-18 of d2l's multi-GPU chapter, for small images.
+
+    The d2l variant for 28x28 inputs: rescaling to [0, 1], a 3x3 stride-1
+    stem convolution with 64 channels, BatchNormalization and ReLU, no
+    max-pool; four stages of two residual blocks with 64, 128, 256 and 512
+    channels (the first block of stages 2-4 halves the resolution, with a
+    1x1 strided convolution on its shortcut); global average pooling and a
+    dense layer of `num_classes` logits.
+    """
+    inputs = keras.Input(shape=input_shape)
+    x = layers.Rescaling(1.0 / 255.0)(inputs)
+    x = layers.Conv2D(64, 3, padding="same")(x)
+    x = layers.BatchNormalization()(x)
+    x = layers.ReLU()(x)
+    for stage, channels in enumerate((64, 128, 256, 512)):
+        for block in range(2):
+            downsample = stage > 0 and block == 0
+            x = _residual_block(x, channels, strides=2 if downsample else 1)
+    x = layers.GlobalAveragePooling2D()(x)
+    outputs = layers.Dense(num_classes)(x)
+    return keras.Model(inputs, outputs, name="resnet18")
+
+
+def _residual_block(x, channels, strides):
+    shortcut = x
+    y = layers.Conv2D(channels, 3, strides=strides, padding="same")(x)
+    y = layers.BatchNormalization()(y)
+    y = layers.ReLU()(y)
+    y = layers.Conv2D(channels, 3, padding="same")(y)
+    y = layers.BatchNormalization()(y)
+    if strides != 1 or shortcut.shape[-1] != channels:
+        shortcut = layers.Conv2D(channels, 1, strides=strides)(shortcut)
+    return layers.ReLU()(layers.Add()([y, shortcut]))
+
+
 def compile_classifier(model, learning_rate=1e-3):
     """Compile a logits classifier as the guide does: Adam, sparse CE, accuracy."""
     model.compile(
@@ -39,4 +75,4 @@ def compile_classifier(model, learning_rate=1e-3):
     return model
 
 
-MODELS = {"convnet": convnet}
+MODELS = {"convnet": convnet, "resnet18": resnet18}

@@ -178,3 +178,18 @@ def test_subclassed_and_functional_models_train(mnist):
         history = keras_dp.fit_sharded(model, x[:512], y[:512], batch_size=64, epochs=2,
                                        verbose=0, devices=devices(8))
         assert history.history["loss"][1] < history.history["loss"][0]
+
+
+def test_resnet18_is_d2ls_and_its_loss_falls_on_two_devices(mnist):
+    (x, y), _ = mnist
+    model = keras_dp.models.resnet18()
+    # d2l's multi-GPU ResNet-18 for 28x28 inputs and 10 classes (BatchNorm
+    # moving statistics included in Keras's count).
+    assert model.count_params() == 11_183_626
+    assert model.output_shape == (None, 10)
+    keras_dp.models.compile_classifier(model, learning_rate=1e-3)
+    # One batch of 32 per epoch: each epoch's loss is one step's loss.
+    history = keras_dp.fit_sharded(model, x[:32], y[:32], batch_size=32, epochs=4,
+                                   shuffle=False, verbose=0, devices=devices(2))
+    losses = history.history["loss"]
+    assert losses[-1] < 0.5 * losses[0], losses
