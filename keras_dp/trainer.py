@@ -12,6 +12,7 @@ every epoch and whenever `fit` exits, by an exception or an interrupt too.
 """
 
 import collections
+import contextlib
 
 import jax
 import keras
@@ -309,15 +310,17 @@ class ShardedTrainer:
         groups = data_lib.group_steps(batches.epoch(epoch), self.steps_per_execution)
         placed = data_lib.prefetch(map(self._place, groups), self.prefetch)
         index = 0
-        for steps, device_batch in placed:
-            callbacks.on_train_batch_begin(index)
-            step = self._train_step if steps == 1 else self._train_steps
-            live.state, logs = step(live.state, device_batch)
-            index += steps
-            throttle.add(logs)
-            callbacks.on_train_batch_end(index - 1, logs)
-            if self.model.stop_training:
-                break
+        # Closing it on a break (stop_training) stops the look-ahead thread now.
+        with contextlib.closing(placed):
+            for steps, device_batch in placed:
+                callbacks.on_train_batch_begin(index)
+                step = self._train_step if steps == 1 else self._train_steps
+                live.state, logs = step(live.state, device_batch)
+                index += steps
+                throttle.add(logs)
+                callbacks.on_train_batch_end(index - 1, logs)
+                if self.model.stop_training:
+                    break
         throttle.drain()
         live.write_back_if_alive(self.model)
         # No logs: a one-shot stream ran dry at the epoch's start (fit stops).
