@@ -18,6 +18,7 @@ if keras.backend.backend() != "jax":
     )
 
 from keras_dp import datasets  # noqa: E402
+from keras_dp import distributed  # noqa: E402
 from keras_dp import models  # noqa: E402
 from keras_dp.ensemble import EnsembleResult  # noqa: E402
 from keras_dp.ensemble import EnsembleTrainer  # noqa: E402
@@ -35,6 +36,7 @@ __all__ = [
     "ShardedTrainer",
     "TrainState",
     "datasets",
+    "distributed",
     "fit_ensemble",
     "fit_sharded",
     "make_mesh",

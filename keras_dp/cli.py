@@ -8,6 +8,7 @@ and its training curves (PNG).
 """
 
 import argparse
+import builtins
 import os
 import pathlib
 import time
@@ -59,14 +60,40 @@ def build_parser():
                             "probabilities, and save the averaging model")
     train.add_argument("--verbose", type=int, default=1, choices=[0, 1, 2],
                        help="Keras progress output: 0 none, 1 bar, 2 a line per epoch")
+    _add_launch_parser(commands)
     return parser
+
+
+def _add_launch_parser(commands):
+    launch = commands.add_parser(
+        "launch", help="run a command as P joined processes on this machine",
+        description="Start P processes on this machine that join one "
+                    "multi-process JAX run over loopback, as P hosts would: "
+                    "keras-dp launch --processes 2 --cpu-devices 2 -- train --epochs 1",
+    )
+    launch.add_argument("--processes", type=int, default=2, help="default: %(default)s")
+    launch.add_argument("--cpu-devices", type=int, default=None, metavar="N",
+                        help="give each process N simulated CPU devices")
+    launch.add_argument("--port", type=int, default=None,
+                        help="the coordinator's port on 127.0.0.1 (default: a free one)")
+    launch.add_argument("launched", nargs=argparse.REMAINDER, metavar="-- COMMAND",
+                        help="a keras-dp command (train ...) or any program and its arguments")
 
 
 def main(argv=None):
     """Run `keras-dp` with `argv` (default: the command line)."""
     args = build_parser().parse_args(argv)
+    if args.command == "launch":
+        from keras_dp.launch import launch
+
+        launched = args.launched[1:] if args.launched[:1] == ["--"] else args.launched
+        raise SystemExit(launch(launched, args.processes, args.cpu_devices, args.port))
     if args.cpu_devices is not None:
         use_cpu_devices(args.cpu_devices)
+    from keras_dp import distributed
+
+    if distributed.requested_by_environment():  # started by `keras-dp launch` or by hand
+        distributed.initialize()
     if args.command == "train" and args.ensemble is not None:
         train_ensemble(args)
     elif args.command == "train":
@@ -107,17 +134,28 @@ def train(args):
     import jax
 
     import keras_dp
+    from keras_dp import distributed
     from keras_dp.plots import plot_history
 
     keras.utils.set_random_seed(args.seed)
     (x_train, y_train), (x_test, y_test), source = _mnist(args.data_dir, args.train_samples)
+    samples = len(x_train)
+    print = builtins.print if distributed.is_primary() else _silent  # noqa: A001
     model = keras_dp.models.compile_classifier(
         keras_dp.models.MODELS[args.model](), learning_rate=args.learning_rate
     )
     trainer = keras_dp.ShardedTrainer(model, seed=args.seed)
     print(f"keras_dp {keras_dp.__version__} | jax {jax.__version__} | keras {keras.__version__}")
     print(f"Data: {source}: {len(x_train)} training and {len(x_test)} test images")
-    first_batch = (x_train[: args.batch_size], y_train[: args.batch_size])
+    local_batch = args.batch_size
+    if trainer.multiprocess:  # each process trains and tests on its contiguous share
+        (x_train, y_train), (x_test, y_test) = (
+            distributed.process_share(x_train, y_train), distributed.process_share(x_test, y_test)
+        )
+        local_batch = distributed.local_batch_size(args.batch_size, trainer.mesh)
+        print(f"{jax.process_count()} processes; each reads 1/{jax.process_count()} "
+              f"of the data and {local_batch} rows of each global batch")
+    first_batch = (x_train[:local_batch], y_train[:local_batch])
     trainer.build(first_batch)
     print(trainer.describe(first_batch))
     # The test set is scored after every epoch (val_* curves); its last
@@ -125,10 +163,13 @@ def train(args):
     history = trainer.fit(
         x_train, y_train, batch_size=args.batch_size, epochs=args.epochs,
         verbose=args.verbose, validation_data=(x_test, y_test),
-        callbacks=[EpochReport(len(x_train), args.epochs)],
+        callbacks=[EpochReport(samples, args.epochs)] if distributed.is_primary() else [],
     )
     test = {name: history.history[f"val_{name}"][-1] for name in ("loss", "accuracy")}
     print(f"Test: loss {test['loss']:.4f}  accuracy {test['accuracy']:.4f}")
+    if not distributed.is_primary():  # one copy of the files, from process 0
+        distributed.barrier("keras_dp.cli.saved")
+        return history, test
     output = pathlib.Path(args.output_dir)
     model_path = pathlib.Path(args.model_path or output / f"{args.model}.keras")
     plot_path = pathlib.Path(args.plot_path or output / "training_curves.png")
@@ -137,7 +178,12 @@ def train(args):
     model.save(model_path)
     plot_history(history, plot_path, title=f"{args.model} on MNIST, {trainer.num_devices} device(s)")
     print(f"Saved the model to {model_path} and the training curves to {plot_path}")
+    distributed.barrier("keras_dp.cli.saved")
     return history, test
+
+
+def _silent(*args, **kwargs):
+    """`print` on processes other than 0: the report comes from process 0."""
 
 
 def train_ensemble(args):

@@ -24,6 +24,7 @@ import threading
 import warnings
 
 import jax
+import jax.numpy as jnp
 import keras
 import numpy as np
 
@@ -78,13 +79,21 @@ class DeviceBatch:
         rows: the number of real rows. It is static under `jax.jit`, so a
             step compiles once per distinct row count and reuses that
             program in every later epoch.
+        blocks: `None` when the real rows are the first `rows` rows (always
+            so on one process). Across processes (`keras_dp.distributed`),
+            the batch is one block of equal length per process, each its
+            real rows then padding; `blocks` is then the tuple of each
+            block's real row count, in mesh order, also static.
     """
 
     data: object
     rows: int
+    blocks: tuple | None = None
 
 
-jax.tree_util.register_dataclass(DeviceBatch, data_fields=["data"], meta_fields=["rows"])
+jax.tree_util.register_dataclass(
+    DeviceBatch, data_fields=["data"], meta_fields=["rows", "blocks"]
+)
 
 
 def to_device(batch, mesh):
@@ -144,9 +153,37 @@ def real_rows(batch, mesh):
     """
     sharding = mesh_lib.batch_sharded(mesh)
     return jax.tree.map(
-        lambda array: jax.lax.with_sharding_constraint(array[: batch.rows], sharding),
+        lambda array: jax.lax.with_sharding_constraint(_cut(array, batch), sharding),
         batch.data,
     )
+
+
+def _cut(array, batch):
+    if batch.blocks is None:
+        return array[: batch.rows]
+    # Static slices of each process's block, joined: the shapes stay static
+    # and XLA moves rows between devices where the blocks' padding differs.
+    size = array.shape[0] // len(batch.blocks)
+    parts = [array[i * size:i * size + real] for i, real in enumerate(batch.blocks) if real]
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+
+def restore_rows(array, batch):
+    """Inside a compiled step: the inverse of `real_rows` for an output.
+
+    Puts each real row back where its input row was, zeros in the padding,
+    so an output has the input batch's padded layout (for `predict`).
+    """
+    padded = jax.tree.leaves(batch.data)[0].shape[0]
+    tail = [(0, 0)] * (array.ndim - 1)
+    if batch.blocks is None:
+        return jnp.pad(array, [(0, padded - batch.rows)] + tail)
+    size = padded // len(batch.blocks)
+    parts, start = [], 0
+    for real in batch.blocks:
+        parts.append(jnp.pad(array[start:start + real], [(0, size - real)] + tail))
+        start += real
+    return jnp.concatenate(parts)
 
 
 def make_batches(x, y=None, sample_weight=None, *, batch_size=None, shuffle=False,

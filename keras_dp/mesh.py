@@ -74,11 +74,24 @@ def replicate(tree, mesh):
     alias its argument's buffer, and the train step donates the state, so
     without the copy donation would delete the Keras variables it came from.
 
+    When `mesh` spans several processes, every process gets process 0's
+    values (one broadcast).
+
     Returns:
         A tree of the same structure whose leaves are `jax.Array`s with the
         replicated sharding.
     """
     host = jax.tree.map(lambda value: np.array(value, copy=True), tree)
+    if len({device.process_index for device in mesh.devices.flat}) > 1:
+        # Each process places its own values on its own devices: take process
+        # 0's, so that replicas on different hosts can never start apart
+        # (different seeds, a callback run on one host).
+        from jax.experimental import multihost_utils
+
+        host = jax.tree.map(
+            lambda value: np.array(value, copy=True),
+            multihost_utils.broadcast_one_to_all(host),
+        )
     return jax.device_put(host, replicated(mesh))
 
 

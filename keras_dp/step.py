@@ -14,7 +14,6 @@ on one device over the same rows (up to float summation order).
 """
 
 import jax
-import jax.numpy as jnp
 import keras
 
 from keras_dp import data as data_lib
@@ -57,7 +56,7 @@ def make_multi_train_step(model, mesh, unroll=1):
 
     def train_steps(state, batches):
         def body(state, data):
-            return step(state, data_lib.DeviceBatch(data, batches.rows))
+            return step(state, data_lib.DeviceBatch(data, batches.rows, batches.blocks))
 
         state, logs = jax.lax.scan(body, state, batches.data, unroll=unroll)
         return state, jax.tree.map(lambda values: values[-1], logs)
@@ -135,19 +134,18 @@ def make_predict_step(model, mesh):
 
     `batch` is a `DeviceBatch` of inputs. `y_pred` has as many rows as the
     batch has padded rows, split over `"batch"` like the input: row i of
-    the output is row i of the input, and rows past `batch.rows` are zeros
-    (the model never sees the padding).
+    the output is row i of the input, and padding rows (past `batch.rows`,
+    or past each process block's real rows) are zeros (the model never sees
+    the padding).
     """
 
     def predict_step(weights, batch):
         trainable, non_trainable = weights
         x = data_lib.real_rows(batch, mesh)
         y_pred, _ = model.stateless_call(trainable, non_trainable, x, training=False)
-        padded_rows = jax.tree.leaves(batch.data)[0].shape[0]
         return jax.tree.map(
             lambda out: jax.lax.with_sharding_constraint(
-                jnp.pad(out, [(0, padded_rows - batch.rows)] + [(0, 0)] * (out.ndim - 1)),
-                mesh_lib.batch_sharded(mesh),
+                data_lib.restore_rows(out, batch), mesh_lib.batch_sharded(mesh)
             ),
             y_pred,
         )

@@ -22,6 +22,7 @@ from keras.src import backend as keras_backend
 
 from keras_dp import data as data_lib
 from keras_dp import describe as describe_lib
+from keras_dp import distributed as distributed_lib
 from keras_dp import mesh as mesh_lib
 from keras_dp import step as step_lib
 from keras_dp.state import TrainState
@@ -93,6 +94,21 @@ class ShardedTrainer:
                 "`steps_per_execution` must be at least 1. Received: "
                 f"{steps_per_execution}."
             )
+        self.multiprocess = distributed_lib.spans_processes(self.mesh)
+        if self.multiprocess:
+            distributed_lib.block_order(self.mesh)  # a mesh it can use, or raise
+            if self.steps_per_execution > 1:
+                raise ValueError(
+                    "`steps_per_execution` > 1 is not supported across "
+                    "processes yet: the processes' row counts are exchanged "
+                    "before every step. Received: steps_per_execution="
+                    f"{steps_per_execution} on a mesh over "
+                    f"{jax.process_count()} processes. Use 1 (the default)."
+                )
+            # The row-count exchange is a collective; a look-ahead thread
+            # would interleave it with the steps in a different order on
+            # each process.
+            self.prefetch = 0
         if unroll is None:
             unroll = self.steps_per_execution if on_cpu else 1
         self._train_step = step_lib.make_train_step(model, self.mesh)
@@ -137,8 +153,17 @@ class ShardedTrainer:
         return TrainState.from_model(self.model, self.mesh)
 
     def shard(self, batch):
-        """Put a host batch `(x, y[, sample_weight])` on the mesh, split by rows."""
-        return data_lib.to_device(data_lib.unpack(batch), self.mesh)
+        """Put a host batch `(x, y[, sample_weight])` on the mesh, split by rows.
+
+        Across processes, `batch` is this process's part of the global batch,
+        and every process must call `shard` for the same step (it exchanges
+        the row counts).
+        """
+        batch = data_lib.unpack(batch)
+        if self.multiprocess:
+            counts = distributed_lib.exchange_rows(data_lib.batch_rows(batch))
+            return distributed_lib.to_global(batch, self.mesh, counts)
+        return data_lib.to_device(batch, self.mesh)
 
     def train_step(self, state, batch):
         """Run one compiled step on a sharded batch: `(state, logs)`.
@@ -278,11 +303,11 @@ class ShardedTrainer:
         weights = model_weights(self.model, self.mesh)
         outputs = []
         callbacks.on_predict_begin()
-        for index, batch in enumerate(batches.epoch(0)):
+        inputs = (batch[0] for batch in batches.epoch(0))
+        for index, x_device in enumerate(self._placed(inputs, batches.peek()[0])):
             callbacks.on_predict_batch_begin(index)
-            x_device = data_lib.to_device(batch[0], self.mesh)
             output = jax.tree.map(
-                lambda out: np.asarray(out)[: x_device.rows],
+                lambda out: self._local_rows(out, x_device),
                 self._predict_step(weights, x_device),
             )
             outputs.append(output)
@@ -293,6 +318,9 @@ class ShardedTrainer:
     # -- Internals -----------------------------------------------------------
 
     def _batches(self, x, y, sample_weight, batch_size, shuffle, class_weight=None):
+        if self.multiprocess and batch_size is not None:
+            # `batch_size` is global; each process slices its part of it.
+            batch_size = distributed_lib.local_batch_size(batch_size, self.mesh)
         return data_lib.make_batches(
             x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
             seed=self.seed, class_weight=class_weight,
@@ -307,8 +335,11 @@ class ShardedTrainer:
         live.state = self.init_state()
         throttle = _Throttle(self.steps_in_flight)
         logs = None
-        groups = data_lib.group_steps(batches.epoch(epoch), self.steps_per_execution)
-        placed = data_lib.prefetch(map(self._place, groups), self.prefetch)
+        if self.multiprocess:
+            placed = ((1, batch) for batch in self._placed(batches.epoch(epoch), batches.peek()))
+        else:
+            groups = data_lib.group_steps(batches.epoch(epoch), self.steps_per_execution)
+            placed = data_lib.prefetch(map(self._place, groups), self.prefetch)
         index = 0
         # Closing it on a break (stop_training) stops the look-ahead thread now.
         with contextlib.closing(placed):
@@ -332,6 +363,25 @@ class ShardedTrainer:
         callbacks.on_epoch_end(epoch, epoch_logs)
         return epoch_logs
 
+    def _placed(self, host_batches, template):
+        """The `DeviceBatch` of each host batch; across processes, each global one.
+
+        Across processes the loop runs until every process's share is out
+        (`distributed.global_batches`), so it may run longer than this
+        process's own batches; `template` is one of them, for padding.
+        """
+        if self.multiprocess:
+            return distributed_lib.global_batches(host_batches, self.mesh, template)
+        return data_lib.prefetch(
+            (data_lib.to_device(batch, self.mesh) for batch in host_batches), self.prefetch
+        )
+
+    def _local_rows(self, output, batch):
+        """This process's real rows of a batch-sharded output, as numpy."""
+        if self.multiprocess:
+            return distributed_lib.local_rows(output, batch, self.mesh)
+        return np.asarray(output)[: batch.rows]
+
     def _place(self, group):
         """`(steps, DeviceBatch)` for a group of host batches from `group_steps`."""
         if len(group) == 1:
@@ -345,7 +395,7 @@ class ShardedTrainer:
         throttle = _Throttle(self.steps_in_flight)
         logs = None
         callbacks.on_test_begin()
-        placed = data_lib.prefetch(map(self.shard, batches.epoch(0)), self.prefetch)
+        placed = self._placed(batches.epoch(0), batches.peek())
         for index, device_batch in enumerate(placed):
             callbacks.on_test_batch_begin(index)
             metrics, logs = self._test_step(weights, metrics, device_batch)
@@ -416,6 +466,8 @@ def _callback_list(callbacks, model, verbose, **params):
     if isinstance(callbacks, keras.callbacks.CallbackList):
         return callbacks
     verbose = 1 if verbose == "auto" else verbose
+    if not distributed_lib.is_primary():
+        verbose = 0  # one progress bar, on process 0, for all processes
     return keras.callbacks.CallbackList(
         callbacks, add_history=True, add_progbar=verbose != 0, model=model,
         verbose=verbose, **params,

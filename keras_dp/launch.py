@@ -1,0 +1,134 @@
+"""`keras-dp launch`: P processes on this machine, joined as if on P hosts.
+
+For trying multi-process training without a cluster: every child gets the
+`KERAS_DP_*` variables that `keras_dp.distributed.initialize()` reads, with
+a free loopback port for the coordinator, and optionally its own simulated
+CPU devices. Children's output is streamed, each line prefixed with
+`[process i]`. If any child fails, the others are stopped, and the launcher
+fails with the first failing child's exit status.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from keras_dp import distributed
+
+# Commands of keras-dp itself; anything else after `--` runs as a program.
+KERAS_DP_COMMANDS = ("train",)
+
+
+def launch(command, processes, cpu_devices=None, port=None, grace_seconds=5.0):
+    """Run `command` as `processes` joined processes and wait for all of them.
+
+    Args:
+        command: a keras-dp command line (`["train", "--epochs", "1"]`), or
+            any program and its arguments (`["python", "my_training.py"]`).
+        processes: how many processes to start.
+        cpu_devices: give each process this many simulated CPU devices (sets
+            `XLA_FLAGS` and `JAX_PLATFORMS=cpu` in its environment).
+        port: the coordinator's port on 127.0.0.1 (default: a free one).
+        grace_seconds: how long stopped children get to exit before they
+            are killed.
+
+    Returns:
+        0 when every process succeeded, else the exit status of the first
+        that failed (1 when it was killed by a signal).
+
+    Raises:
+        ValueError: no command, or fewer than one process.
+    """
+    if not command:
+        raise ValueError(
+            "No command to launch. Put it after `--`, for example: "
+            "keras-dp launch --processes 2 -- train --epochs 1"
+        )
+    if processes < 1:
+        raise ValueError(f"--processes must be at least 1. Received: {processes}.")
+    if command[0] in KERAS_DP_COMMANDS:
+        command = [sys.executable, "-m", "keras_dp", *command]
+    address = f"127.0.0.1:{port or _free_port()}"
+    children = [
+        subprocess.Popen(
+            command, env=child_environment(index, processes, address, cpu_devices),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+        )
+        for index in range(processes)
+    ]
+    lock = threading.Lock()
+    streams = [
+        threading.Thread(target=_stream, args=(child, f"[process {index}] ", lock), daemon=True)
+        for index, child in enumerate(children)
+    ]
+    for stream in streams:
+        stream.start()
+    try:
+        status = _wait(children)
+    finally:
+        _stop(children, grace_seconds)
+        for stream in streams:
+            stream.join(timeout=grace_seconds)
+    return status
+
+
+def child_environment(index, processes, address, cpu_devices=None):
+    """The environment of child `index`: ours, plus what it needs to join."""
+    env = dict(os.environ)
+    env[distributed.COORDINATOR_ENV] = address
+    env[distributed.NUM_PROCESSES_ENV] = str(processes)
+    env[distributed.PROCESS_ID_ENV] = str(index)
+    env["PYTHONUNBUFFERED"] = "1"  # lines arrive as they are printed
+    if cpu_devices is not None:
+        flags = [
+            flag for flag in env.get("XLA_FLAGS", "").split()
+            if not flag.startswith("--xla_force_host_platform_device_count")
+        ]
+        env["XLA_FLAGS"] = " ".join(
+            flags + [f"--xla_force_host_platform_device_count={cpu_devices}"]
+        )
+        env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def _wait(children):
+    """Poll until all succeeded (0) or one failed (its status)."""
+    while True:
+        codes = [child.poll() for child in children]
+        failed = [code for code in codes if code not in (None, 0)]
+        if failed:
+            return failed[0] if failed[0] > 0 else 1
+        if all(code == 0 for code in codes):
+            return 0
+        time.sleep(0.1)
+
+
+def _stop(children, grace_seconds):
+    """Terminate the children still running; kill those that do not exit."""
+    running = [child for child in children if child.poll() is None]
+    for child in running:
+        child.terminate()
+    deadline = time.monotonic() + grace_seconds
+    for child in running:
+        try:
+            child.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+
+
+def _stream(child, prefix, lock):
+    for line in child.stdout:
+        with lock:
+            sys.stdout.write(prefix + line)
+            sys.stdout.flush()
+
+
+def _free_port():
+    # The port is free now; a race with another program taking it before the
+    # coordinator binds it is possible but rare on a test machine.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
