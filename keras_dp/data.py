@@ -135,13 +135,16 @@ def to_device_stacked(batches, mesh):
 
 
 def _pad(batch, rows, mesh):
-    extra = -rows % mesh_lib.num_devices(mesh)
-    if not extra:
-        return batch
-    return jax.tree.map(
-        lambda array: np.concatenate([array, np.repeat(array[-1:], extra, axis=0)]),
-        batch,
-    )
+    return pad_rows(batch, rows + -rows % mesh_lib.num_devices(mesh))
+
+
+def pad_rows(batch, size):
+    """`batch` grown to `size` rows with copies of its last row."""
+    def pad(array):
+        extra = size - array.shape[0]
+        return np.concatenate([array, np.repeat(array[-1:], extra, axis=0)]) if extra else array
+
+    return jax.tree.map(pad, batch)
 
 
 def real_rows(batch, mesh):

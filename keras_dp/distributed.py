@@ -107,11 +107,6 @@ def barrier(name):
         multihost_utils.sync_global_devices(name)
 
 
-def spans_processes(mesh):
-    """Whether `mesh` has devices of more than one process."""
-    return len({device.process_index for device in mesh.devices.flat}) > 1
-
-
 def process_share(*arrays):
     """This process's contiguous share of arrays that every process holds whole.
 
@@ -200,8 +195,9 @@ def to_global(batch, mesh, counts, template=None):
     blocks = tuple(int(counts[process]) for process in order)
     per_process = mesh_lib.num_devices(mesh) // len(order)
     size = -(-max(blocks) // per_process) * per_process
-    local = _block(batch if batch is not None else template,
-                   0 if batch is None else blocks[order.index(jax.process_index())], size)
+    # Out of data: a block of copies of one template row, never read by a step.
+    source = batch if batch is not None else jax.tree.map(lambda array: array[:1], template)
+    local = data_lib.pad_rows(source, size)
     sharding = mesh_lib.batch_sharded(mesh)
     global_data = jax.tree.map(
         lambda array: jax.make_array_from_process_local_data(
@@ -250,20 +246,10 @@ def _prefix_share(rows, size, position):
     return int(np.clip(rows - position * size, 0, size))
 
 
-def _block(batch, rows, size):
-    """`batch`'s first `rows` rows, then copies of its last real row, `size` in all."""
-    def pad(array):
-        if not rows:  # out of data: a block of padding, never read by a step
-            return np.repeat(array[:1], size, axis=0)
-        return np.concatenate([array[:rows], np.repeat(array[rows - 1:rows], size - rows, axis=0)])
-
-    return jax.tree.map(pad, batch)
-
-
 def _is_prefix(blocks, size):
     """Whether the real rows are exactly the first `sum(blocks)` rows."""
     total = sum(blocks)
-    return all(real == int(np.clip(total - i * size, 0, size)) for i, real in enumerate(blocks))
+    return all(real == _prefix_share(total, size, i) for i, real in enumerate(blocks))
 
 
 def _int_arg(value, env):

@@ -82,7 +82,7 @@ def replicate(tree, mesh):
         replicated sharding.
     """
     host = jax.tree.map(lambda value: np.array(value, copy=True), tree)
-    if len({device.process_index for device in mesh.devices.flat}) > 1:
+    if spans_processes(mesh):
         # Each process places its own values on its own devices: take process
         # 0's, so that replicas on different hosts can never start apart
         # (different seeds, a callback run on one host).
@@ -102,6 +102,11 @@ def to_host(array):
     processes, where `np.asarray(array)` would raise.
     """
     return np.array(array.addressable_data(0), copy=True)
+
+
+def spans_processes(mesh):
+    """Whether `mesh` has devices of more than one process."""
+    return len({device.process_index for device in mesh.devices.flat}) > 1
 
 
 def num_devices(mesh):

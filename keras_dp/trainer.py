@@ -94,7 +94,7 @@ class ShardedTrainer:
                 "`steps_per_execution` must be at least 1. Received: "
                 f"{steps_per_execution}."
             )
-        self.multiprocess = distributed_lib.spans_processes(self.mesh)
+        self.multiprocess = mesh_lib.spans_processes(self.mesh)
         if self.multiprocess:
             distributed_lib.block_order(self.mesh)  # a mesh it can use, or raise
             if self.steps_per_execution > 1:
