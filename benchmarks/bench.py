@@ -142,8 +142,6 @@ def load_data(path):
 
 def bench_batch_size(args, batch, devices, x, y, notes, counter):
     """Warm up and time every system at one batch size; return their records."""
-    import systems  # noqa: PLC0415
-
     unit = batch * math.lcm(*args.ks)
     samples = unit * max(1, round(args.samples / unit))
     if samples > len(x):

@@ -57,6 +57,11 @@ def convnet(seed=0, learning_rate=1e-3):
 def mlp(seed=0, dropout=0.0):
     """A small compiled MLP on flattened 28x28 images: fast to compile."""
     keras.utils.set_random_seed(seed)
+    return unseeded_mlp(dropout)
+
+
+def unseeded_mlp(dropout=0.0):
+    """`mlp` without seeding, for callers that seed (the ensemble seeds each member)."""
     model = keras.Sequential(
         [
             keras.Input((28, 28, 1)),
@@ -68,6 +73,17 @@ def mlp(seed=0, dropout=0.0):
         ]
     )
     return keras_dp.models.compile_classifier(model)
+
+
+class BatchEnds(keras.callbacks.Callback):
+    """Records the batch index of every `on_train_batch_end` in `ends`."""
+
+    def __init__(self):
+        super().__init__()
+        self.ends = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.ends.append(batch)
 
 
 def weights(model):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import keras_dp
-from conftest import devices, mlp
+from conftest import devices, mlp, unseeded_mlp
 from keras_dp.data import make_batches
 from keras_dp.scores import classification_scores
 
@@ -24,15 +24,7 @@ def build_mlp(dropout=0.25):
 
     Dropout is on, so each member's own dropout stream is checked too.
     """
-    model = keras.Sequential([
-        keras.Input((28, 28, 1)),
-        keras.layers.Rescaling(1 / 255),
-        keras.layers.Flatten(),
-        keras.layers.Dense(32, activation="relu"),
-        keras.layers.Dropout(dropout),
-        keras.layers.Dense(10),
-    ])
-    return keras_dp.models.compile_classifier(model)
+    return unseeded_mlp(dropout)
 
 
 def alone(seed, build=build_mlp):

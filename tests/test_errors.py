@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import keras_dp
-from conftest import devices, mlp
+from conftest import BatchEnds, devices, mlp
 
 
 def test_a_non_keras_object_is_refused():
@@ -86,14 +86,9 @@ def test_batch_size_with_a_dataset_is_refused(mnist):
 
 def test_bad_validation_labels_fail_before_the_first_step(mnist):
     (x, y), _ = mnist
-    steps = []
-
-    class Count(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            steps.append(batch)
-
+    record = BatchEnds()
     with pytest.raises(ValueError, match="labels do not fit"):
         keras_dp.fit_sharded(mlp(), x[:128], y[:128], batch_size=64, verbose=0,
                              validation_data=(x[:64], np.zeros((64, 3))),
-                             callbacks=[Count()], devices=devices(2))
-    assert steps == []
+                             callbacks=[record], devices=devices(2))
+    assert record.ends == []

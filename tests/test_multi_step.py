@@ -1,11 +1,10 @@
 """steps_per_execution: K optimizer steps in one compiled call, exactly."""
 
-import keras
 import numpy as np
 import pytest
 
 import keras_dp
-from conftest import devices, mlp, weights
+from conftest import BatchEnds, devices, mlp, weights
 
 
 def test_k_steps_per_call_equal_k_single_steps(mnist):
@@ -26,16 +25,11 @@ def test_k_steps_per_call_equal_k_single_steps(mnist):
 
 def test_the_multi_step_program_compiles_once_and_callbacks_see_each_call(mnist):
     (x, y), _ = mnist
-    ends = []
-
-    class Ends(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            ends.append(batch)
-
+    record = BatchEnds()
     trainer = keras_dp.ShardedTrainer(mlp(), devices=devices(2), steps_per_execution=4)
-    trainer.fit(x[:600], y[:600], batch_size=64, epochs=2, verbose=0, callbacks=[Ends()])
+    trainer.fit(x[:600], y[:600], batch_size=64, epochs=2, verbose=0, callbacks=[record])
     # 9 full batches and one of 24 rows: calls of 4, 4, then 1 and 1 alone.
-    assert ends == [3, 7, 8, 9] * 2
+    assert record.ends == [3, 7, 8, 9] * 2
     assert trainer._train_steps._cache_size() == 1
     assert trainer._train_step._cache_size() == 2  # 64 rows and 24 rows
 
