@@ -354,7 +354,8 @@ class IterableBatches:
         self._first = None
         self._replay = None
         self._structure = None
-        self.steps = None
+        # Known for a PyDataset (its len), so the progress bar has a total.
+        self.steps = getattr(self._source, "num_batches", None)
         self.num_samples = None
 
     def peek(self):
@@ -557,6 +558,8 @@ def _as_numpy_iterable(source):
     ):
         hide_gpus_from_tensorflow()
         return _TFEpochs(source)
+    if isinstance(source, keras.utils.PyDataset):
+        return _PyDatasetEpochs(source)
     return source
 
 
@@ -568,6 +571,31 @@ class _TFEpochs:
 
     def __iter__(self):
         return self._dataset.as_numpy_iterator()
+
+
+class _PyDatasetEpochs:
+    """A `keras.utils.PyDataset` read in index order, one pass per epoch.
+
+    Calls the dataset's `on_epoch_begin` and `on_epoch_end` around each pass,
+    as `model.fit` does, so per-epoch reshuffling inside it works. Batches
+    are read in this thread (`workers` and multiprocessing are not used).
+    """
+
+    def __init__(self, dataset):
+        self._dataset = dataset
+
+    @property
+    def num_batches(self):
+        return self._dataset.num_batches
+
+    def __iter__(self):
+        self._dataset.on_epoch_begin()
+        count = self._dataset.num_batches
+        # No length: an endless dataset, for use with `steps_per_epoch`.
+        indices = range(count) if count is not None else itertools.count()
+        for index in indices:
+            yield self._dataset[index]
+        self._dataset.on_epoch_end()
 
 
 def hide_gpus_from_tensorflow():

@@ -1,0 +1,202 @@
+"""Other models, other inputs, mixed precision and optimizer features.
+
+Each trains on 2 simulated devices; where Keras's `model.fit` can run the
+same thing on one device, the results are compared with it.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_dp
+from conftest import devices
+from conftest import mlp
+from conftest import weights
+
+ROWS, BATCH = 512, 64
+
+
+@pytest.fixture
+def data(mnist):
+    (x, y), _ = mnist
+    return x[:ROWS], y[:ROWS]
+
+
+def fit(model, *args, **kwargs):
+    kwargs = dict(dict(epochs=3, verbose=0, devices=devices(2)), **kwargs)
+    return keras_dp.fit_sharded(model, *args, **kwargs).history["loss"]
+
+
+def assert_falls(losses):
+    assert losses[-1] < 0.9 * losses[0], losses
+
+
+# -- Inputs ------------------------------------------------------------------
+
+class Batches(keras.utils.PyDataset):
+    """MNIST batches, reshuffled by its own `on_epoch_end`."""
+
+    def __init__(self, x, y):
+        super().__init__()
+        self.x, self.y = x, y
+        self.order = np.arange(len(x))
+        self.epochs_ended = 0
+
+    def __len__(self):
+        return len(self.x) // BATCH
+
+    def __getitem__(self, index):
+        rows = self.order[index * BATCH:(index + 1) * BATCH]
+        return self.x[rows], self.y[rows]
+
+    def on_epoch_end(self):
+        self.epochs_ended += 1
+        self.order = np.random.default_rng(self.epochs_ended).permutation(len(self.x))
+
+
+def test_a_py_dataset_trains_with_its_epoch_hooks(data):
+    dataset = Batches(*data)
+    trainer = keras_dp.ShardedTrainer(mlp(), devices=devices(2))
+    assert_falls(trainer.fit(dataset, epochs=3, verbose=0).history["loss"])
+    assert dataset.epochs_ended == 3
+    assert trainer.model.optimizer.iterations.numpy() == 3 * len(dataset)
+
+
+def test_a_python_generator_trains(data):
+    x, y = data
+
+    def batches():
+        while True:
+            for start in range(0, ROWS, BATCH):
+                yield x[start:start + BATCH], y[start:start + BATCH]
+
+    model = mlp()
+    assert_falls(fit(model, batches(), steps_per_epoch=ROWS // BATCH))
+    assert model.optimizer.iterations.numpy() == 3 * ROWS // BATCH
+
+
+def test_a_torch_data_loader_trains(data):
+    torch = pytest.importorskip("torch")
+    x, y = data
+    dataset = torch.utils.data.TensorDataset(torch.from_numpy(x), torch.from_numpy(y.astype("int64")))
+    loader = torch.utils.data.DataLoader(dataset, batch_size=BATCH)
+    assert_falls(fit(mlp(), loader))
+
+
+# -- Models ------------------------------------------------------------------
+
+def two_in_two_out():
+    keras.utils.set_random_seed(0)
+    image = keras.Input((28, 28, 1), name="image")
+    extra = keras.Input((4,), name="extra")
+    hidden = keras.layers.Flatten()(keras.layers.Rescaling(1 / 255)(image))
+    hidden = keras.layers.Dense(32, activation="relu")(
+        keras.layers.Concatenate()([hidden, extra]))
+    model = keras.Model(
+        {"image": image, "extra": extra},
+        {"digit": keras.layers.Dense(10, name="digit")(hidden),
+         "size": keras.layers.Dense(1, name="size")(hidden)},
+    )
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.05),
+        loss={"digit": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+              "size": "mse"},
+        loss_weights={"digit": 1.0, "size": 0.1},
+    )
+    return model
+
+
+def test_a_functional_model_with_two_inputs_and_two_outputs(data):
+    x, y = data
+    extra = np.random.default_rng(0).normal(size=(ROWS, 4)).astype("float32")
+    inputs = {"image": x, "extra": extra}
+    labels = {"digit": y, "size": (x.reshape(ROWS, -1).mean(1, keepdims=True) / 255)}
+    reference = two_in_two_out()
+    expected = reference.fit(inputs, labels, batch_size=BATCH, epochs=3, shuffle=False,
+                             verbose=0).history["loss"]
+    model = two_in_two_out()
+    losses = fit(model, inputs, labels, batch_size=BATCH, shuffle=False)
+    np.testing.assert_allclose(losses, expected, rtol=1e-5)
+    assert_falls(losses)
+    for left, right in zip(weights(model), weights(reference), strict=True):
+        np.testing.assert_allclose(left, right, rtol=1e-5, atol=1e-6)
+
+
+class Subclassed(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.flatten = keras.layers.Flatten()
+        self.hidden = keras.layers.Dense(32, activation="relu")
+        self.dropout = keras.layers.Dropout(0.2)
+        self.out = keras.layers.Dense(10)
+
+    def call(self, images, training=False):
+        hidden = self.hidden(self.flatten(keras.ops.cast(images, "float32") / 255))
+        return self.out(self.dropout(hidden, training=training))
+
+
+def test_a_subclassed_model_built_from_the_first_batch(data):
+    keras.utils.set_random_seed(0)
+    model = Subclassed()  # unbuilt: keras_dp builds it, as model.fit does
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    assert_falls(fit(model, *data, batch_size=BATCH))
+
+
+def test_a_keras_applications_model(data):
+    x, y = data
+    rgb = np.repeat(np.pad(x[:128], ((0, 0), (2, 2), (2, 2), (0, 0))), 3, axis=-1)
+    keras.utils.set_random_seed(0)
+    model = keras.applications.MobileNetV2(input_shape=(32, 32, 3), alpha=0.35,
+                                           weights=None, classes=10)
+    model.compile(keras.optimizers.Adam(1e-3), "sparse_categorical_crossentropy")
+    assert_falls(fit(model, rgb.astype("float32") / 255, y[:128], batch_size=32, epochs=4))
+
+
+# -- Mixed precision and optimizer features ------------------------------------
+
+@pytest.fixture
+def policy():
+    yield keras.mixed_precision.set_global_policy
+    keras.mixed_precision.set_global_policy("float32")
+
+
+def test_mixed_bfloat16_computes_in_bfloat16_and_keeps_float32_variables(data, policy):
+    policy("mixed_bfloat16")
+    model = mlp()
+    trainer = keras_dp.ShardedTrainer(model, devices=devices(2))
+    assert_falls(trainer.fit(*data, batch_size=BATCH, epochs=3, verbose=0).history["loss"])
+    assert {v.dtype for v in model.trainable_variables} == {"float32"}
+    assert model.layers[2].compute_dtype == "bfloat16"
+    batch = trainer.shard((data[0][:BATCH], data[1][:BATCH]))
+    assert "bf16[" in trainer.compiled_train_step(trainer.init_state(), batch).as_text()
+
+
+def test_mixed_float16_trains_with_dynamic_loss_scaling(data, policy):
+    policy("mixed_float16")
+    model = mlp()
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    assert_falls(fit(model, *data, batch_size=BATCH))
+    assert {v.dtype for v in model.trainable_variables} == {"float32"}
+    # The scale lives in the optimizer's state, which keras_dp carries.
+    assert float(model.optimizer.dynamic_scale.numpy()) > 1.0
+
+
+@pytest.mark.parametrize("options", [
+    dict(gradient_accumulation_steps=2),
+    dict(use_ema=True),
+    dict(clipnorm=0.1),
+    dict(weight_decay=0.05),
+], ids=lambda options: next(iter(options)))
+def test_optimizer_features_match_keras_fit(data, options):
+    def compiled():
+        model = mlp()
+        model.compile(keras.optimizers.AdamW(1e-2, **options), model.loss)
+        return model
+
+    reference = compiled()
+    reference.fit(*data, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    model = compiled()
+    fit(model, *data, batch_size=BATCH, epochs=2, shuffle=False)
+    assert int(np.asarray(model.optimizer.iterations)) == int(np.asarray(reference.optimizer.iterations))
+    for left, right in zip(weights(model), weights(reference), strict=True):
+        np.testing.assert_allclose(left, right, rtol=1e-4, atol=1e-5)
