@@ -8,7 +8,8 @@ def fit_sharded(model, x=None, y=None, *, epochs=1, batch_size=None,
                 verbose="auto", shuffle=True, class_weight=None,
                 sample_weight=None, initial_epoch=0, steps_per_epoch=None,
                 validation_freq=1, steps_per_execution=None, optimizer=None,
-                loss=None, metrics=None, mesh=None, devices=None, seed=0):
+                loss=None, metrics=None, mesh=None, devices=None, seed=0,
+                checkpoint_dir=None):
     """Train `model` with synchronous data parallelism and return its History.
 
     Each global batch is split by rows over the devices, every device holds
@@ -34,6 +35,9 @@ def fit_sharded(model, x=None, y=None, *, epochs=1, batch_size=None,
         mesh, devices: where to train (default: all of JAX's devices).
         seed: seed of the per-epoch shuffle order; the same seed, data and
             device count give bitwise identical weights on CPU.
+        checkpoint_dir: save the whole training state there after every
+            epoch and on SIGTERM, and resume from it when it holds a
+            checkpoint (see `ShardedTrainer.fit`).
 
     Returns:
         A `keras.callbacks.History`, as `model.fit` returns.
@@ -59,5 +63,5 @@ def fit_sharded(model, x=None, y=None, *, epochs=1, batch_size=None,
         validation_data=validation_data, shuffle=shuffle,
         class_weight=class_weight, sample_weight=sample_weight,
         initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
-        validation_freq=validation_freq,
+        validation_freq=validation_freq, checkpoint_dir=checkpoint_dir,
     )

@@ -14,6 +14,7 @@ on one device over the same rows (up to float summation order).
 """
 
 import jax
+import jax.numpy as jnp
 import keras
 
 from keras_dp import data as data_lib
@@ -30,6 +31,13 @@ def make_train_step(model, mesh):
     the update is `optimizer.stateless_apply`. `state` is donated, and the new
     state and the logs come back replicated over `mesh`.
 
+    A step whose running loss (`logs["loss"]`, the mean over the epoch so
+    far) is NaN or Inf keeps the weights, non-trainable state and optimizer
+    it was given and updates only the metrics. The running loss then stays
+    non-finite, so every later step of the epoch keeps them too: however
+    many steps were dispatched before the host notices, the state still
+    holds the last good weights.
+
     Args:
         model: a built, compiled Keras model; only read while tracing.
         mesh: the `"batch"` mesh the state is replicated over.
@@ -41,7 +49,7 @@ def make_train_step(model, mesh):
 
 
 def make_multi_train_step(model, mesh, unroll=1):
-    """Return the jitted `train_steps(state, batches) -> (state, logs)`.
+    """Return the jitted `train_steps(state, batches) -> (state, logs, finite)`.
 
     `batches` is a stacked `DeviceBatch` (`data.to_device_stacked`): K
     batches of the same row count, shape `[K, rows, ...]`, sharded
@@ -51,6 +59,8 @@ def make_multi_train_step(model, mesh, unroll=1):
     iteration (`unroll=K` unrolls fully, which XLA:CPU runs faster). The
     logs are those after the last step, as Keras reports them under
     `steps_per_execution`: the metrics' running values over the epoch so far.
+    The third output counts the steps whose loss was finite (K unless one
+    failed; see `make_train_step` for what a non-finite loss does).
     """
     step = _train_step(model, mesh)
 
@@ -59,7 +69,8 @@ def make_multi_train_step(model, mesh, unroll=1):
             return step(state, data_lib.DeviceBatch(data, batches.rows, batches.blocks))
 
         state, logs = jax.lax.scan(body, state, batches.data, unroll=unroll)
-        return state, jax.tree.map(lambda values: values[-1], logs)
+        finite = jnp.sum(jnp.isfinite(logs["loss"])) if "loss" in logs else len(batches.data)
+        return state, jax.tree.map(lambda values: values[-1], logs), finite
 
     return jax.jit(
         train_steps, donate_argnums=0, out_shardings=mesh_lib.replicated(mesh)
@@ -71,9 +82,23 @@ def _train_step(model, mesh):
     step = model_train_step(model)
 
     def train_step(state, batch):
-        return step(state, data_lib.real_rows(batch, mesh))
+        new_state, logs = step(state, data_lib.real_rows(batch, mesh))
+        return _keep_if_not_finite(new_state, state, logs), logs
 
     return train_step
+
+
+def _keep_if_not_finite(new_state, state, logs):
+    """`new_state`, with `state`'s weights and optimizer if the loss is not finite."""
+    if "loss" not in logs:
+        return new_state
+    finite = jnp.isfinite(logs["loss"])
+    keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+    return new_state._replace(
+        trainable=jax.tree.map(keep, new_state.trainable, state.trainable),
+        non_trainable=jax.tree.map(keep, new_state.non_trainable, state.non_trainable),
+        optimizer=jax.tree.map(keep, new_state.optimizer, state.optimizer),
+    )
 
 
 def model_train_step(model):

@@ -13,6 +13,7 @@ every epoch and whenever `fit` exits, by an exception or an interrupt too.
 
 import collections
 import contextlib
+import itertools
 
 import jax
 import keras
@@ -20,6 +21,7 @@ import numpy as np
 # Keras's own helpers, so that builds and logs match model.fit exactly.
 from keras.src import backend as keras_backend
 
+from keras_dp import checkpoint as checkpoint_lib
 from keras_dp import data as data_lib
 from keras_dp import describe as describe_lib
 from keras_dp import distributed as distributed_lib
@@ -198,7 +200,8 @@ class ShardedTrainer:
     def fit(self, x=None, y=None, *, batch_size=None, epochs=1, verbose="auto",
             callbacks=None, validation_split=0.0, validation_data=None,
             shuffle=True, class_weight=None, sample_weight=None,
-            initial_epoch=0, steps_per_epoch=None, validation_freq=1):
+            initial_epoch=0, steps_per_epoch=None, validation_freq=1,
+            checkpoint_dir=None):
         """Train for `epochs` epochs, as `model.fit` does, on every device.
 
         Every row is used exactly once per epoch, whatever `batch_size` and
@@ -213,8 +216,10 @@ class ShardedTrainer:
                 runs epochs `initial_epoch` to `epochs - 1`.
             verbose: 0 silent, 1 progress bar, 2 one line per epoch.
             callbacks: Keras callbacks; they see the same hooks and logs as
-                under `model.fit`. The model's weights are current at epoch
-                boundaries.
+                under `model.fit`. A callback that reads `self.model` in the
+                middle of an epoch sees the current weights, and what it
+                changes there (weights, learning rate) is trained on from the
+                next step, without a recompile.
             validation_split: hold out this last fraction of array data
                 (taken before shuffling) and score it after each epoch.
             validation_data: `(x, y[, sample_weight])` or a dataset, scored
@@ -230,9 +235,21 @@ class ShardedTrainer:
                 iterator that runs out stops training with a warning.
             validation_freq: validate every this many epochs (an int), or
                 after the listed epochs (1-based, as in Keras).
+            checkpoint_dir: save the whole training state there (see
+                `keras_dp.checkpoint`) after every epoch, and when SIGTERM
+                arrives: then at the next step boundary, after which the
+                process exits with status 143. If the directory holds a
+                checkpoint, training resumes from it (its epoch and step
+                replace `initial_epoch`) and ends as an unbroken run would.
 
         Returns:
             The `keras.callbacks.History` of the run.
+
+        Raises:
+            FloatingPointError: the loss became NaN or Inf; the message names
+                the epoch and batch, and the model keeps the weights from
+                before that step. Not raised when a callback such as
+                `keras.callbacks.TerminateOnNaN` stops training instead.
         """
         if validation_split:
             if validation_data is not None:
@@ -252,24 +269,53 @@ class ShardedTrainer:
             val = self._batches(validation_data, None, None, batch_size, False)
             self.build(val.peek())  # bad validation labels fail now, not after epoch 1
         _check_validation_freq(validation_freq)
+        checkpoints = None
+        resume = checkpoint_lib.Position(initial_epoch, 0)
+        if checkpoint_dir is not None:
+            if self.multiprocess:
+                raise ValueError(
+                    "checkpoint_dir is not supported across processes yet: a "
+                    "SIGTERM reaches one host, and the others would wait for "
+                    "it. Train in one process to use it."
+                )
+            checkpoints = checkpoint_lib.Checkpoints(checkpoint_dir)
+            resume = checkpoints.restore(self.model, self.mesh, self.seed) or resume
         callbacks = _callback_list(
             callbacks, self.model, verbose, epochs=epochs, steps=batches.steps
         )
         self.model.stop_training = False
+        live = _Live(self.model)
+        epoch_logs, finished = {}, False
         callbacks.on_train_begin()
-        live = _Live()
+        # keras.callbacks.BackupAndRestore resumes this way, as under model.fit.
+        start = getattr(self.model, "_initial_epoch", None) or resume.epoch
         try:
-            epoch_logs = {}
-            for epoch in range(initial_epoch, epochs):
-                validate = val is not None and _should_validate(epoch, validation_freq)
-                epoch_logs = self._fit_epoch(
-                    live, batches, epoch, callbacks, val if validate else None
-                )
-                if self.model.stop_training or getattr(batches, "exhausted", False):
-                    break
-            callbacks.on_train_end(epoch_logs)
+            with live.attached(), checkpoint_lib.Preemption() as preemption:
+                for epoch in range(start, epochs):
+                    validate = val is not None and _should_validate(epoch, validation_freq)
+                    skip = resume.steps if epoch == resume.epoch else 0
+                    epoch_logs = self._fit_epoch(
+                        live, batches, epoch, callbacks, val if validate else None,
+                        skip=skip, preemption=preemption if checkpoints else None,
+                        checkpoints=checkpoints,
+                    )
+                    if checkpoints is not None:
+                        position = checkpoint_lib.Position(epoch + 1, 0)
+                        checkpoints.save(self.model, position, self.seed)
+                        if preemption.requested:
+                            checkpoint_lib.exit_after_preemption(checkpoints.directory, position)
+                    if self.model.stop_training or getattr(batches, "exhausted", False):
+                        break
+                finished = True
         finally:
-            live.write_back_if_alive(self.model)
+            live.write_back_if_alive()
+            if epochs > 0:
+                # Keras's own end of fit: e.g. copy EMA weights into the model.
+                self.model.optimizer.finalize_variable_values(self.model.trainable_weights)
+            if checkpoints is not None:
+                checkpoints.close()
+        if finished:
+            callbacks.on_train_end(epoch_logs)
         return self.model.history
 
     def evaluate(self, x=None, y=None, *, batch_size=None, verbose="auto",
@@ -326,34 +372,58 @@ class ShardedTrainer:
             seed=self.seed, class_weight=class_weight,
         )
 
-    def _fit_epoch(self, live, batches, epoch, callbacks, val):
-        """One epoch: sync in, train, sync out, validate. Returns epoch logs."""
-        self.model.reset_metrics()
+    def _fit_epoch(self, live, batches, epoch, callbacks, val, skip=0,
+                   preemption=None, checkpoints=None):
+        """One epoch: sync in, train, sync out, validate. Returns epoch logs.
+
+        `skip` steps of the epoch are done already (a resumed checkpoint,
+        whose metrics hold their running totals).
+        """
+        if not skip:
+            self.model.reset_metrics()
         callbacks.on_epoch_begin(epoch)
         # Read the model afresh: a callback may have changed it (weights,
         # learning rate) since the last write-back.
-        live.state = self.init_state()
+        live.read(self.init_state())
         throttle = _Throttle(self.steps_in_flight)
         logs = None
+        host_batches = batches.epoch(epoch)
+        if skip:
+            host_batches = itertools.islice(host_batches, skip, None)
         if self.multiprocess:
-            placed = ((1, batch) for batch in self._placed(batches.epoch(epoch), batches.peek()))
+            placed = ((1, batch) for batch in self._placed(host_batches, batches.peek()))
         else:
-            groups = data_lib.group_steps(batches.epoch(epoch), self.steps_per_execution)
+            groups = data_lib.group_steps(host_batches, self.steps_per_execution)
             placed = data_lib.prefetch(map(self._place, groups), self.prefetch)
-        index = 0
+        index = skip
         # Closing it on a break (stop_training) stops the look-ahead thread now.
         with contextlib.closing(placed):
             for steps, device_batch in placed:
+                if preemption is not None and preemption.requested:
+                    throttle.drain()
+                    live.sync()
+                    position = checkpoint_lib.Position(epoch, index)
+                    checkpoints.save(self.model, position, self.seed)
+                    checkpoint_lib.exit_after_preemption(checkpoints.directory, position)
                 callbacks.on_train_batch_begin(index)
-                step = self._train_step if steps == 1 else self._train_steps
-                live.state, logs = step(live.state, device_batch)
+                if live.touched:
+                    # A callback read (and may have changed) the model.
+                    live.read(self.init_state())
+                if steps == 1:
+                    state, logs = self._train_step(live.state, device_batch)
+                    finite = 0  # if this step's loss is not finite, it is the first bad one
+                else:
+                    state, logs, finite = self._train_steps(live.state, device_batch)
+                live.stepped(state)
+                throttle.add((index, finite, logs))
                 index += steps
-                throttle.add(logs)
                 callbacks.on_train_batch_end(index - 1, logs)
-                if self.model.stop_training:
+                if throttle.failure is not None or self.model.stop_training:
                     break
         throttle.drain()
-        live.write_back_if_alive(self.model)
+        if throttle.failure is not None and not self.model.stop_training:
+            raise FloatingPointError(_failure_message(epoch, *throttle.failure))
+        live.write_back_if_alive()
         # No logs: a one-shot stream ran dry at the epoch's start (fit stops).
         epoch_logs = {} if logs is None else _to_python(logs)
         if val is not None and logs is not None:
@@ -408,32 +478,93 @@ class ShardedTrainer:
 
 
 class _Live:
-    """The state of the epoch in progress, for write-back on any exit."""
+    """The state of the epoch in progress, and the Keras model's view of it.
 
-    state = None
+    While `attached`, the model's `jax_state_sync` is this object's `sync`.
+    Keras's `Callback.model` calls it on the JAX backend before handing the
+    model to a callback, so a callback that reads `self.model` mid-epoch gets
+    the current weights; `touched` then tells the trainer to read the model
+    again before the next step, so that what the callback changed is trained
+    on. A step costs no copy unless a callback looks.
+    """
 
-    def write_back_if_alive(self, model):
+    def __init__(self, model):
+        self.model = model
+        self.state = None
+        self.synced = True  # the model holds what `state` holds
+        self.touched = False  # a callback has seen the model since the last read
+
+    @contextlib.contextmanager
+    def attached(self):
+        self.model.jax_state_sync = self.sync  # shadows Keras's own, for this fit
+        try:
+            yield self
+        finally:
+            del self.model.jax_state_sync
+
+    def read(self, state):
+        self.state, self.synced, self.touched = state, True, False
+
+    def stepped(self, state):
+        self.state, self.synced = state, False
+
+    def sync(self):
+        self.touched = True
+        if not self.synced:
+            self.write_back_if_alive()
+
+    def write_back_if_alive(self):
         # A step that failed after its state was donated leaves nothing to
         # write; the model then keeps the weights of the last epoch boundary.
         if self.state is not None and is_alive(self.state):
-            write_back(self.state, model)
+            write_back(self.state, self.model)
+            self.synced = True
 
 
 class _Throttle:
-    """Bounds how many dispatched steps may still be running."""
+    """Bounds how many dispatched steps may still be running.
+
+    Items are `(first_step, finite_steps, logs)` for a call of one or more
+    steps, `finite_steps` counting its steps with a finite loss. When an item
+    is finished, its loss is checked: `failure` becomes `(step, loss)` for
+    the first step whose running loss is NaN or Inf. Checking only finished
+    steps costs no extra wait.
+    """
 
     def __init__(self, limit):
         self._limit = limit
         self._pending = collections.deque()
+        self.failure = None
 
-    def add(self, outputs):
-        self._pending.append(outputs)
+    def add(self, item):
+        self._pending.append(item)
         while len(self._pending) >= self._limit:
-            jax.block_until_ready(self._pending.popleft())
+            self._retire()
 
     def drain(self):
         while self._pending:
-            jax.block_until_ready(self._pending.popleft())
+            self._retire()
+
+    def _retire(self):
+        item = jax.block_until_ready(self._pending.popleft())
+        if not isinstance(item, tuple):
+            return
+        first_step, finite, logs = item
+        if self.failure is None and "loss" in logs:
+            loss = float(logs["loss"])
+            if not np.isfinite(loss):
+                self.failure = (first_step + int(finite), loss)
+
+
+def _failure_message(epoch, step, loss):
+    return (
+        f"The loss became {loss} at epoch {epoch + 1}, batch {step} (counted "
+        "from 0 within the epoch, as callbacks count). Training stopped, and "
+        "the model holds the weights from before that step. Check that "
+        "batch for NaN or Inf inputs or labels, lower the learning rate, or "
+        "clip gradients (for example optimizer clipnorm=1.0); add "
+        "keras.callbacks.TerminateOnNaN() to stop without an error."
+    )
 
 
 def _to_python(logs):

@@ -1,0 +1,170 @@
+"""Checkpoints of the whole training state, and saving on preemption.
+
+A checkpoint holds every variable a train step reads, taken from the Keras
+model (which `fit` keeps current at every epoch end and before a save):
+the trainable and non-trainable variables (BatchNorm statistics, Dropout's
+seed-generator state), the optimizer's variables (step count, slots,
+learning rate, loss scale), the metrics' running totals, and the position
+in the run: the epoch in progress and how many of its steps are done. The
+shuffle order of an epoch is a function of the trainer's seed and the epoch
+index, so this is all a resumed run needs to take the same steps on the same
+rows as an unbroken one, and end with bitwise the same weights on CPU.
+
+Written with orbax-checkpoint, JAX's checkpoint library, rather than Keras
+saving: Keras saving stores a model and its optimizer but not the metrics'
+state, and orbax gives the guarantee a resume needs. Each save goes to a
+temporary directory that is renamed into place only once complete, so a
+crash or a kill in the middle of a write leaves the previous checkpoint the
+latest one, never a partial one. Orbax is imported only when a checkpoint is
+used.
+"""
+
+import dataclasses
+import os
+import signal
+import sys
+import threading
+
+import numpy as np
+
+from keras_dp import mesh as mesh_lib
+from keras_dp.state import TrainState
+from keras_dp.state import write_back
+
+
+@dataclasses.dataclass(frozen=True)
+class Position:
+    """Where a run stands: `steps` steps of epoch `epoch` (0-based) are done."""
+
+    epoch: int
+    steps: int
+
+
+class Checkpoints:
+    """The checkpoints of one run in `directory`; the newest `max_to_keep` are kept.
+
+    Args:
+        directory: where to write; created if missing. Use one directory per
+            run: a checkpoint of another model cannot be restored.
+        max_to_keep: how many of the newest checkpoints to keep.
+    """
+
+    def __init__(self, directory, max_to_keep=2):
+        import orbax.checkpoint as ocp
+
+        self._ocp = ocp
+        self.directory = os.path.abspath(os.fspath(directory))
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=max_to_keep, create=True,
+                # Synchronous: when save returns, the checkpoint is complete.
+                enable_async_checkpointing=False,
+            ),
+        )
+
+    def save(self, model, position, seed):
+        """Write `model`'s whole training state and `position`; returns when complete.
+
+        `model` must be built and compiled (its optimizer and metrics built).
+        """
+        index = self._manager.latest_step()
+        index = 0 if index is None else index + 1
+        tree = {
+            "state": _model_state(model),
+            "position": _position_tree(position.epoch, position.steps, seed),
+        }
+        self._manager.save(index, args=self._ocp.args.StandardSave(tree), force=True)
+        self._manager.wait_until_finished()
+
+    def restore(self, model, mesh, seed):
+        """Load the newest checkpoint into `model`; return its `Position` or None.
+
+        Raises:
+            ValueError: the checkpoint does not fit the model (another model,
+                optimizer or metrics wrote it), or another seed did, whose
+                shuffle order would make the resumed run differ.
+        """
+        index = self._manager.latest_step()
+        if index is None:
+            return None
+        template = {"state": _model_state(model), "position": _position_tree(0, 0, 0)}
+        try:
+            tree = self._manager.restore(index, args=self._ocp.args.StandardRestore(template))
+        except Exception as error:
+            raise ValueError(
+                f"The checkpoint in {self.directory} does not fit this model: "
+                "it was written for another model, optimizer or set of "
+                "metrics. Resume with the same model and compile arguments, "
+                f"or pass a new checkpoint_dir. Orbax reported: {error}"
+            ) from error
+        saved_seed = int(tree["position"]["seed"])
+        if saved_seed != seed:
+            raise ValueError(
+                f"The checkpoint in {self.directory} was written by a run with "
+                f"seed={saved_seed}, and this trainer has seed={seed}: the "
+                "shuffle order would differ from the interrupted run. Pass "
+                f"seed={saved_seed} to resume it, or a new checkpoint_dir."
+            )
+        state = TrainState(**tree["state"])
+        write_back(mesh_lib.replicate(state, mesh), model)
+        return Position(int(tree["position"]["epoch"]), int(tree["position"]["steps"]))
+
+    def close(self):
+        self._manager.close()
+
+
+class Preemption:
+    """Turns SIGTERM into a request to save and stop, for a `with` block.
+
+    The handler only records the signal; the trainer acts on it between two
+    steps. So the signal never interrupts a checkpoint being written, and
+    the state saved is one the run really reached. Outside the main thread,
+    where Python cannot install handlers, it does nothing.
+    """
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def __exit__(self, *exc_info):
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+
+def exit_after_preemption(directory, position):
+    """Say where the run stopped and end the process as SIGTERM would (143)."""
+    print(
+        f"keras_dp: SIGTERM received; saved a checkpoint in {directory} after "
+        f"{position.steps} steps of epoch {position.epoch + 1}. Run the same "
+        "fit with the same checkpoint_dir to resume from there.",
+        file=sys.stderr, flush=True,
+    )
+    raise SystemExit(128 + signal.SIGTERM)
+
+
+def _model_state(model):
+    """The model's variables as a `TrainState`-shaped dict of numpy arrays."""
+    groups = TrainState(
+        trainable=model.trainable_variables,
+        non_trainable=model.non_trainable_variables,
+        optimizer=model.optimizer.variables,
+        metrics=model.metrics_variables,
+    )
+    return {
+        name: [np.asarray(variable.value) for variable in variables]
+        for name, variables in groups.groups()
+    }
+
+
+def _position_tree(epoch, steps, seed):
+    return {"epoch": np.asarray(epoch), "steps": np.asarray(steps), "seed": np.asarray(seed)}

@@ -1,0 +1,249 @@
+"""Keras callbacks keep their `model.fit` meaning under `fit_sharded`.
+
+Most tests run the same callback under Keras's own `model.fit` (one device)
+and under keras_dp (2 simulated devices) from the same initial weights, and
+assert equal results; the others assert the callback's effect directly.
+"""
+
+import csv
+
+import keras
+import numpy as np
+import pytest
+
+import keras_dp
+from conftest import devices
+from conftest import mlp
+from conftest import weights
+
+ROWS, BATCH = 512, 64  # 8 steps per epoch
+
+
+def sgd_mlp(seed=0, learning_rate=0.05, momentum=0.9):
+    model = mlp(seed)
+    model.compile(
+        optimizer=keras.optimizers.SGD(learning_rate, momentum=momentum),
+        loss=model.loss, metrics=["accuracy"],
+    )
+    return model
+
+
+@pytest.fixture
+def data(mnist):
+    (x, y), (x_test, y_test) = mnist
+    return x[:ROWS], y[:ROWS], (x_test[:256], y_test[:256])
+
+
+def keras_and_sharded(data, make_callbacks, epochs=2, **fit_kwargs):
+    """Train two copies of one model, by Keras and by keras_dp; return both."""
+    x, y, val = data
+    results = []
+    for fit in ("keras", "sharded"):
+        model = sgd_mlp()
+        kwargs = dict(batch_size=BATCH, epochs=epochs, verbose=0, shuffle=False,
+                      validation_data=val, callbacks=make_callbacks(), **fit_kwargs)
+        if fit == "keras":
+            history = model.fit(x, y, **kwargs)
+        else:
+            trainer = keras_dp.ShardedTrainer(model, devices=devices(2))
+            history = trainer.fit(x, y, **kwargs)
+        results.append((model, history, kwargs["callbacks"]))
+    return results
+
+
+def assert_weights_close(a, b):
+    for left, right in zip(weights(a), weights(b), strict=True):
+        np.testing.assert_allclose(left, right, rtol=1e-5, atol=1e-6)
+
+
+class ReadsMidEpoch(keras.callbacks.Callback):
+    """Records the model's weights after batch 2 of every epoch."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 2:
+            self.seen.append(weights(self.model))
+
+
+class HalvesKernelMidEpoch(keras.callbacks.Callback):
+    """Halves the last layer's kernel before batch 3 of every epoch."""
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch == 3:
+            kernel = self.model.layers[-1].kernel
+            kernel.assign(kernel.numpy() * 0.5)
+
+
+def test_a_callback_reads_current_weights_mid_epoch(data):
+    (_, _, (keras_cb,)), (_, _, (ours,)) = keras_and_sharded(data, lambda: [ReadsMidEpoch()])
+    assert len(ours.seen) == 2
+    for keras_seen, seen in zip(keras_cb.seen, ours.seen, strict=True):
+        for left, right in zip(keras_seen, seen, strict=True):
+            np.testing.assert_allclose(left, right, rtol=1e-5, atol=1e-6)
+    # Not the epoch-start weights: three steps have been taken.
+    assert not np.allclose(ours.seen[1][-1], ours.seen[0][-1])
+
+
+def test_a_callbacks_change_mid_epoch_is_trained_on(data):
+    (keras_model, _, _), (model, _, _) = keras_and_sharded(data, lambda: [HalvesKernelMidEpoch()])
+    assert_weights_close(model, keras_model)
+    untouched = sgd_mlp()
+    keras_dp.fit_sharded(untouched, data[0], data[1], batch_size=BATCH, epochs=2, verbose=0,
+                         shuffle=False, devices=devices(2))
+    assert not np.allclose(weights(untouched)[-2], weights(model)[-2], rtol=1e-2)
+
+
+def test_callbacks_that_do_not_look_cost_no_copies(data, tmp_path, monkeypatch):
+    # A per-step write-back would cost a device-to-host copy of every
+    # variable per step: the standard callbacks must not cause one.
+    x, y, val = data
+    model = sgd_mlp()
+    trainer = keras_dp.ShardedTrainer(model, devices=devices(2))
+    reads = []
+    original = trainer.init_state
+    monkeypatch.setattr(trainer, "init_state", lambda: reads.append(1) or original())
+    callbacks = [
+        keras.callbacks.ModelCheckpoint(str(tmp_path / "m.keras")),
+        keras.callbacks.CSVLogger(str(tmp_path / "log.csv")),
+        keras.callbacks.EarlyStopping(monitor="val_loss", patience=5),
+        keras.callbacks.TerminateOnNaN(),
+        keras.callbacks.ReduceLROnPlateau(monitor="loss", patience=5),
+    ]
+    trainer.fit(x, y, batch_size=BATCH, epochs=3, verbose=1, validation_data=val,
+                callbacks=callbacks)
+    assert len(reads) == 3  # one per epoch start
+
+
+def test_learning_rate_scheduler_reaches_the_step_without_a_recompile(data):
+    schedule = lambda epoch, lr: 0.05 * 0.5**epoch  # noqa: E731
+    (keras_model, _, _), (model, history, _) = keras_and_sharded(
+        data, lambda: [keras.callbacks.LearningRateScheduler(schedule)], epochs=3
+    )
+    assert_weights_close(model, keras_model)
+    assert float(model.optimizer.learning_rate.numpy()) == pytest.approx(0.0125)
+    np.testing.assert_allclose(history.history["learning_rate"], [0.05, 0.025, 0.0125])
+
+
+def test_reduce_lr_on_plateau_and_a_mid_epoch_rate_change_without_recompile(data):
+    x, y, _ = data
+    model = sgd_mlp(momentum=0.0)  # so that a zero rate means no update at all
+    trainer = keras_dp.ShardedTrainer(model, devices=devices(2))
+
+    class FreezeAfterBatch3(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 3:
+                self.after_3 = weights(self.model)
+                self.model.optimizer.learning_rate = 0.0
+
+    freeze = FreezeAfterBatch3()
+    # min_delta larger than any improvement: after epoch 0 sets the best, the
+    # rate halves at the end of every epoch.
+    plateau = keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0,
+                                                min_delta=100.0, min_lr=0.0)
+    trainer.fit(x, y, batch_size=BATCH, epochs=3, verbose=0, callbacks=[plateau])
+    assert float(model.optimizer.learning_rate.numpy()) == pytest.approx(0.05 * 0.25)
+    trainer.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[freeze])
+    # With rate 0 from batch 4 on, SGD leaves the weights where batch 3 left them.
+    for left, right in zip(freeze.after_3, weights(model), strict=True):
+        np.testing.assert_array_equal(left, right)
+    assert trainer._train_step._cache_size() == 1
+
+
+def test_model_checkpoint_weights_and_best_full_model(data, tmp_path):
+    x, y, val = data
+    model = sgd_mlp()
+
+    class EpochWeights(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.by_epoch = []
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.by_epoch.append((logs["val_loss"], weights(self.model)))
+
+    record = EpochWeights()
+    callbacks = [
+        keras.callbacks.ModelCheckpoint(str(tmp_path / "w-{epoch}.weights.h5"),
+                                        save_weights_only=True),
+        keras.callbacks.ModelCheckpoint(str(tmp_path / "best.keras"), monitor="val_loss",
+                                        save_best_only=True),
+        record,
+    ]
+    keras_dp.fit_sharded(model, x, y, batch_size=BATCH, epochs=3, verbose=0,
+                         validation_data=val, callbacks=callbacks, devices=devices(2))
+    assert sorted(p.name for p in tmp_path.glob("w-*")) == [f"w-{e}.weights.h5" for e in (1, 2, 3)]
+    restored = sgd_mlp(seed=1)
+    restored.load_weights(str(tmp_path / "w-3.weights.h5"))
+    for left, right in zip(weights(restored), weights(model), strict=True):
+        np.testing.assert_array_equal(left, right)
+    best_loss, best_weights = min(record.by_epoch, key=lambda item: item[0])
+    best = keras.saving.load_model(str(tmp_path / "best.keras"))
+    for left, right in zip(weights(best), best_weights, strict=True):
+        np.testing.assert_array_equal(left, right)
+
+
+def test_early_stopping_restores_the_best_epochs_weights(data):
+    x, y, _ = data
+
+    class EpochWeights(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            self.first = getattr(self, "first", None) or weights(self.model)
+
+    record = EpochWeights()
+    # The loss falls, so with mode="max" epoch 0 stays best and patience 1
+    # stops after epoch 1.
+    stop = keras.callbacks.EarlyStopping(monitor="loss", mode="max", patience=1,
+                                         restore_best_weights=True)
+    model = sgd_mlp()
+    history = keras_dp.fit_sharded(model, x, y, batch_size=BATCH, epochs=10, verbose=0,
+                                   callbacks=[record, stop], devices=devices(2))
+    assert len(history.history["loss"]) == 2
+    assert stop.stopped_epoch == 1
+    for left, right in zip(weights(model), record.first, strict=True):
+        np.testing.assert_array_equal(left, right)
+
+
+def test_csv_logger_tensorboard_and_progress_bar(data, tmp_path, capsys):
+    x, y, val = data
+    callbacks = [
+        keras.callbacks.CSVLogger(str(tmp_path / "log.csv")),
+        keras.callbacks.TensorBoard(str(tmp_path / "tb")),
+    ]
+    history = keras_dp.fit_sharded(sgd_mlp(), x, y, batch_size=BATCH, epochs=2, verbose=1,
+                                   validation_data=val, callbacks=callbacks, devices=devices(2))
+    with open(tmp_path / "log.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [int(row["epoch"]) for row in rows] == [0, 1]
+    np.testing.assert_allclose([float(row["loss"]) for row in rows], history.history["loss"],
+                               rtol=1e-6)
+    events = list((tmp_path / "tb").rglob("events.out.tfevents.*"))
+    assert {path.parent.name for path in events} == {"train", "validation"}
+    assert all(path.stat().st_size > 0 for path in events)
+    out = capsys.readouterr().out
+    assert "Epoch 1/2" in out and "Epoch 2/2" in out and "8/8" in out
+
+
+def test_backup_and_restore_resumes_at_the_interrupted_epoch(data, tmp_path):
+    x, y, _ = data
+
+    class CrashAtEpoch2(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 2:
+                raise RuntimeError("simulated crash")
+
+    backup = str(tmp_path / "backup")
+    model = sgd_mlp()
+    kwargs = dict(batch_size=BATCH, epochs=4, verbose=0, shuffle=False, devices=devices(2))
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        keras_dp.fit_sharded(model, x, y, callbacks=[keras.callbacks.BackupAndRestore(backup),
+                                                     CrashAtEpoch2()], **kwargs)
+    resumed = sgd_mlp(seed=1)  # other initial weights: the backup replaces them
+    history = keras_dp.fit_sharded(resumed, x, y,
+                                   callbacks=[keras.callbacks.BackupAndRestore(backup)], **kwargs)
+    assert history.epoch == [2, 3]
+    unbroken = sgd_mlp()
+    keras_dp.fit_sharded(unbroken, x, y, **kwargs)
+    assert_weights_close(resumed, unbroken)

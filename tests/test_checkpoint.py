@@ -1,0 +1,153 @@
+"""Checkpoint and resume, saving on SIGTERM, and stopping on a non-finite loss."""
+
+import os
+import signal
+
+import keras
+import numpy as np
+import pytest
+
+import keras_dp
+from keras_dp import checkpoint as checkpoint_lib
+from conftest import devices
+from conftest import mlp
+from conftest import weights
+
+ROWS, BATCH = 512, 64  # 8 steps per epoch
+
+
+@pytest.fixture
+def data(mnist):
+    (x, y), _ = mnist
+    return x[:ROWS].astype("float32"), y[:ROWS]
+
+
+def fit(model, data, **kwargs):
+    kwargs = dict(dict(batch_size=BATCH, epochs=3, verbose=0, devices=devices(2)), **kwargs)
+    return keras_dp.fit_sharded(model, *data, **kwargs)
+
+
+def assert_bitwise_equal(a, b):
+    for left, right in zip(weights(a), weights(b), strict=True):
+        np.testing.assert_array_equal(left, right)
+
+
+def test_stop_after_epoch_1_and_resume_equals_an_unbroken_run(data, tmp_path):
+    # Dropout and shuffling on, Adam: the checkpoint must carry the seed
+    # generator's state and the optimizer's slots and step count.
+    unbroken = mlp(dropout=0.25)
+    fit(unbroken, data)
+    first = mlp(dropout=0.25)
+    history = fit(first, data, epochs=1, checkpoint_dir=tmp_path)
+    assert history.epoch == [0]
+    resumed = mlp(seed=7, dropout=0.25)  # other weights: the checkpoint replaces them
+    history = fit(resumed, data, checkpoint_dir=tmp_path)
+    assert history.epoch == [1, 2]
+    assert_bitwise_equal(resumed, unbroken)
+    assert int(resumed.optimizer.iterations.numpy()) == 3 * ROWS // BATCH
+    # A finished run resumes to nothing more to do.
+    assert fit(resumed, data, checkpoint_dir=tmp_path).epoch == []
+
+
+class SigtermAt(keras.callbacks.Callback):
+    def __init__(self, epoch, batch):
+        super().__init__()
+        self.at = (epoch, batch)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch) == self.at:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_mid_epoch_saves_exits_and_resumes_exactly(data, tmp_path):
+    unbroken = mlp(dropout=0.25)
+    unbroken_history = fit(unbroken, data)
+    model = mlp(dropout=0.25)
+    with pytest.raises(SystemExit) as exit_info:
+        fit(model, data, checkpoint_dir=tmp_path, callbacks=[SigtermAt(1, 4)])
+    assert exit_info.value.code == 143
+    # The handler is gone again: SIGTERM has its previous meaning.
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    # Saved after 5 steps of epoch 1 (batches 0-4), metrics' totals included.
+    resumed = mlp(seed=7, dropout=0.25)
+    history = fit(resumed, data, checkpoint_dir=tmp_path)
+    assert history.epoch == [1, 2]
+    assert_bitwise_equal(resumed, unbroken)
+    np.testing.assert_array_equal(history.history["loss"], unbroken_history.history["loss"][1:])
+
+
+def test_sigterm_during_a_save_leaves_it_complete(data, tmp_path, monkeypatch):
+    save = checkpoint_lib.Checkpoints.save
+
+    def signalled_save(self, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)  # arrives while this save runs
+        return save(self, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_lib.Checkpoints, "save", signalled_save)
+    model = mlp()
+    with pytest.raises(SystemExit):
+        fit(model, data, checkpoint_dir=tmp_path)
+    monkeypatch.undo()
+    # The save at the end of epoch 0 completed, and the run stopped there.
+    assert sorted(os.listdir(tmp_path)) == ["0"]
+    assert (tmp_path / "0" / "commit_success.txt").exists() or (tmp_path / "0" / "_CHECKPOINT_METADATA").exists()
+    resumed = mlp(seed=7)
+    assert fit(resumed, data, epochs=1, checkpoint_dir=tmp_path).epoch == []
+    assert_bitwise_equal(resumed, model)
+
+
+def test_a_partly_written_checkpoint_is_never_restored(data, tmp_path):
+    model = mlp()
+    fit(model, data, epochs=1, checkpoint_dir=tmp_path)
+    # What a writer killed mid-save leaves: orbax writes into a temporary
+    # directory and renames it into place only when it is complete.
+    partial = tmp_path / "1.orbax-checkpoint-tmp-1700000000"
+    (partial / "default").mkdir(parents=True)
+    (partial / "default" / "garbage").write_bytes(b"\0" * 100)
+    resumed = mlp(seed=7)
+    assert fit(resumed, data, epochs=1, checkpoint_dir=tmp_path).epoch == []
+    assert_bitwise_equal(resumed, model)
+
+
+def test_a_checkpoint_of_another_model_or_seed_is_refused(data, tmp_path):
+    fit(mlp(), data, epochs=1, checkpoint_dir=tmp_path)
+    with pytest.raises(ValueError, match="seed=0"):
+        fit(mlp(), data, epochs=2, checkpoint_dir=tmp_path, seed=1)
+    other = keras.Sequential([keras.Input((28, 28, 1)), keras.layers.Flatten(),
+                              keras.layers.Dense(10)])
+    other.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.raises(ValueError, match="does not fit this model"):
+        fit(other, data, epochs=2, checkpoint_dir=tmp_path)
+
+
+def poisoned(data, batch):
+    x, y = data
+    x = x.copy()
+    x[batch * BATCH + 3] = np.nan
+    return x, y
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 3])
+def test_a_nan_loss_names_the_step_and_keeps_the_last_good_weights(data, steps_per_execution):
+    five_steps = mlp()
+    fit(five_steps, (data[0][: 5 * BATCH], data[1][: 5 * BATCH]), epochs=1, shuffle=False)
+    model = mlp()
+    with pytest.raises(FloatingPointError, match=r"nan at epoch 2, batch 5 \(counted"):
+        fit(model, poisoned(data, 5), shuffle=False, steps_per_execution=steps_per_execution,
+            initial_epoch=1)
+    for left, right in zip(weights(model), weights(five_steps), strict=True):
+        np.testing.assert_allclose(left, right, rtol=1e-6, atol=1e-7)
+        assert np.isfinite(left).all()
+
+
+def test_terminate_on_nan_stops_without_an_error(data):
+    five_steps = mlp()
+    fit(five_steps, (data[0][: 5 * BATCH], data[1][: 5 * BATCH]), epochs=1, shuffle=False)
+    model = mlp()
+    history = fit(model, poisoned(data, 5), shuffle=False,
+                  callbacks=[keras.callbacks.TerminateOnNaN()])
+    assert history.epoch == [0] and np.isnan(history.history["loss"][0])
+    assert_bitwise_equal(model, five_steps)
