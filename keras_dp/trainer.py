@@ -11,25 +11,24 @@ replicated device state is, and the model is updated from it at the end of
 every epoch and whenever `fit` exits, by an exception or an interrupt too.
 """
 
-import collections
 import contextlib
 import itertools
 
 import jax
 import keras
 import numpy as np
-# Keras's own helpers, so that builds and logs match model.fit exactly.
-from keras.src import backend as keras_backend
 
+from keras_dp import build as build_lib
+from keras_dp import callbacks as callbacks_lib
 from keras_dp import checkpoint as checkpoint_lib
 from keras_dp import data as data_lib
 from keras_dp import describe as describe_lib
 from keras_dp import distributed as distributed_lib
+from keras_dp import inflight
 from keras_dp import mesh as mesh_lib
 from keras_dp import step as step_lib
 from keras_dp.state import TrainState
 from keras_dp.state import fresh_metrics
-from keras_dp.state import is_alive
 from keras_dp.state import model_weights
 from keras_dp.state import write_back
 
@@ -81,7 +80,7 @@ class ShardedTrainer:
                 "layers in keras.Sequential([...]) or keras.Model(inputs, "
                 "outputs)."
             )
-        _compile(model, optimizer, loss, metrics)
+        build_lib.compile_model(model, optimizer, loss, metrics)
         self.model = model
         self.mesh = mesh_lib.make_mesh(devices, mesh)
         self.seed = seed
@@ -138,7 +137,7 @@ class ShardedTrainer:
             ValueError: the model cannot be built on `x`, or the labels do
                 not fit its output.
         """
-        _build(self.model, data_lib.unpack(batch))
+        build_lib.build(self.model, data_lib.unpack(batch))
 
     def init_state(self):
         """Return the model's current variables as a replicated `TrainState`.
@@ -146,7 +145,7 @@ class ShardedTrainer:
         Raises:
             ValueError: the model, its metrics or optimizer are not built.
         """
-        if not _is_built(self.model):
+        if not build_lib.is_built(self.model):
             raise ValueError(
                 "The model is not built, so it has no variables to train. "
                 "Call trainer.build(batch) with one batch of data first (fit "
@@ -191,7 +190,7 @@ class ShardedTrainer:
         Returns:
             A multi-line string.
         """
-        state = self.init_state() if _is_built(self.model) else None
+        state = self.init_state() if build_lib.is_built(self.model) else None
         device_batch = None if batch is None else self.shard(batch)
         return describe_lib.describe(self.mesh, state, device_batch)
 
@@ -268,7 +267,7 @@ class ShardedTrainer:
         if validation_data is not None:
             val = self._batches(validation_data, None, None, batch_size, False)
             self.build(val.peek())  # bad validation labels fail now, not after epoch 1
-        _check_validation_freq(validation_freq)
+        callbacks_lib.check_validation_freq(validation_freq)
         checkpoints = None
         resume = checkpoint_lib.Position(initial_epoch, 0)
         if checkpoint_dir is not None:
@@ -280,11 +279,11 @@ class ShardedTrainer:
                 )
             checkpoints = checkpoint_lib.Checkpoints(checkpoint_dir)
             resume = checkpoints.restore(self.model, self.mesh, self.seed) or resume
-        callbacks = _callback_list(
+        callbacks = callbacks_lib.callback_list(
             callbacks, self.model, verbose, epochs=epochs, steps=batches.steps
         )
         self.model.stop_training = False
-        live = _Live(self.model)
+        live = callbacks_lib.LiveModel(self.model)
         epoch_logs, finished = {}, False
         callbacks.on_train_begin()
         # keras.callbacks.BackupAndRestore resumes this way, as under model.fit.
@@ -292,7 +291,7 @@ class ShardedTrainer:
         try:
             with live.attached(), checkpoint_lib.Preemption() as preemption:
                 for epoch in range(start, epochs):
-                    validate = val is not None and _should_validate(epoch, validation_freq)
+                    validate = val is not None and callbacks_lib.should_validate(epoch, validation_freq)
                     skip = resume.steps if epoch == resume.epoch else 0
                     epoch_logs = self._fit_epoch(
                         live, batches, epoch, callbacks, val if validate else None,
@@ -328,7 +327,7 @@ class ShardedTrainer:
         """
         batches = self._batches(x, y, sample_weight, batch_size, False)
         self.build(batches.peek())
-        callbacks = _callback_list(callbacks, self.model, verbose, steps=batches.steps)
+        callbacks = callbacks_lib.callback_list(callbacks, self.model, verbose, steps=batches.steps)
         state = self.init_state()
         logs = self._evaluate(state, batches, callbacks)
         if return_dict:
@@ -345,7 +344,7 @@ class ShardedTrainer:
         """
         batches = self._batches(x, None, None, batch_size, False)
         self.build(batches.peek())
-        callbacks = _callback_list(callbacks, self.model, verbose, steps=batches.steps)
+        callbacks = callbacks_lib.callback_list(callbacks, self.model, verbose, steps=batches.steps)
         weights = model_weights(self.model, self.mesh)
         outputs = []
         callbacks.on_predict_begin()
@@ -385,7 +384,7 @@ class ShardedTrainer:
         # Read the model afresh: a callback may have changed it (weights,
         # learning rate) since the last write-back.
         live.read(self.init_state())
-        throttle = _Throttle(self.steps_in_flight)
+        throttle = inflight.Throttle(self.steps_in_flight)
         logs = None
         host_batches = batches.epoch(epoch)
         if skip:
@@ -422,10 +421,10 @@ class ShardedTrainer:
                     break
         throttle.drain()
         if throttle.failure is not None and not self.model.stop_training:
-            raise FloatingPointError(_failure_message(epoch, *throttle.failure))
+            raise FloatingPointError(inflight.failure_message(epoch, *throttle.failure))
         live.write_back_if_alive()
         # No logs: a one-shot stream ran dry at the epoch's start (fit stops).
-        epoch_logs = {} if logs is None else _to_python(logs)
+        epoch_logs = {} if logs is None else callbacks_lib.to_python(logs)
         if val is not None and logs is not None:
             val_logs = self._evaluate(live.state, val, callbacks)
             epoch_logs.update({f"val_{name}": value for name, value in val_logs.items()})
@@ -462,7 +461,7 @@ class ShardedTrainer:
         """Score `batches` with `state`'s weights; returns python-float logs."""
         weights = (state.trainable, state.non_trainable)
         metrics = fresh_metrics(self.model, self.mesh)
-        throttle = _Throttle(self.steps_in_flight)
+        throttle = inflight.Throttle(self.steps_in_flight)
         logs = None
         callbacks.on_test_begin()
         placed = self._placed(batches.epoch(0), batches.peek())
@@ -472,206 +471,6 @@ class ShardedTrainer:
             throttle.add(logs)
             callbacks.on_test_batch_end(index, logs)
         throttle.drain()
-        logs = _to_python(logs)
+        logs = callbacks_lib.to_python(logs)
         callbacks.on_test_end(logs)
         return logs
-
-
-class _Live:
-    """The state of the epoch in progress, and the Keras model's view of it.
-
-    While `attached`, the model's `jax_state_sync` is this object's `sync`.
-    Keras's `Callback.model` calls it on the JAX backend before handing the
-    model to a callback, so a callback that reads `self.model` mid-epoch gets
-    the current weights; `touched` then tells the trainer to read the model
-    again before the next step, so that what the callback changed is trained
-    on. A step costs no copy unless a callback looks.
-    """
-
-    def __init__(self, model):
-        self.model = model
-        self.state = None
-        self.synced = True  # the model holds what `state` holds
-        self.touched = False  # a callback has seen the model since the last read
-
-    @contextlib.contextmanager
-    def attached(self):
-        self.model.jax_state_sync = self.sync  # shadows Keras's own, for this fit
-        try:
-            yield self
-        finally:
-            del self.model.jax_state_sync
-
-    def read(self, state):
-        self.state, self.synced, self.touched = state, True, False
-
-    def stepped(self, state):
-        self.state, self.synced = state, False
-
-    def sync(self):
-        self.touched = True
-        if not self.synced:
-            self.write_back_if_alive()
-
-    def write_back_if_alive(self):
-        # A step that failed after its state was donated leaves nothing to
-        # write; the model then keeps the weights of the last epoch boundary.
-        if self.state is not None and is_alive(self.state):
-            write_back(self.state, self.model)
-            self.synced = True
-
-
-class _Throttle:
-    """Bounds how many dispatched steps may still be running.
-
-    Items are `(first_step, finite_steps, logs)` for a call of one or more
-    steps, `finite_steps` counting its steps with a finite loss. When an item
-    is finished, its loss is checked: `failure` becomes `(step, loss)` for
-    the first step whose running loss is NaN or Inf. Checking only finished
-    steps costs no extra wait.
-    """
-
-    def __init__(self, limit):
-        self._limit = limit
-        self._pending = collections.deque()
-        self.failure = None
-
-    def add(self, item):
-        self._pending.append(item)
-        while len(self._pending) >= self._limit:
-            self._retire()
-
-    def drain(self):
-        while self._pending:
-            self._retire()
-
-    def _retire(self):
-        item = jax.block_until_ready(self._pending.popleft())
-        if not isinstance(item, tuple):
-            return
-        first_step, finite, logs = item
-        if self.failure is None and "loss" in logs:
-            loss = float(logs["loss"])
-            if not np.isfinite(loss):
-                self.failure = (first_step + int(finite), loss)
-
-
-def _failure_message(epoch, step, loss):
-    return (
-        f"The loss became {loss} at epoch {epoch + 1}, batch {step} (counted "
-        "from 0 within the epoch, as callbacks count). Training stopped, and "
-        "the model holds the weights from before that step. Check that "
-        "batch for NaN or Inf inputs or labels, lower the learning rate, or "
-        "clip gradients (for example optimizer clipnorm=1.0); add "
-        "keras.callbacks.TerminateOnNaN() to stop without an error."
-    )
-
-
-def _to_python(logs):
-    """Logs as python floats (arrays for non-scalar metrics), in the order
-    `model.evaluate` lists them: the loss first, then the rest by name."""
-    host = jax.device_get(logs)
-    names = sorted(host, key=lambda name: (name != "loss", name))
-    return {name: host[name].item() if np.ndim(host[name]) == 0 else np.asarray(host[name])
-            for name in names}
-
-
-def _check_validation_freq(validation_freq):
-    if isinstance(validation_freq, bool) or not isinstance(validation_freq, (int, list, tuple)):
-        raise ValueError(
-            "`validation_freq` is an int (validate every that many epochs) or "
-            f"a list of 1-based epochs. Received: {validation_freq!r}."
-        )
-    if isinstance(validation_freq, int) and validation_freq < 1:
-        raise ValueError(f"`validation_freq` must be at least 1. Received: {validation_freq}.")
-
-
-def _should_validate(epoch, validation_freq):
-    """Keras's rule: `validation_freq` counts epochs from 1."""
-    if isinstance(validation_freq, int):
-        return (epoch + 1) % validation_freq == 0
-    return epoch + 1 in validation_freq
-
-
-def _callback_list(callbacks, model, verbose, **params):
-    if isinstance(callbacks, keras.callbacks.CallbackList):
-        return callbacks
-    verbose = 1 if verbose == "auto" else verbose
-    if not distributed_lib.is_primary():
-        verbose = 0  # one progress bar, on process 0, for all processes
-    return keras.callbacks.CallbackList(
-        callbacks, add_history=True, add_progbar=verbose != 0, model=model,
-        verbose=verbose, **params,
-    )
-
-
-def _compile(model, optimizer, loss, metrics):
-    overrides = {
-        name: value
-        for name, value in (("optimizer", optimizer), ("loss", loss), ("metrics", metrics))
-        if value is not None
-    }
-    if not overrides and model.compiled:
-        return
-    # Keras keeps the arguments of the last compile() here; reusing them
-    # changes only what the caller overrides.
-    config = dict(model._compile_config.config) if model.compiled else {}
-    config.update(overrides)
-    if config.get("optimizer") is None or config.get("loss") is None:
-        raise ValueError(
-            "The model is not compiled, and keras_dp was not given both an "
-            "optimizer and a loss. Either call model.compile(optimizer=..., "
-            "loss=..., metrics=[...]) first, or pass optimizer= and loss= "
-            f"(and metrics=). Received: optimizer={optimizer!r}, loss={loss!r}."
-        )
-    model.compile(**config)
-
-
-def _is_built(model):
-    parts = (model._compile_metrics, model._compile_loss)
-    return (
-        all(layer.built for layer in model._flatten_layers())
-        and model.optimizer.built
-        and all(part is None or part.built for part in parts)
-    )
-
-
-def _build(model, batch):
-    """Build `model` symbolically from a host batch, checking the labels first."""
-    x, y, sample_weight = jax.tree.map(_spec, batch)
-    try:
-        y_pred = keras_backend.compute_output_spec(model, x, training=False)
-    except Exception as error:
-        raise ValueError(
-            "The model could not be built on the data's x (shapes "
-            f"{jax.tree.map(lambda s: tuple(s.shape), x)}). Check that x matches "
-            "the model's inputs, or build the model yourself with "
-            f"model.build(input_shape). Keras reported: {error}"
-        ) from error
-    if y is None:
-        return  # inputs only (predict): the symbolic call built every layer
-    if model._compile_loss is not None:
-        _check_labels(model, x, y, y_pred, sample_weight)
-    model._symbolic_build(data_batch=batch)
-
-
-def _check_labels(model, x, y, y_pred, sample_weight):
-    try:
-        keras_backend.compute_output_spec(
-            model.compute_loss, x=x, y=y, y_pred=y_pred,
-            sample_weight=sample_weight, training=False,
-        )
-    except Exception as error:
-        shapes = lambda tree: jax.tree.map(lambda s: tuple(s.shape), tree)  # noqa: E731
-        raise ValueError(
-            f"The labels do not fit the model's output under its loss: y has "
-            f"shape {shapes(y)}, the model outputs shape {shapes(y_pred)}, and "
-            f"the loss is {model.loss!r}. Give labels in the form the loss "
-            "expects: integer class ids of shape (batch,) for "
-            "sparse_categorical_crossentropy, one-hot rows of shape (batch, "
-            f"classes) for categorical_crossentropy. Keras reported: {error}"
-        ) from error
-
-
-def _spec(array):
-    return keras.KerasTensor(np.shape(array), dtype=keras.backend.standardize_dtype(array.dtype))
