@@ -36,6 +36,7 @@ class LiveModel:
 
     @contextlib.contextmanager
     def attached(self):
+        """While in this block, Keras's sync hook on the model calls `sync`."""
         self.model.jax_state_sync = self.sync  # shadows Keras's own, for this fit
         try:
             yield self
@@ -43,17 +44,21 @@ class LiveModel:
             del self.model.jax_state_sync
 
     def read(self, state):
+        """Take `state`, just read from the model, as the live state."""
         self.state, self.synced, self.touched = state, True, False
 
     def stepped(self, state):
+        """Take a step's new state; the model is now behind it."""
         self.state, self.synced = state, False
 
     def sync(self):
+        """Write the live state into the model if it is behind (Keras calls this)."""
         self.touched = True
         if not self.synced:
             self.write_back_if_alive()
 
     def write_back_if_alive(self):
+        """Write the live state into the model unless it was donated away."""
         # A step that failed after its state was donated leaves nothing to
         # write; the model then keeps the weights of the last epoch boundary.
         if self.state is not None and is_alive(self.state):

@@ -111,6 +111,7 @@ class Checkpoints:
         return Position(int(tree["position"]["epoch"]), int(tree["position"]["steps"]))
 
     def close(self):
+        """Release the checkpoint manager (its threads and file handles)."""
         self._manager.close()
 
 

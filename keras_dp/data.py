@@ -496,6 +496,7 @@ class StepsPerEpoch:
         self._stream = self._passes()
 
     def peek(self):
+        """The first batch of the underlying data."""
         return self._batches.peek()
 
     def epoch(self, epoch):

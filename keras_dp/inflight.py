@@ -29,11 +29,13 @@ class Throttle:
         self.failure = None
 
     def add(self, item):
+        """Track a dispatched call; wait for the oldest while over the limit."""
         self._pending.append(item)
         while len(self._pending) >= self._limit:
             self._retire()
 
     def drain(self):
+        """Wait for (and check) every tracked call."""
         while self._pending:
             self._retire()
 
