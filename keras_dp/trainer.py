@@ -288,6 +288,8 @@ class ShardedTrainer:
         callbacks.on_train_begin()
         # keras.callbacks.BackupAndRestore resumes this way, as under model.fit.
         start = getattr(self.model, "_initial_epoch", None) or resume.epoch
+        # Consumed (Keras leaves it set): a later fit starts where it is asked.
+        self.model._initial_epoch = None
         try:
             with live.attached(), checkpoint_lib.Preemption() as preemption:
                 for epoch in range(start, epochs):

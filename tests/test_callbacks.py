@@ -247,3 +247,5 @@ def test_backup_and_restore_resumes_at_the_interrupted_epoch(data, tmp_path):
     unbroken = sgd_mlp()
     keras_dp.fit_sharded(unbroken, x, y, **kwargs)
     assert_weights_close(resumed, unbroken)
+    # The restored epoch applies to that fit only (Keras would keep it).
+    assert keras_dp.fit_sharded(resumed, x, y, **dict(kwargs, epochs=1)).epoch == [0]
