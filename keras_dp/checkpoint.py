@@ -27,7 +27,6 @@ import threading
 
 import numpy as np
 
-from keras_dp import mesh as mesh_lib
 from keras_dp.state import TrainState
 from keras_dp.state import write_back
 
@@ -77,7 +76,7 @@ class Checkpoints:
         self._manager.save(index, args=self._ocp.args.StandardSave(tree), force=True)
         self._manager.wait_until_finished()
 
-    def restore(self, model, mesh, seed):
+    def restore(self, model, seed):
         """Load the newest checkpoint into `model`; return its `Position` or None.
 
         Raises:
@@ -106,8 +105,7 @@ class Checkpoints:
                 "shuffle order would differ from the interrupted run. Pass "
                 f"seed={saved_seed} to resume it, or a new checkpoint_dir."
             )
-        state = TrainState(**tree["state"])
-        write_back(mesh_lib.replicate(state, mesh), model)
+        write_back(TrainState(**tree["state"]), model)
         return Position(int(tree["position"]["epoch"]), int(tree["position"]["steps"]))
 
     def close(self):
@@ -155,15 +153,9 @@ def exit_after_preemption(directory, position):
 
 def _model_state(model):
     """The model's variables as a `TrainState`-shaped dict of numpy arrays."""
-    groups = TrainState(
-        trainable=model.trainable_variables,
-        non_trainable=model.non_trainable_variables,
-        optimizer=model.optimizer.variables,
-        metrics=model.metrics_variables,
-    )
     return {
         name: [np.asarray(variable.value) for variable in variables]
-        for name, variables in groups.groups()
+        for name, variables in TrainState.variables_of(model).groups()
     }
 
 

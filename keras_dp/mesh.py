@@ -99,8 +99,11 @@ def to_host(array):
     """Return a numpy copy of a replicated array, read from a local shard.
 
     Reading one addressable shard works for arrays that span several
-    processes, where `np.asarray(array)` would raise.
+    processes, where `np.asarray(array)` would raise. A numpy array (a
+    restored checkpoint) is copied as it is.
     """
+    if isinstance(array, np.ndarray):
+        return array.copy()
     return np.array(array.addressable_data(0), copy=True)
 
 

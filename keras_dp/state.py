@@ -33,6 +33,20 @@ class TrainState(NamedTuple):
     metrics: list
 
     @classmethod
+    def variables_of(cls, model):
+        """The Keras variables behind each group, as a `TrainState` of lists.
+
+        The one definition of what the training state is, for reading it
+        (`from_model`, checkpoints) and writing it back.
+        """
+        return cls(
+            trainable=model.trainable_variables,
+            non_trainable=model.non_trainable_variables,
+            optimizer=model.optimizer.variables,
+            metrics=model.metrics_variables,
+        )
+
+    @classmethod
     def from_model(cls, model, mesh):
         """Copy a built, compiled model's variables onto every device of `mesh`.
 
@@ -40,15 +54,7 @@ class TrainState(NamedTuple):
             A `TrainState` whose leaves are fresh (never aliased with the
             Keras variables) and replicated over `mesh`.
         """
-        return mesh_lib.replicate(
-            cls(
-                trainable=_values(model.trainable_variables),
-                non_trainable=_values(model.non_trainable_variables),
-                optimizer=_values(model.optimizer.variables),
-                metrics=_values(model.metrics_variables),
-            ),
-            mesh,
-        )
+        return mesh_lib.replicate(cls(*map(_values, cls.variables_of(model))), mesh)
 
     def groups(self):
         """Yield `(name, list_of_arrays)` for each state group."""
@@ -63,13 +69,7 @@ def write_back(state, model):
     `fit` work on it as if keras_dp had never run. The copies are new
     buffers, so donating `state` later leaves the model intact.
     """
-    variables = (
-        model.trainable_variables,
-        model.non_trainable_variables,
-        model.optimizer.variables,
-        model.metrics_variables,
-    )
-    for group, values in zip(variables, state):
+    for group, values in zip(TrainState.variables_of(model), state):
         for variable, value in zip(group, values, strict=True):
             variable.assign(mesh_lib.to_host(value))
 

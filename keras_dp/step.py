@@ -69,7 +69,10 @@ def make_multi_train_step(model, mesh, unroll=1):
             return step(state, data_lib.DeviceBatch(data, batches.rows, batches.blocks))
 
         state, logs = jax.lax.scan(body, state, batches.data, unroll=unroll)
-        finite = jnp.sum(jnp.isfinite(logs["loss"])) if "loss" in logs else len(batches.data)
+        if "loss" in logs:
+            finite = jnp.sum(jnp.isfinite(logs["loss"]))
+        else:  # nothing to check: every step counts as finite
+            finite = jax.tree.leaves(batches.data)[0].shape[0]
         return state, jax.tree.map(lambda values: values[-1], logs), finite
 
     return jax.jit(

@@ -278,7 +278,7 @@ class ShardedTrainer:
                     "it. Train in one process to use it."
                 )
             checkpoints = checkpoint_lib.Checkpoints(checkpoint_dir)
-            resume = checkpoints.restore(self.model, self.mesh, self.seed) or resume
+            resume = checkpoints.restore(self.model, self.seed) or resume
         callbacks = callbacks_lib.callback_list(
             callbacks, self.model, verbose, epochs=epochs, steps=batches.steps
         )
