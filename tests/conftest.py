@@ -75,6 +75,30 @@ def unseeded_mlp(dropout=0.0):
     return keras_dp.models.compile_classifier(model)
 
 
+def sgd_mlp(seed=0, dropout=0.0, momentum=0.0):
+    """`mlp` under SGD: plain SGD follows Keras's fit to float rounding, where
+    Adam turns rounding noise in near-zero gradients into full-size steps."""
+    model = mlp(seed, dropout)
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=momentum), loss=model.loss,
+                  metrics=["accuracy"])
+    return model
+
+
+class SubclassedClassifier(keras.Model):
+    """A subclassed MLP on 28x28 images, unbuilt until its first call."""
+
+    def __init__(self, dropout=0.0):
+        super().__init__()
+        self.flatten = keras.layers.Flatten()
+        self.hidden = keras.layers.Dense(32, activation="relu")
+        self.dropout = keras.layers.Dropout(dropout)
+        self.out = keras.layers.Dense(10)
+
+    def call(self, images, training=False):
+        hidden = self.hidden(self.flatten(keras.ops.cast(images, "float32") / 255))
+        return self.out(self.dropout(hidden, training=training))
+
+
 class BatchEnds(keras.callbacks.Callback):
     """Records the batch index of every `on_train_batch_end` in `ends`."""
 
@@ -88,6 +112,16 @@ class BatchEnds(keras.callbacks.Callback):
 
 def weights(model):
     return [np.asarray(w) for w in model.get_weights()]
+
+
+def assert_weights_close(a, b, rtol=1e-5, atol=1e-6):
+    for left, right in zip(weights(a), weights(b), strict=True):
+        np.testing.assert_allclose(left, right, rtol=rtol, atol=atol)
+
+
+def assert_weights_equal(a, b):
+    for left, right in zip(weights(a), weights(b), strict=True):
+        np.testing.assert_array_equal(left, right)
 
 
 def devices(n):

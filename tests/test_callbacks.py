@@ -6,26 +6,22 @@ assert equal results; the others assert the callback's effect directly.
 """
 
 import csv
+import functools
 
 import keras
 import numpy as np
 import pytest
 
 import keras_dp
+import conftest
+from conftest import assert_weights_close
 from conftest import devices
-from conftest import mlp
 from conftest import weights
 
 ROWS, BATCH = 512, 64  # 8 steps per epoch
 
 
-def sgd_mlp(seed=0, learning_rate=0.05, momentum=0.9):
-    model = mlp(seed)
-    model.compile(
-        optimizer=keras.optimizers.SGD(learning_rate, momentum=momentum),
-        loss=model.loss, metrics=["accuracy"],
-    )
-    return model
+sgd_mlp = functools.partial(conftest.sgd_mlp, momentum=0.9)
 
 
 @pytest.fixture
@@ -49,11 +45,6 @@ def keras_and_sharded(data, make_callbacks, epochs=2, **fit_kwargs):
             history = trainer.fit(x, y, **kwargs)
         results.append((model, history, kwargs["callbacks"]))
     return results
-
-
-def assert_weights_close(a, b):
-    for left, right in zip(weights(a), weights(b), strict=True):
-        np.testing.assert_allclose(left, right, rtol=1e-5, atol=1e-6)
 
 
 class ReadsMidEpoch(keras.callbacks.Callback):

@@ -9,6 +9,7 @@ import pytest
 
 import keras_dp
 from keras_dp import checkpoint as checkpoint_lib
+from conftest import assert_weights_equal
 from conftest import devices
 from conftest import mlp
 from conftest import weights
@@ -27,11 +28,6 @@ def fit(model, data, **kwargs):
     return keras_dp.fit_sharded(model, *data, **kwargs)
 
 
-def assert_bitwise_equal(a, b):
-    for left, right in zip(weights(a), weights(b), strict=True):
-        np.testing.assert_array_equal(left, right)
-
-
 def test_stop_after_epoch_1_and_resume_equals_an_unbroken_run(data, tmp_path):
     # Dropout and shuffling on, Adam: the checkpoint must carry the seed
     # generator's state and the optimizer's slots and step count.
@@ -43,7 +39,7 @@ def test_stop_after_epoch_1_and_resume_equals_an_unbroken_run(data, tmp_path):
     resumed = mlp(seed=7, dropout=0.25)  # other weights: the checkpoint replaces them
     history = fit(resumed, data, checkpoint_dir=tmp_path)
     assert history.epoch == [1, 2]
-    assert_bitwise_equal(resumed, unbroken)
+    assert_weights_equal(resumed, unbroken)
     assert int(resumed.optimizer.iterations.numpy()) == 3 * ROWS // BATCH
     # A finished run resumes to nothing more to do.
     assert fit(resumed, data, checkpoint_dir=tmp_path).epoch == []
@@ -75,7 +71,7 @@ def test_sigterm_mid_epoch_saves_exits_and_resumes_exactly(data, tmp_path):
     resumed = mlp(seed=7, dropout=0.25)
     history = fit(resumed, data, checkpoint_dir=tmp_path)
     assert history.epoch == [1, 2]
-    assert_bitwise_equal(resumed, unbroken)
+    assert_weights_equal(resumed, unbroken)
     np.testing.assert_array_equal(history.history["loss"], unbroken_history.history["loss"][1:])
 
 
@@ -96,7 +92,7 @@ def test_sigterm_during_a_save_leaves_it_complete(data, tmp_path, monkeypatch):
     assert (tmp_path / "0" / "commit_success.txt").exists() or (tmp_path / "0" / "_CHECKPOINT_METADATA").exists()
     resumed = mlp(seed=7)
     assert fit(resumed, data, epochs=1, checkpoint_dir=tmp_path).epoch == []
-    assert_bitwise_equal(resumed, model)
+    assert_weights_equal(resumed, model)
 
 
 def test_a_partly_written_checkpoint_is_never_restored(data, tmp_path):
@@ -109,7 +105,7 @@ def test_a_partly_written_checkpoint_is_never_restored(data, tmp_path):
     (partial / "default" / "garbage").write_bytes(b"\0" * 100)
     resumed = mlp(seed=7)
     assert fit(resumed, data, epochs=1, checkpoint_dir=tmp_path).epoch == []
-    assert_bitwise_equal(resumed, model)
+    assert_weights_equal(resumed, model)
 
 
 def test_a_checkpoint_of_another_model_or_seed_is_refused(data, tmp_path):
@@ -150,4 +146,4 @@ def test_terminate_on_nan_stops_without_an_error(data):
     history = fit(model, poisoned(data, 5), shuffle=False,
                   callbacks=[keras.callbacks.TerminateOnNaN()])
     assert history.epoch == [0] and np.isnan(history.history["loss"][0])
-    assert_bitwise_equal(model, five_steps)
+    assert_weights_equal(model, five_steps)

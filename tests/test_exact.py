@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 import keras_dp
-from conftest import convnet, devices, mlp, weights
+from conftest import convnet, devices, mlp, sgd_mlp, weights
 from test_equivalence import NO_GRADIENT
 
 
@@ -22,12 +22,6 @@ def sgd_convnet(seed=7):
     model = convnet(seed)
     model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
                   loss=model.loss, metrics=["accuracy"])
-    return model
-
-
-def sgd_mlp(seed=0, dropout=0.0):
-    model = mlp(seed, dropout)
-    model.compile(optimizer=keras.optimizers.SGD(0.05), loss=model.loss, metrics=["accuracy"])
     return model
 
 

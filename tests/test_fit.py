@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import keras_dp
-from conftest import convnet, devices, mlp, weights
+from conftest import SubclassedClassifier, convnet, devices, mlp, weights
 
 
 def test_fit_sharded_trains_mnist_and_returns_history(mnist):
@@ -161,19 +161,9 @@ def test_compile_arguments_override_and_uncompiled_models_train(mnist):
 def test_subclassed_and_functional_models_train(mnist):
     (x, y), _ = mnist
 
-    class Classifier(keras.Model):
-        def __init__(self):
-            super().__init__()
-            self.flatten = keras.layers.Flatten()
-            self.hidden = keras.layers.Dense(32, activation="relu")
-            self.out = keras.layers.Dense(10)
-
-        def call(self, inputs, training=False):
-            return self.out(self.hidden(self.flatten(inputs / 255.0)))
-
     inputs = keras.Input((28, 28, 1))
     functional = keras.Model(inputs, keras.layers.Dense(10)(keras.layers.Flatten()(inputs / 255.0)))
-    for model in (Classifier(), functional):
+    for model in (SubclassedClassifier(), functional):
         keras_dp.models.compile_classifier(model)
         history = keras_dp.fit_sharded(model, x[:512], y[:512], batch_size=64, epochs=2,
                                        verbose=0, devices=devices(8))

@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 import keras_dp
+from conftest import SubclassedClassifier
+from conftest import assert_weights_close
 from conftest import devices
 from conftest import mlp
 from conftest import weights
@@ -118,26 +120,12 @@ def test_a_functional_model_with_two_inputs_and_two_outputs(data):
     losses = fit(model, inputs, labels, batch_size=BATCH, shuffle=False)
     np.testing.assert_allclose(losses, expected, rtol=1e-5)
     assert_falls(losses)
-    for left, right in zip(weights(model), weights(reference), strict=True):
-        np.testing.assert_allclose(left, right, rtol=1e-5, atol=1e-6)
-
-
-class Subclassed(keras.Model):
-    def __init__(self):
-        super().__init__()
-        self.flatten = keras.layers.Flatten()
-        self.hidden = keras.layers.Dense(32, activation="relu")
-        self.dropout = keras.layers.Dropout(0.2)
-        self.out = keras.layers.Dense(10)
-
-    def call(self, images, training=False):
-        hidden = self.hidden(self.flatten(keras.ops.cast(images, "float32") / 255))
-        return self.out(self.dropout(hidden, training=training))
+    assert_weights_close(model, reference)
 
 
 def test_a_subclassed_model_built_from_the_first_batch(data):
     keras.utils.set_random_seed(0)
-    model = Subclassed()  # unbuilt: keras_dp builds it, as model.fit does
+    model = SubclassedClassifier(dropout=0.2)  # unbuilt: keras_dp builds it, as model.fit does
     model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     assert_falls(fit(model, *data, batch_size=BATCH))
 
