@@ -28,7 +28,7 @@ def test_notebook_runs(path, tmp_path, monkeypatch):
     # The kernel inherits this environment: small data, one epoch, 4 devices.
     monkeypatch.setenv("KERAS_DP_NOTEBOOK_SAMPLES", "1024")
     monkeypatch.setenv("KERAS_DP_NOTEBOOK_EPOCHS", "1")
-    # ResNet-18 (notebook 5) costs ~30x the convnet per image on this CPU.
+    # ResNet-18 (notebook 5) trains ~100x fewer images/s than the convnet on this CPU.
     monkeypatch.setenv("KERAS_DP_NOTEBOOK_RESNET_SAMPLES", "256")
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
     monkeypatch.setenv("MPLBACKEND", "Agg")
