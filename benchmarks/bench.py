@@ -5,6 +5,7 @@ when it starts):
 
     python benchmarks/bench.py --devices 2
     python benchmarks/bench.py --devices 1 --quick   # smoke run, well under a minute
+    python benchmarks/bench.py --platform gpu        # every local GPU
 
 For each batch size it builds every system (see `systems.py`), warms each up
 with three calls of two executions each (the first, compilation included,
@@ -33,15 +34,18 @@ HERE = pathlib.Path(__file__).resolve().parent
 SHARED_DATA = HERE.parents[1] / "shared" / "data"
 QUICK = {"batch_sizes": [32], "ks": [1, 2], "reps": 2, "samples": 128}
 SYSTEM_KINDS = ("keras_dp", "keras", "guide", "bound")  # the default set
-OPT_IN_KINDS = ("rolled",)  # keras_dp with a rolled scan: slow on CPU
+OPT_IN_KINDS = ("rolled", "unrolled")  # keras_dp with its scan (un)rolled
 FULL = {"batch_sizes": [64, 256], "ks": [1, 4, 16], "reps": 3, "samples": 6400}
 
 
 def parse_args(argv=None):
     """Parse the command line; `--quick` changes the defaults, not explicit flags."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--devices", type=int, default=1,
-                        help="number of simulated CPU devices (sets XLA_FLAGS)")
+    parser.add_argument("--platform", choices=("cpu", "gpu", "tpu"), default="cpu",
+                        help="JAX platform to run on (default cpu)")
+    parser.add_argument("--devices", type=int, default=None,
+                        help="number of devices: simulated CPU devices (sets XLA_FLAGS; "
+                             "default 1), else the first N of the platform's (default all)")
     parser.add_argument("--batch-sizes", type=_int_list, default=None,
                         help="global batch sizes, comma-separated (default 64,256)")
     parser.add_argument("--ks", type=_int_list, default=None,
@@ -54,7 +58,8 @@ def parse_args(argv=None):
                              "of the largest K (default 6400)")
     parser.add_argument("--systems", type=_system_list, default=None,
                         help="comma-separated subset of: keras_dp, keras, guide, bound (the "
-                             "default), rolled (keras_dp's scan rolled, unroll=1)")
+                             "default), rolled, unrolled (keras_dp's scan with unroll=1 "
+                             "or unroll=K)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny smoke run: batch 32, K in 1,2, 2 reps of 128 rows")
     parser.add_argument("--seed", type=int, default=0)
@@ -69,10 +74,18 @@ def parse_args(argv=None):
         if getattr(args, name) is None:
             setattr(args, name, value)
     args.ks = sorted(set(args.ks) | {1})
-    if args.out is None:
-        suffix = "-quick" if args.quick else ""
-        args.out = str(HERE / f"results-{args.devices}dev{suffix}.json")
+    if args.devices is None and args.platform == "cpu":
+        args.devices = 1
+    if args.out is None and args.devices is not None:
+        args.out = default_out(args)
     return args
+
+
+def default_out(args):
+    """`benchmarks/results-[<platform>-]<devices>dev[-quick].json`."""
+    suffix = "-quick" if args.quick else ""
+    prefix = "" if args.platform == "cpu" else f"{args.platform}-"
+    return str(HERE / f"results-{prefix}{args.devices}dev{suffix}.json")
 
 
 def _int_list(text):
@@ -91,29 +104,35 @@ def _system_list(text):
     return names
 
 
-def set_device_count(count):
-    """Ask XLA for `count` CPU devices; must run before JAX is imported."""
+def set_platform(platform, count):
+    """Choose JAX's platform (and `count` CPU devices); must run before JAX is imported."""
     if "jax" in sys.modules:
         raise RuntimeError(
             "JAX is already imported, so the device count can no longer be set. "
             "Run bench.py as its own process."
         )
+    os.environ.setdefault("KERAS_BACKEND", "jax")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if platform != "cpu":
+        os.environ["JAX_PLATFORMS"] = {"gpu": "cuda"}.get(platform, platform)
+        return
     flags = [flag for flag in os.environ.get("XLA_FLAGS", "").split()
              if not flag.startswith("--xla_force_host_platform_device_count")]
     flags.append(f"--xla_force_host_platform_device_count={count}")
     os.environ["XLA_FLAGS"] = " ".join(flags)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    os.environ.setdefault("KERAS_BACKEND", "jax")
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
 def main(argv=None):
     args = parse_args(argv)
     args.load_average = os.getloadavg()  # other work on the machine skews timings
-    set_device_count(args.devices)
+    set_platform(args.platform, args.devices)
     sys.path.insert(0, str(HERE))
     import jax  # noqa: PLC0415  (only after XLA_FLAGS is set)
 
+    if args.devices is None:
+        args.devices = jax.device_count()
+        args.out = args.out or default_out(args)
     devices = jax.devices()[: args.devices]
     if len(devices) != args.devices:
         raise RuntimeError(f"asked for {args.devices} devices, JAX has {jax.devices()}")
@@ -220,7 +239,8 @@ def build_systems(args, batch, devices, notes):
     wanted = args.systems or SYSTEM_KINDS
     kinds = {"keras_dp": (systems.KerasDP, args.ks), "keras": (systems.KerasDataParallel, args.ks),
              "guide": (systems.GuideLoop, [1]), "bound": (systems.ComputeBound, [1]),
-             "rolled": (systems.KerasDPRolled, args.ks)}
+             "rolled": (systems.KerasDPRolled, args.ks),
+             "unrolled": (systems.KerasDPUnrolled, args.ks)}
     built = []
     for kind in wanted:
         cls, ks = kinds[kind]
@@ -251,7 +271,7 @@ def make_report(args, runs, notes, wall_s):
             "load_average_at_end": os.getloadavg(),
         },
         "command": shlex.join([sys.executable, *sys.argv]),
-        "xla_flags": os.environ["XLA_FLAGS"],
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "args": vars(args),
         "notes": notes,
         "wall_s": wall_s,

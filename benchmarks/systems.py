@@ -14,8 +14,10 @@ first call compiles:
   `keras.distribution.DataParallel`.
 - `GuideLoop`: the hand-written jitted loop of Keras's guide "Multi-GPU
   distributed training with JAX".
-- `KerasDPRolled`: keras_dp with its K-step scan rolled (`unroll=1`), to
-  measure what unrolling buys (opt-in: `--systems keras_dp,rolled`).
+- `KerasDPRolled`, `KerasDPUnrolled`: keras_dp with its K-step scan rolled
+  (`unroll=1`) or fully unrolled (`unroll=K`), to measure what the
+  trainer's per-backend default (unrolled on CPU, rolled elsewhere) buys
+  (opt-in: `--systems keras_dp,rolled,unrolled`).
 - `ComputeBound`: keras_dp's compiled train step over batches already on the
   devices: no host input, no callbacks, no Python data pipeline.
 
@@ -28,8 +30,9 @@ Importing this module imports JAX: set `XLA_FLAGS` first (`bench.py` does).
 On CPU, every loop here waits for each dispatched step (or for each call of
 K steps) before dispatching the next: queuing several programs that contain
 cross-device all-reduces can deadlock or abort XLA:CPU's collectives on a
-machine with few cores. The guide's own loop dispatches without waiting,
-which is right on GPUs and TPUs but not on simulated CPU devices.
+machine with few cores. On GPUs and TPUs the peers run as their authors
+wrote them: the guide's loop and Keras's `fit` dispatch without waiting, and
+`run` waits once, at its end.
 """
 
 import contextlib
@@ -49,6 +52,7 @@ KERAS = "keras DataParallel"
 GUIDE = "guide jit loop"
 BOUND = "compute bound"
 ROLLED = "keras_dp rolled scan"
+UNROLLED = "keras_dp unrolled scan"
 
 
 class Unsupported(Exception):
@@ -69,6 +73,11 @@ def compiled_convnet(seed, steps_per_execution=1):
     return model
 
 
+def waits_each_step(devices):
+    """Whether loops over `devices` must wait for each step (XLA:CPU only)."""
+    return devices[0].platform == "cpu"
+
+
 def block_on_model(model):
     """Wait until every variable of `model` has its final value."""
     jax.block_until_ready([variable.value for variable in model.variables])
@@ -78,7 +87,7 @@ class KerasDP:
     """keras_dp's `fit_sharded`, as its `ShardedTrainer` kept between calls."""
 
     name = KERAS_DP
-    unroll = None  # the trainer's default: a fully unrolled scan on CPU
+    unroll = None  # the trainer's default: unrolled on CPU, rolled elsewhere
 
     def __init__(self, batch, k, devices, seed):
         self.batch, self.k = batch, k
@@ -109,6 +118,22 @@ class KerasDPRolled(KerasDP):
     def __init__(self, batch, k, devices, seed):
         if k == 1:
             raise Unsupported("K=1 has no scan to roll")
+        super().__init__(batch, k, devices, seed)
+
+
+class KerasDPUnrolled(KerasDP):
+    """keras_dp with K steps as a fully unrolled `lax.scan` (`unroll=K`), to compare.
+
+    Raises:
+        Unsupported: `k == 1`, where there is no scan.
+    """
+
+    name = UNROLLED
+
+    def __init__(self, batch, k, devices, seed):
+        if k == 1:
+            raise Unsupported("K=1 has no scan to unroll")
+        self.unroll = k
         super().__init__(batch, k, devices, seed)
 
 
@@ -147,6 +172,7 @@ class KerasDataParallel:
                 f"device count. Received: batch={batch}, devices={len(devices)}."
             )
         self.batch, self.k = batch, k
+        self.wait = waits_each_step(devices)
         self.distribution = keras.distribution.DataParallel(devices=devices)
         with self._distributed():
             self.model = compiled_convnet(seed, steps_per_execution=k)
@@ -166,7 +192,7 @@ class KerasDataParallel:
         with self._distributed():
             self.model.fit(
                 x, y, batch_size=self.batch, epochs=1, shuffle=False, verbose=0,
-                callbacks=[_WaitEachCall()],
+                callbacks=[_WaitEachCall()] if self.wait else [],
             )
             block_on_model(self.model)
 
@@ -197,6 +223,7 @@ class GuideLoop:
                 f"batch={batch}, devices={len(devices)}."
             )
         self.batch, self.k = batch, 1
+        self.wait = waits_each_step(devices)
         model = compiled_convnet(seed)
         optimizer = keras.optimizers.Adam(1e-3)
         optimizer.build(model.trainable_variables)
@@ -220,9 +247,11 @@ class GuideLoop:
             x_batch = jax.device_put(x[start:start + self.batch], self.data_sharding)
             y_batch = jax.device_put(y[start:start + self.batch], self.data_sharding)
             self.state, loss = self.step(self.state, x_batch, y_batch)
-            # Wait before the next dispatch: see the module docstring (the
-            # guide does not, which can deadlock XLA:CPU collectives).
-            loss.block_until_ready()
+            if self.wait:
+                # Wait before the next dispatch: see the module docstring (the
+                # guide does not, which can deadlock XLA:CPU collectives).
+                loss.block_until_ready()
+        jax.block_until_ready(self.state)
 
 
 def _guide_train_step(model, optimizer):
@@ -261,6 +290,7 @@ class ComputeBound:
     def __init__(self, batch, k, devices, seed):
         del k  # trainer.train_step runs one step per dispatch
         self.batch, self.k = batch, 1
+        self.wait = waits_each_step(devices)
         self.trainer = keras_dp.ShardedTrainer(compiled_convnet(seed), devices=devices)
         self.state = None
         self.batches = []
@@ -279,8 +309,10 @@ class ComputeBound:
         del x, y  # the batches are on the devices already
         for batch in self.batches:
             self.state, logs = self.trainer.train_step(self.state, batch)
-            jax.block_until_ready(logs)  # one step in flight: see the module docstring
+            if self.wait:
+                jax.block_until_ready(logs)  # one step in flight: see the module docstring
+        jax.block_until_ready(self.state)
 
 
 SYSTEMS = {KERAS_DP: KerasDP, KERAS: KerasDataParallel, GUIDE: GuideLoop, BOUND: ComputeBound,
-           ROLLED: KerasDPRolled}
+           ROLLED: KerasDPRolled, UNROLLED: KerasDPUnrolled}
