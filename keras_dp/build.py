@@ -91,6 +91,13 @@ def check_labels(model, x, y, y_pred, sample_weight):
         ) from error
 
 
+def signature(batch):
+    """A hashable summary of a host batch: its structure, shapes and dtypes."""
+    leaves, treedef = jax.tree.flatten(batch)
+    return treedef, tuple((np.shape(leaf), str(getattr(leaf, "dtype", type(leaf))))
+                          for leaf in leaves)
+
+
 def spec(array):
     """A `keras.KerasTensor` with the shape and dtype of `array`."""
     return keras.KerasTensor(np.shape(array), dtype=keras.backend.standardize_dtype(array.dtype))

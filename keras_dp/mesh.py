@@ -6,6 +6,7 @@ is *sharded* along its leading axis over the mesh axis `"batch"`.
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType
 from jax.sharding import Mesh
@@ -70,29 +71,38 @@ def stacked_batch_sharded(mesh):
 def replicate(tree, mesh):
     """Copy every array of `tree` to every device of `mesh`.
 
-    The values are first copied to fresh host buffers: `jax.device_put` may
-    alias its argument's buffer, and the train step donates the state, so
-    without the copy donation would delete the Keras variables it came from.
+    Each value is first copied where it lies (a `jax.Array` on its device,
+    with no trip through the host; a numpy array on the host): `jax.device_put`
+    may alias its argument's buffer, even with `may_alias=False`, and the
+    train step donates the state, so without the copy donation would delete
+    the Keras variables it came from.
 
     When `mesh` spans several processes, every process gets process 0's
-    values (one broadcast).
+    values (one broadcast, through the host).
 
     Returns:
         A tree of the same structure whose leaves are `jax.Array`s with the
         replicated sharding.
     """
-    host = jax.tree.map(lambda value: np.array(value, copy=True), tree)
     if spans_processes(mesh):
         # Each process places its own values on its own devices: take process
         # 0's, so that replicas on different hosts can never start apart
         # (different seeds, a callback run on one host).
         from jax.experimental import multihost_utils
 
+        host = jax.tree.map(lambda value: np.array(value, copy=True), tree)
         host = jax.tree.map(
             lambda value: np.array(value, copy=True),
             multihost_utils.broadcast_one_to_all(host),
         )
-    return jax.device_put(host, replicated(mesh))
+        return jax.device_put(host, replicated(mesh))
+    return jax.device_put(jax.tree.map(_fresh_copy, tree), replicated(mesh))
+
+
+def _fresh_copy(value):
+    if isinstance(value, jax.Array):
+        return jnp.copy(value)  # a new buffer on the value's own device
+    return np.array(value, copy=True)
 
 
 def to_host(array):
@@ -105,6 +115,22 @@ def to_host(array):
     if isinstance(array, np.ndarray):
         return array.copy()
     return np.array(array.addressable_data(0), copy=True)
+
+
+def local_copy(array, like=None):
+    """A fresh single-device copy of a replicated array, made on the device.
+
+    Copies one local shard on its device (no trip through the host), then
+    moves it to `like`'s sharding when `like` (the Keras variable's current
+    value) lies elsewhere. The result shares no buffer with `array`, so
+    donating `array` later leaves it intact. A numpy array is copied as it is.
+    """
+    if not isinstance(array, jax.Array):
+        return np.array(array, copy=True)
+    copy = jnp.copy(array.addressable_data(0))
+    if isinstance(like, jax.Array) and like.sharding != copy.sharding:
+        copy = jax.device_put(copy, like.sharding)
+    return copy
 
 
 def spans_processes(mesh):

@@ -62,16 +62,18 @@ class TrainState(NamedTuple):
 
 
 def write_back(state, model):
-    """Assign `state` to the Keras model's variables, copied to the host.
+    """Assign `state` to the Keras model's variables.
 
-    Afterwards the model holds the trained values as ordinary single-device
-    Keras variables: `model.predict`, `model.save` and the model's own
-    `fit` work on it as if keras_dp had never run. The copies are new
-    buffers, so donating `state` later leaves the model intact.
+    Afterwards the model holds the trained values as ordinary Keras
+    variables, placed where they were before: `model.predict`, `model.save`
+    and the model's own `fit` work on it as if keras_dp had never run. The
+    values are copied device to device (a state this size never goes
+    through the host), into new buffers, so donating `state` later leaves
+    the model intact.
     """
     for group, values in zip(TrainState.variables_of(model), state):
         for variable, value in zip(group, values, strict=True):
-            variable.assign(mesh_lib.to_host(value))
+            variable.assign(mesh_lib.local_copy(value, like=variable.value))
 
 
 def model_weights(model, mesh):

@@ -82,6 +82,7 @@ class ShardedTrainer:
             )
         build_lib.compile_model(model, optimizer, loss, metrics)
         self.model = model
+        self._checked = set()  # data signatures `build` has checked
         self.mesh = mesh_lib.make_mesh(devices, mesh)
         self.seed = seed
         on_cpu = self.mesh.devices.flat[0].platform == "cpu"
@@ -137,7 +138,16 @@ class ShardedTrainer:
             ValueError: the model cannot be built on `x`, or the labels do
                 not fit its output.
         """
-        build_lib.build(self.model, data_lib.unpack(batch))
+        batch = data_lib.unpack(batch)
+        # Tracing the model symbolically costs a fit call as much as several
+        # steps of a small model: skip it for data already checked against
+        # this model, loss and optimizer (a recompile replaces them).
+        key = (build_lib.signature(batch), id(self.model._compile_loss),
+               id(self.model.optimizer))
+        if key in self._checked and build_lib.is_built(self.model):
+            return
+        build_lib.build(self.model, batch)
+        self._checked.add(key)
 
     def init_state(self):
         """Return the model's current variables as a replicated `TrainState`.

@@ -35,6 +35,26 @@ def test_replicate_copies_so_donation_never_deletes_the_source():
     np.testing.assert_array_equal(mesh_lib.to_host(mesh_lib.replicate(source, mesh)), np.arange(6.0))
 
 
+def test_replicate_copies_a_numpy_source_too():
+    # XLA:CPU may alias a numpy buffer even with may_alias=False.
+    source = np.arange(6.0)
+    copy = mesh_lib.replicate(source, keras_dp.make_mesh(devices(2)))
+    source[:] = -1
+    np.testing.assert_array_equal(mesh_lib.to_host(copy), np.arange(6.0))
+
+
+def test_local_copy_stays_on_the_device_and_outlives_donation():
+    mesh = keras_dp.make_mesh(devices(4))
+    state = mesh_lib.replicate(jax.numpy.arange(6.0), mesh)
+    like = jax.device_put(jax.numpy.zeros(6), devices(2)[1])
+    with jax.transfer_guard_device_to_host("disallow"):  # no trip through the host
+        copy = mesh_lib.local_copy(state, like=like)
+    assert copy.sharding == like.sharding
+    jax.jit(lambda a: a + 1, donate_argnums=0)(state)
+    assert state.is_deleted() and not copy.is_deleted()
+    np.testing.assert_array_equal(np.asarray(copy), np.arange(6.0))
+
+
 def test_every_batch_is_sharded_padded_to_split_evenly():
     mesh = keras_dp.make_mesh(devices(4))
     even = keras_dp.data.to_device((np.zeros((8, 2)), np.zeros(8), None), mesh)

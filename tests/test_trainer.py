@@ -112,6 +112,25 @@ def test_state_is_donated_and_model_variables_survive(mnist):
     assert any(not np.array_equal(a, b) for a, b in zip(before, after))
 
 
+def test_the_model_is_traced_once_per_kind_of_data(mnist, monkeypatch):
+    # Re-tracing the model on every fit call cost small models several steps.
+    from keras_dp import build as build_lib
+
+    calls = []
+    real_build = build_lib.build
+    monkeypatch.setattr(build_lib, "build", lambda *a: calls.append(1) or real_build(*a))
+    (x, y), _ = mnist
+    trainer = keras_dp.ShardedTrainer(convnet(), devices=devices(2))
+    for _ in range(3):
+        trainer.fit(x[:64], y[:64], batch_size=32, verbose=0)
+    assert len(calls) == 1
+    # Labels of another shape are data of another kind: checked, and refused.
+    for _ in range(2):
+        with pytest.raises(ValueError, match="labels"):
+            trainer.fit(x[:64], np.zeros((64, 3)), batch_size=32, verbose=0)
+    assert len(calls) == 3
+
+
 def test_state_is_replicated_and_batch_is_sharded(mnist):
     batch = batches_of(mnist, 1)[0]
     trainer = keras_dp.ShardedTrainer(convnet(), devices=devices(4))
