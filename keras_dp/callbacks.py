@@ -13,6 +13,7 @@ import keras
 import numpy as np
 
 from keras_dp import distributed as distributed_lib
+from keras_dp.state import TrainState
 from keras_dp.state import is_alive
 from keras_dp.state import write_back
 
@@ -33,6 +34,7 @@ class LiveModel:
         self.state = None
         self.synced = True  # the model holds what `state` holds
         self.touched = False  # a callback has seen the model since the last read
+        self._exchanged = []  # the model's arrays when it last met `state`
 
     @contextlib.contextmanager
     def attached(self):
@@ -46,6 +48,29 @@ class LiveModel:
     def read(self, state):
         """Take `state`, just read from the model, as the live state."""
         self.state, self.synced, self.touched = state, True, False
+        self._exchanged = self._arrays()
+
+    def needs_read(self):
+        """Whether the model must be read again before the next step.
+
+        True when there is no live state, or when a callback has seen the
+        model and changed one of its weights, non-trainable or optimizer
+        variables since they last met the state (Keras's `assign` puts a
+        new array in the variable, so comparing arrays by identity finds
+        any change without a copy). A callback that only looked costs no
+        read. Metric variables are not compared: the trainer resets them
+        itself.
+        """
+        if self.state is None:
+            return True
+        if not self.touched:
+            return False
+        self.touched = False
+        return any(now is not then for now, then in zip(self._arrays(), self._exchanged))
+
+    def _arrays(self):
+        groups = TrainState.variables_of(self.model)
+        return [variable.value for group in groups[:3] for variable in group]
 
     def stepped(self, state):
         """Take a step's new state; the model is now behind it."""
@@ -57,6 +82,15 @@ class LiveModel:
         if not self.synced:
             self.write_back_if_alive()
 
+    def finish(self):
+        """At the end of fit: write the state into the model if it is behind.
+
+        Never when the model is in step: a callback may have changed it
+        after the last step (ReduceLROnPlateau at the last epoch's end).
+        """
+        if not self.synced:
+            self.write_back_if_alive()
+
     def write_back_if_alive(self):
         """Write the live state into the model unless it was donated away."""
         # A step that failed after its state was donated leaves nothing to
@@ -64,6 +98,7 @@ class LiveModel:
         if self.state is not None and is_alive(self.state):
             write_back(self.state, self.model)
             self.synced = True
+            self._exchanged = self._arrays()
 
 
 def callback_list(callbacks, model, verbose, **params):

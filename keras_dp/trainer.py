@@ -311,6 +311,7 @@ class ShardedTrainer:
                         checkpoints=checkpoints,
                     )
                     if checkpoints is not None:
+                        live.sync()
                         position = checkpoint_lib.Position(epoch + 1, 0)
                         checkpoints.save(self.model, position, self.seed)
                         if preemption.requested:
@@ -319,7 +320,7 @@ class ShardedTrainer:
                         break
                 finished = True
         finally:
-            live.write_back_if_alive()
+            live.finish()
             if epochs > 0:
                 # Keras's own end of fit: e.g. copy EMA weights into the model.
                 self.model.optimizer.finalize_variable_values(self.model.trainable_weights)
@@ -393,9 +394,12 @@ class ShardedTrainer:
         if not skip:
             self.model.reset_metrics()
         callbacks.on_epoch_begin(epoch)
-        # Read the model afresh: a callback may have changed it (weights,
-        # learning rate) since the last write-back.
-        live.read(self.init_state())
+        # The state stays on the devices from epoch to epoch unless a
+        # callback changed the model (weights, learning rate) since they met.
+        if live.needs_read():
+            live.read(self.init_state())
+        elif not skip:
+            live.state = live.state._replace(metrics=fresh_metrics(self.model, self.mesh))
         throttle = inflight.Throttle(self.steps_in_flight)
         logs = None
         host_batches = batches.epoch(epoch)
@@ -417,8 +421,7 @@ class ShardedTrainer:
                     checkpoints.save(self.model, position, self.seed)
                     checkpoint_lib.exit_after_preemption(checkpoints.directory, position)
                 callbacks.on_train_batch_begin(index)
-                if live.touched:
-                    # A callback read (and may have changed) the model.
+                if live.needs_read():  # a callback changed the model
                     live.read(self.init_state())
                 if steps == 1:
                     state, logs = self._train_step(live.state, device_batch)
@@ -434,13 +437,13 @@ class ShardedTrainer:
         throttle.drain()
         if throttle.failure is not None and not self.model.stop_training:
             raise FloatingPointError(inflight.failure_message(epoch, *throttle.failure))
-        live.write_back_if_alive()
         # No logs: a one-shot stream ran dry at the epoch's start (fit stops).
         epoch_logs = {} if logs is None else callbacks_lib.to_python(logs)
         if val is not None and logs is not None:
             val_logs = self._evaluate(live.state, val, callbacks)
             epoch_logs.update({f"val_{name}": value for name, value in val_logs.items()})
-        live.state = None
+        # Callbacks that look at the model get it synced (`LiveModel`); the
+        # state is written back at the end of fit in any case.
         callbacks.on_epoch_end(epoch, epoch_logs)
         return epoch_logs
 
