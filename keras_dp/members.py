@@ -29,8 +29,10 @@ def member_mesh(members=None, mesh=None, devices=None):
 
     Raises:
         ValueError: `M` is not a positive integer, or is above `D` and not
-            a multiple of it.
+            a multiple of it; or a Keras distribution other than
+            `DataParallel` is set.
     """
+    mesh_lib.check_keras_distribution()
     base = mesh_lib.make_mesh(devices, mesh)
     available = list(base.devices.flat)
     n = len(available)

@@ -53,6 +53,31 @@ def make_mesh(devices=None, mesh=None):
     )
 
 
+def check_keras_distribution():
+    """Refuse a Keras distribution whose layout keras_dp would ignore.
+
+    keras_dp replicates every variable and splits each batch over its own
+    mesh. Under `keras.distribution.DataParallel` that is what Keras would do
+    too; any other distribution (`ModelParallel`'s sharded variables) would
+    be silently replaced by full copies, so it is refused.
+
+    Raises:
+        ValueError: a distribution other than `DataParallel` is set.
+    """
+    import keras  # noqa: PLC0415  (keras_dp sets the backend before Keras loads)
+
+    current = keras.distribution.distribution()
+    if current is not None and not isinstance(current, keras.distribution.DataParallel):
+        raise ValueError(
+            "keras_dp trains with data parallelism only: it keeps a full copy "
+            "of every variable on every device and ignores Keras layouts. "
+            f"Received: a {type(current).__name__} distribution set with "
+            "keras.distribution.set_distribution(). Call "
+            "keras.distribution.set_distribution(None) before keras_dp, or "
+            "train a model-parallel layout with Keras's own model.fit."
+        )
+
+
 def replicated(mesh):
     """The sharding that keeps a full copy of an array on every device."""
     return NamedSharding(mesh, PartitionSpec())

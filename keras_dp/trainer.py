@@ -80,6 +80,7 @@ class ShardedTrainer:
                 "layers in keras.Sequential([...]) or keras.Model(inputs, "
                 "outputs)."
             )
+        mesh_lib.check_keras_distribution()
         build_lib.compile_model(model, optimizer, loss, metrics)
         self.model = model
         self._checked = set()  # data signatures `build` has checked

@@ -92,3 +92,22 @@ def test_bad_validation_labels_fail_before_the_first_step(mnist):
                              validation_data=(x[:64], np.zeros((64, 3))),
                              callbacks=[record], devices=devices(2))
     assert record.ends == []
+
+
+def test_a_model_parallel_keras_distribution_is_refused_not_ignored():
+    layout = keras.distribution.LayoutMap(keras.distribution.DeviceMesh((2,), ["model"],
+                                                                        devices(2)))
+    layout["dense.*kernel"] = (None, "model")
+    keras.distribution.set_distribution(
+        keras.distribution.ModelParallel(layout_map=layout, batch_dim_name=None))
+    try:
+        with pytest.raises(ValueError, match="data parallelism only.*ModelParallel.*"
+                                             "set_distribution\(None\)"):
+            keras_dp.ShardedTrainer(mlp(), devices=devices(2))
+        with pytest.raises(ValueError, match="ModelParallel"):
+            keras_dp.fit_ensemble(mlp, np.zeros((8, 28, 28, 1)), np.zeros(8), verbose=0,
+                                  devices=devices(2))
+        keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices(2)))
+        keras_dp.ShardedTrainer(mlp(), devices=devices(2))  # the same layout: accepted
+    finally:
+        keras.distribution.set_distribution(None)
