@@ -397,7 +397,13 @@ class ShardedTrainer:
         callbacks.on_epoch_begin(epoch)
         # The state stays on the devices from epoch to epoch unless a
         # callback changed the model (weights, learning rate) since they met.
-        if live.needs_read():
+        # Across processes every epoch starts from process 0's model, as
+        # every process must take part in that broadcast, whatever its
+        # callbacks did.
+        if self.multiprocess:
+            live.sync()
+            live.read(self.init_state())
+        elif live.needs_read():
             live.read(self.init_state())
         elif not skip:
             live.state = live.state._replace(metrics=fresh_metrics(self.model, self.mesh))
