@@ -9,8 +9,8 @@ a mistake fails with a message instead of deep inside a traced step.
 import jax
 import keras
 import numpy as np
-# Keras's own helpers, so that builds match model.fit exactly.
-from keras.src import backend as keras_backend
+
+from keras_dp import _compat
 
 
 def compile_model(model, optimizer, loss, metrics):
@@ -29,9 +29,10 @@ def compile_model(model, optimizer, loss, metrics):
     }
     if not overrides and model.compiled:
         return
-    # Keras keeps the arguments of the last compile() here; reusing them
-    # changes only what the caller overrides.
-    config = dict(model._compile_config.config) if model.compiled else {}
+    # Recompile with the last compile()'s own objects, changing only what the
+    # caller overrides (the public get_compile_config() serialises them, and
+    # compiling from that would replace the user's optimizer and loss).
+    config = _compat.compile_arguments(model) if model.compiled else {}
     config.update(overrides)
     if config.get("optimizer") is None or config.get("loss") is None:
         raise ValueError(
@@ -45,9 +46,9 @@ def compile_model(model, optimizer, loss, metrics):
 
 def is_built(model):
     """Whether every layer, the optimizer, the loss and the metrics are built."""
-    parts = (model._compile_metrics, model._compile_loss)
+    parts = (_compat.compiled_metrics(model), _compat.compiled_loss(model))
     return (
-        all(layer.built for layer in model._flatten_layers())
+        all(layer.built for layer in _compat.all_layers(model))
         and model.optimizer.built
         and all(part is None or part.built for part in parts)
     )
@@ -57,7 +58,7 @@ def build(model, batch):
     """Build `model` symbolically from a host batch, checking the labels first."""
     x, y, sample_weight = jax.tree.map(spec, batch)
     try:
-        y_pred = keras_backend.compute_output_spec(model, x, training=False)
+        y_pred = _compat.compute_output_spec(model, x, training=False)
     except Exception as error:
         raise ValueError(
             "The model could not be built on the data's x (shapes "
@@ -67,15 +68,15 @@ def build(model, batch):
         ) from error
     if y is None:
         return  # inputs only (predict): the symbolic call built every layer
-    if model._compile_loss is not None:
+    if _compat.compiled_loss(model) is not None:
         check_labels(model, x, y, y_pred, sample_weight)
-    model._symbolic_build(data_batch=batch)
+    _compat.symbolic_build(model, batch)
 
 
 def check_labels(model, x, y, y_pred, sample_weight):
     """Raise a `ValueError` naming the shapes if `y` does not fit `y_pred` under the loss."""
     try:
-        keras_backend.compute_output_spec(
+        _compat.compute_output_spec(
             model.compute_loss, x=x, y=y, y_pred=y_pred,
             sample_weight=sample_weight, training=False,
         )

@@ -113,6 +113,30 @@ class Checkpoints:
         self._manager.close()
 
 
+def open_for_fit(checkpoint_dir, model, seed, multiprocess, initial_epoch):
+    """The `Checkpoints` of a fit and where it starts: `(checkpoints, Position)`.
+
+    Without `checkpoint_dir`: `(None, Position(initial_epoch, 0))`. With one
+    that holds a checkpoint, the model is restored from the newest and its
+    position replaces `initial_epoch`.
+
+    Raises:
+        ValueError: `checkpoint_dir` on a mesh spanning processes, or a
+            checkpoint that does not fit (see `Checkpoints.restore`).
+    """
+    start = Position(initial_epoch, 0)
+    if checkpoint_dir is None:
+        return None, start
+    if multiprocess:
+        raise ValueError(
+            "checkpoint_dir is not supported across processes yet: a "
+            "SIGTERM reaches one host, and the others would wait for "
+            "it. Train in one process to use it."
+        )
+    checkpoints = Checkpoints(checkpoint_dir)
+    return checkpoints, checkpoints.restore(model, seed) or start
+
+
 class Preemption:
     """Turns SIGTERM into a request to save and stop, for a `with` block.
 

@@ -7,26 +7,18 @@ device of every host, each global batch is split along `"batch"`, and XLA's
 gradient all-reduce now crosses hosts.
 
 What does change is the input. Each process reads only its own share of the
-data and passes it to keras_dp as it would on one host. For every step,
-`global_batches` exchanges the processes' local row counts (one small
-all-gather), pads each process's rows to one common block length `L` (a
-multiple of its local device count) and assembles the global batch, of
-`process_count * L` rows, with `jax.make_array_from_process_local_data`:
-process p's rows form block p, in mesh order. The `DeviceBatch` records the
-real rows of every block as static data, and the compiled step cuts them out
-(`data.real_rows`), so every row of every process is used exactly once and
-no padding reaches a result. A process whose share has run out sends a
-block of padding with 0 real rows; the epoch ends when every process is out,
-so processes with shares of different lengths run the same number of steps.
+data (`process_share`) and passes it to keras_dp as it would on one host,
+with the global `batch_size` (`local_batch_size` is each process's part);
+`keras_dp.placement.MultiProcessPlacement` assembles the global batches.
+This module holds the runtime and the processes' shares; nothing here runs
+inside a step.
 """
 
 import os
 
 import jax
-import numpy as np
 
-from keras_dp import data as data_lib
-from keras_dp import mesh as mesh_lib
+from keras_dp import _compat
 
 COORDINATOR_ENV = "KERAS_DP_COORDINATOR"
 NUM_PROCESSES_ENV = "KERAS_DP_NUM_PROCESSES"
@@ -65,11 +57,7 @@ def initialize(coordinator_address=None, num_processes=None, process_id=None, *,
         RuntimeError: JAX has already started a backend.
         ValueError: a malformed environment variable.
     """
-    # There is no public way to ask whether JAX has started; cli.py asks the
-    # same question for --cpu-devices.
-    from jax._src import xla_bridge
-
-    if xla_bridge.backends_are_initialized():
+    if _compat.jax_backend_started():
         raise RuntimeError(
             "JAX has already started its backend, so this process can no "
             "longer join a multi-process run. Call "
@@ -161,95 +149,6 @@ def block_order(mesh):
             "Build it with keras_dp.make_mesh() (all devices, in JAX's order)."
         )
     return order
-
-
-def exchange_rows(rows):
-    """Every process's row count for this step, indexed by process.
-
-    One all-gather of a single integer: every process must call it, in the
-    same order relative to the training steps.
-    """
-    from jax.experimental import multihost_utils
-
-    counts = multihost_utils.process_allgather(np.asarray([rows], np.int32))
-    return np.asarray(counts).reshape(-1)
-
-
-def to_global(batch, mesh, counts, template=None):
-    """Assemble the global `DeviceBatch` from this process's host batch.
-
-    Args:
-        batch: this process's host batch (a tree of arrays), or `None` when
-            its share has run out.
-        mesh: a mesh spanning the processes (`block_order`).
-        counts: every process's real row count, from `exchange_rows`.
-        template: a host batch of this process, to build padding from when
-            `batch` is `None`.
-
-    Returns:
-        A `DeviceBatch` of `process_count * L` rows whose `blocks` are the
-        real rows of each block, in mesh order (`None` when the real rows
-        are a prefix, as on one process).
-    """
-    order = block_order(mesh)
-    blocks = tuple(int(counts[process]) for process in order)
-    per_process = mesh_lib.num_devices(mesh) // len(order)
-    size = -(-max(blocks) // per_process) * per_process
-    # Out of data: a block of copies of one template row, never read by a step.
-    source = batch if batch is not None else jax.tree.map(lambda array: array[:1], template)
-    local = data_lib.pad_rows(source, size)
-    sharding = mesh_lib.batch_sharded(mesh)
-    global_data = jax.tree.map(
-        lambda array: jax.make_array_from_process_local_data(
-            sharding, array, (size * len(order),) + array.shape[1:]
-        ),
-        local,
-    )
-    if _is_prefix(blocks, size):
-        return data_lib.DeviceBatch(global_data, sum(blocks))
-    return data_lib.DeviceBatch(global_data, sum(blocks), blocks)
-
-
-def global_batches(host_batches, mesh, template):
-    """Yield the global `DeviceBatch` of every step, until all processes are out.
-
-    Each step exchanges the local row counts first, so a process whose share
-    has ended keeps taking part (with 0 real rows) while others still have
-    data, and all processes stop after the same step.
-    """
-    iterator = iter(host_batches)
-    while True:
-        batch = next(iterator, None)
-        counts = exchange_rows(0 if batch is None else data_lib.batch_rows(batch))
-        if not counts.any():
-            return
-        yield to_global(batch, mesh, counts, template)
-
-
-def local_rows(array, batch, mesh):
-    """This process's real rows of a batch-sharded output, as numpy.
-
-    For `predict`: row i of the result is the output for row i of the host
-    batch this process passed in.
-    """
-    shards = sorted(array.addressable_shards, key=lambda shard: shard.index[0].start or 0)
-    block = np.concatenate([np.asarray(shard.data) for shard in shards])
-    order = block_order(mesh)
-    position = order.index(jax.process_index())
-    real = batch.blocks[position] if batch.blocks is not None else _prefix_share(
-        batch.rows, block.shape[0], position
-    )
-    return block[:real]
-
-
-def _prefix_share(rows, size, position):
-    return int(np.clip(rows - position * size, 0, size))
-
-
-def _is_prefix(blocks, size):
-    """Whether the real rows are exactly the first `sum(blocks)` rows."""
-    total = sum(blocks)
-    return all(real == _prefix_share(total, size, i) for i, real in enumerate(blocks))
 
 
 def _int_arg(value, env):

@@ -1,15 +1,20 @@
-"""The training state and its two boundaries with the Keras model.
+"""The training state and its boundaries with the Keras model.
 
+`TrainState` is the one definition of what a train step reads and replaces.
 `TrainState.from_model` reads a built, compiled Keras model into replicated
-device arrays; `write_back` is the only code in keras_dp that assigns to Keras
-variables. In between, the state lives only in the compiled steps, which take
-it and return its successor.
+device arrays; `write_back` is the only code in keras_dp that assigns to
+Keras variables. In between, the state lives only in the compiled steps,
+which take it and return its successor. During `fit`, `LiveModel` holds the
+state of the epoch in progress and keeps the Keras model in step with it
+whenever a callback looks.
 """
 
+import contextlib
 from typing import NamedTuple
 
 import jax
 
+from keras_dp import _compat
 from keras_dp import mesh as mesh_lib
 
 
@@ -60,6 +65,11 @@ class TrainState(NamedTuple):
         """Yield `(name, list_of_arrays)` for each state group."""
         return zip(self._fields, self)
 
+    @property
+    def weights(self):
+        """`(trainable, non_trainable)`: all that inference reads."""
+        return (self.trainable, self.non_trainable)
+
 
 def write_back(state, model):
     """Assign `state` to the Keras model's variables.
@@ -101,3 +111,87 @@ def is_alive(state):
 
 def _values(variables):
     return [variable.value for variable in variables]
+
+
+class LiveModel:
+    """The state of the epoch in progress, and the Keras model's view of it.
+
+    While `attached`, the model's `jax_state_sync` is this object's `sync`.
+    Keras's `Callback.model` calls it on the JAX backend before handing the
+    model to a callback, so a callback that reads `self.model` mid-epoch gets
+    the current weights; `touched` then tells the trainer to read the model
+    again before the next step, so that what the callback changed is trained
+    on. A step costs no copy unless a callback looks.
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self.state = None
+        self.synced = True  # the model holds what `state` holds
+        self.touched = False  # a callback has seen the model since the last read
+        self._exchanged = []  # the model's arrays when it last met `state`
+
+    @contextlib.contextmanager
+    def attached(self):
+        """While in this block, Keras's sync hook on the model calls `sync`."""
+        _compat.shadow_state_sync(self.model, self.sync)
+        try:
+            yield self
+        finally:
+            _compat.unshadow_state_sync(self.model)
+
+    def read(self, state):
+        """Take `state`, just read from the model, as the live state."""
+        self.state, self.synced, self.touched = state, True, False
+        self._exchanged = self._arrays()
+
+    def needs_read(self):
+        """Whether the model must be read again before the next step.
+
+        True when there is no live state, or when a callback has seen the
+        model and changed one of its weights, non-trainable or optimizer
+        variables since they last met the state (Keras's `assign` puts a
+        new array in the variable, so comparing arrays by identity finds
+        any change without a copy). A callback that only looked costs no
+        read. Metric variables are not compared: the trainer resets them
+        itself.
+        """
+        if self.state is None:
+            return True
+        if not self.touched:
+            return False
+        self.touched = False
+        return any(now is not then for now, then in zip(self._arrays(), self._exchanged))
+
+    def _arrays(self):
+        # Metric variables are left out: the trainer resets them itself.
+        variables = TrainState.variables_of(self.model)._replace(metrics=[])
+        return [variable.value for group in variables for variable in group]
+
+    def stepped(self, state):
+        """Take a step's new state; the model is now behind it."""
+        self.state, self.synced = state, False
+
+    def sync(self):
+        """Write the live state into the model if it is behind (Keras calls this)."""
+        self.touched = True
+        if not self.synced:
+            self.write_back_if_alive()
+
+    def finish(self):
+        """At the end of fit: write the state into the model if it is behind.
+
+        Never when the model is in step: a callback may have changed it
+        after the last step (ReduceLROnPlateau at the last epoch's end).
+        """
+        if not self.synced:
+            self.write_back_if_alive()
+
+    def write_back_if_alive(self):
+        """Write the live state into the model unless it was donated away."""
+        # A step that failed after its state was donated leaves nothing to
+        # write; the model then keeps the weights of the last epoch boundary.
+        if self.state is not None and is_alive(self.state):
+            write_back(self.state, self.model)
+            self.synced = True
+            self._exchanged = self._arrays()

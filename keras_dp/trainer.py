@@ -1,18 +1,17 @@
-"""The sharded trainer: one Keras model, one `"batch"` mesh, compiled steps.
+"""`ShardedTrainer`: one Keras model, one `"batch"` mesh, compiled steps.
 
-`ShardedTrainer` ties the other modules together. Its parts are public so a
-user can run training by hand (`init_state`, `shard`, `train_step`,
-`write_back`), and `fit`, `evaluate` and `predict` run them the way
-`model.fit`, `model.evaluate` and `model.predict` do, with Keras's callbacks
-and progress bar.
+Its parts are public so a user can run training by hand (`build`,
+`init_state`, `shard`, `train_step`, `write_back`), and `fit`, `evaluate`
+and `predict` run them the way `model.fit`, `model.evaluate` and
+`model.predict` do, with Keras's callbacks and progress bar. The route of a
+batch: `keras_dp.pipeline` makes host batches of the user's data,
+`keras_dp.placement` puts them on the mesh, `keras_dp.loop` runs the epochs,
+and `keras_dp.steps` holds the compiled programs.
 
 The Keras model is the record of truth between calls; during `fit`, the
-replicated device state is, and the model is updated from it at the end of
-every epoch and whenever `fit` exits, by an exception or an interrupt too.
+device state is, and the model is updated from it whenever a callback looks,
+at the end of fit, and whenever `fit` exits by an exception or an interrupt.
 """
-
-import contextlib
-import itertools
 
 import jax
 import keras
@@ -21,14 +20,13 @@ import numpy as np
 from keras_dp import build as build_lib
 from keras_dp import callbacks as callbacks_lib
 from keras_dp import checkpoint as checkpoint_lib
-from keras_dp import data as data_lib
 from keras_dp import describe as describe_lib
-from keras_dp import distributed as distributed_lib
-from keras_dp import inflight
+from keras_dp import loop
 from keras_dp import mesh as mesh_lib
-from keras_dp import step as step_lib
+from keras_dp import pipeline
+from keras_dp import placement as placement_lib
+from keras_dp import steps as steps_lib
 from keras_dp.state import TrainState
-from keras_dp.state import fresh_metrics
 from keras_dp.state import model_weights
 from keras_dp.state import write_back
 
@@ -88,41 +86,32 @@ class ShardedTrainer:
         self.seed = seed
         on_cpu = self.mesh.devices.flat[0].platform == "cpu"
         self.steps_in_flight = steps_in_flight or (1 if on_cpu else 2)
-        self.prefetch = prefetch
-        if steps_per_execution is None:
-            steps_per_execution = getattr(model, "steps_per_execution", None) or 1
-        self.steps_per_execution = int(steps_per_execution)
-        if self.steps_per_execution < 1:
+        self.steps_per_execution = _steps_per_execution(model, steps_per_execution)
+        self.placement = placement_lib.make_placement(self.mesh, prefetch)
+        if self.placement.multiprocess and self.steps_per_execution > 1:
             raise ValueError(
-                "`steps_per_execution` must be at least 1. Received: "
-                f"{steps_per_execution}."
+                "`steps_per_execution` > 1 is not supported across "
+                "processes yet: the processes' row counts are exchanged "
+                "before every step. Received: steps_per_execution="
+                f"{steps_per_execution} on a mesh over "
+                f"{jax.process_count()} processes. Use 1 (the default)."
             )
-        self.multiprocess = mesh_lib.spans_processes(self.mesh)
-        if self.multiprocess:
-            distributed_lib.block_order(self.mesh)  # a mesh it can use, or raise
-            if self.steps_per_execution > 1:
-                raise ValueError(
-                    "`steps_per_execution` > 1 is not supported across "
-                    "processes yet: the processes' row counts are exchanged "
-                    "before every step. Received: steps_per_execution="
-                    f"{steps_per_execution} on a mesh over "
-                    f"{jax.process_count()} processes. Use 1 (the default)."
-                )
-            # The row-count exchange is a collective; a look-ahead thread
-            # would interleave it with the steps in a different order on
-            # each process.
-            self.prefetch = 0
         if unroll is None:
             unroll = self.steps_per_execution if on_cpu else 1
-        self._train_step = step_lib.make_train_step(model, self.mesh)
-        self._train_steps = step_lib.make_multi_train_step(model, self.mesh, unroll)
-        self._test_step = step_lib.make_test_step(model, self.mesh)
-        self._predict_step = step_lib.make_predict_step(model, self.mesh)
+        self._train_step = steps_lib.make_train_step(model, self.mesh)
+        self._train_steps = steps_lib.make_multi_train_step(model, self.mesh, unroll)
+        self._test_step = steps_lib.make_test_step(model, self.mesh)
+        self._predict_step = steps_lib.make_predict_step(model, self.mesh)
 
     @property
     def num_devices(self):
         """The number of devices each global batch is split over."""
         return mesh_lib.num_devices(self.mesh)
+
+    @property
+    def multiprocess(self):
+        """Whether the mesh spans several processes."""
+        return self.placement.multiprocess
 
     # -- The parts, for training by hand ------------------------------------
 
@@ -139,7 +128,7 @@ class ShardedTrainer:
             ValueError: the model cannot be built on `x`, or the labels do
                 not fit its output.
         """
-        batch = data_lib.unpack(batch)
+        batch = pipeline.unpack(batch)
         # Tracing the model symbolically costs a fit call as much as several
         # steps of a small model: skip it for data already checked against
         # this model, loss and optimizer (a recompile replaces them).
@@ -167,15 +156,11 @@ class ShardedTrainer:
     def shard(self, batch):
         """Put a host batch `(x, y[, sample_weight])` on the mesh, split by rows.
 
-        Across processes, `batch` is this process's part of the global batch,
-        and every process must call `shard` for the same step (it exchanges
-        the row counts).
+        Returns a `placement.DeviceBatch`. Across processes, `batch` is this
+        process's part of the global batch, and every process must call
+        `shard` for the same step (it exchanges the row counts).
         """
-        batch = data_lib.unpack(batch)
-        if self.multiprocess:
-            counts = distributed_lib.exchange_rows(data_lib.batch_rows(batch))
-            return distributed_lib.to_global(batch, self.mesh, counts)
-        return data_lib.to_device(batch, self.mesh)
+        return self.placement.shard(pipeline.unpack(batch))
 
     def train_step(self, state, batch):
         """Run one compiled step on a sharded batch: `(state, logs)`.
@@ -220,7 +205,7 @@ class ShardedTrainer:
 
         Args:
             x, y, sample_weight, batch_size: the training data (see
-                `keras_dp.data.make_batches`); `batch_size` is global and
+                `keras_dp.pipeline.make_batches`); `batch_size` is global and
                 need not divide by the device count.
             epochs: the index of the last epoch, as in `model.fit`: training
                 runs epochs `initial_epoch` to `epochs - 1`.
@@ -267,69 +252,27 @@ class ShardedTrainer:
                     "Pass either `validation_data` or `validation_split`, not "
                     "both: keras_dp would not know which to score."
                 )
-            (x, y, sample_weight), validation_data = data_lib.split_validation(
+            (x, y, sample_weight), validation_data = pipeline.split_validation(
                 x, y, sample_weight, validation_split
             )
         batches = self._batches(x, y, sample_weight, batch_size, shuffle, class_weight)
         if steps_per_epoch is not None:
-            batches = data_lib.StepsPerEpoch(batches, steps_per_epoch)
+            batches = pipeline.StepsPerEpoch(batches, steps_per_epoch)
         self.build(batches.peek())
         val = None
         if validation_data is not None:
             val = self._batches(validation_data, None, None, batch_size, False)
             self.build(val.peek())  # bad validation labels fail now, not after epoch 1
         callbacks_lib.check_validation_freq(validation_freq)
-        checkpoints = None
-        resume = checkpoint_lib.Position(initial_epoch, 0)
-        if checkpoint_dir is not None:
-            if self.multiprocess:
-                raise ValueError(
-                    "checkpoint_dir is not supported across processes yet: a "
-                    "SIGTERM reaches one host, and the others would wait for "
-                    "it. Train in one process to use it."
-                )
-            checkpoints = checkpoint_lib.Checkpoints(checkpoint_dir)
-            resume = checkpoints.restore(self.model, self.seed) or resume
+        checkpoints, resume = checkpoint_lib.open_for_fit(
+            checkpoint_dir, self.model, self.seed, self.multiprocess, initial_epoch)
         callbacks = callbacks_lib.callback_list(
             callbacks, self.model, verbose, epochs=epochs, steps=batches.steps
         )
-        self.model.stop_training = False
-        live = callbacks_lib.LiveModel(self.model)
-        epoch_logs, finished = {}, False
-        callbacks.on_train_begin()
-        # keras.callbacks.BackupAndRestore resumes this way, as under model.fit.
-        start = getattr(self.model, "_initial_epoch", None) or resume.epoch
-        # Consumed (Keras leaves it set): a later fit starts where it is asked.
-        self.model._initial_epoch = None
-        try:
-            with live.attached(), checkpoint_lib.Preemption() as preemption:
-                for epoch in range(start, epochs):
-                    validate = val is not None and callbacks_lib.should_validate(epoch, validation_freq)
-                    skip = resume.steps if epoch == resume.epoch else 0
-                    epoch_logs = self._fit_epoch(
-                        live, batches, epoch, callbacks, val if validate else None,
-                        skip=skip, preemption=preemption if checkpoints else None,
-                        checkpoints=checkpoints,
-                    )
-                    if checkpoints is not None:
-                        live.sync()
-                        position = checkpoint_lib.Position(epoch + 1, 0)
-                        checkpoints.save(self.model, position, self.seed)
-                        if preemption.requested:
-                            checkpoint_lib.exit_after_preemption(checkpoints.directory, position)
-                    if self.model.stop_training or getattr(batches, "exhausted", False):
-                        break
-                finished = True
-        finally:
-            live.finish()
-            if epochs > 0:
-                # Keras's own end of fit: e.g. copy EMA weights into the model.
-                self.model.optimizer.finalize_variable_values(self.model.trainable_weights)
-            if checkpoints is not None:
-                checkpoints.close()
-        if finished:
-            callbacks.on_train_end(epoch_logs)
-        return self.model.history
+        return loop.fit(
+            self, batches, val, callbacks, epochs=epochs, resume=resume,
+            validation_freq=validation_freq, checkpoints=checkpoints,
+        )
 
     def evaluate(self, x=None, y=None, *, batch_size=None, verbose="auto",
                  sample_weight=None, callbacks=None, return_dict=False):
@@ -342,8 +285,7 @@ class ShardedTrainer:
         batches = self._batches(x, y, sample_weight, batch_size, False)
         self.build(batches.peek())
         callbacks = callbacks_lib.callback_list(callbacks, self.model, verbose, steps=batches.steps)
-        state = self.init_state()
-        logs = self._evaluate(state, batches, callbacks)
+        logs = loop.evaluate(self, model_weights(self.model, self.mesh), batches, callbacks)
         if return_dict:
             return logs
         values = list(logs.values())
@@ -363,10 +305,10 @@ class ShardedTrainer:
         outputs = []
         callbacks.on_predict_begin()
         inputs = (batch[0] for batch in batches.epoch(0))
-        for index, x_device in enumerate(self._placed(inputs, batches.peek()[0])):
+        for index, x_device in enumerate(self.placement.batches(inputs, batches.peek()[0])):
             callbacks.on_predict_batch_begin(index)
             output = jax.tree.map(
-                lambda out: self._local_rows(out, x_device),
+                lambda out: self.placement.local_rows(out, x_device),
                 self._predict_step(weights, x_device),
             )
             outputs.append(output)
@@ -374,125 +316,24 @@ class ShardedTrainer:
         callbacks.on_predict_end()
         return jax.tree.map(lambda *parts: np.concatenate(parts), *outputs)
 
-    # -- Internals -----------------------------------------------------------
-
     def _batches(self, x, y, sample_weight, batch_size, shuffle, class_weight=None):
-        if self.multiprocess and batch_size is not None:
+        if batch_size is not None:
             # `batch_size` is global; each process slices its part of it.
-            batch_size = distributed_lib.local_batch_size(batch_size, self.mesh)
-        return data_lib.make_batches(
+            batch_size = self.placement.local_batch_size(batch_size)
+        return pipeline.make_batches(
             x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
             seed=self.seed, class_weight=class_weight,
         )
 
-    def _fit_epoch(self, live, batches, epoch, callbacks, val, skip=0,
-                   preemption=None, checkpoints=None):
-        """One epoch: sync in, train, sync out, validate. Returns epoch logs.
 
-        `skip` steps of the epoch are done already (a resumed checkpoint,
-        whose metrics hold their running totals).
-        """
-        if not skip:
-            self.model.reset_metrics()
-        callbacks.on_epoch_begin(epoch)
-        # The state stays on the devices from epoch to epoch unless a
-        # callback changed the model (weights, learning rate) since they met.
-        # Across processes every epoch starts from process 0's model, as
-        # every process must take part in that broadcast, whatever its
-        # callbacks did.
-        if self.multiprocess:
-            live.sync()
-            live.read(self.init_state())
-        elif live.needs_read():
-            live.read(self.init_state())
-        elif not skip:
-            live.state = live.state._replace(metrics=fresh_metrics(self.model, self.mesh))
-        throttle = inflight.Throttle(self.steps_in_flight)
-        logs = None
-        host_batches = batches.epoch(epoch)
-        if skip:
-            host_batches = itertools.islice(host_batches, skip, None)
-        if self.multiprocess:
-            placed = ((1, batch) for batch in self._placed(host_batches, batches.peek()))
-        else:
-            groups = data_lib.group_steps(host_batches, self.steps_per_execution)
-            placed = data_lib.prefetch(map(self._place, groups), self.prefetch)
-        index = skip
-        # Closing it on a break (stop_training) stops the look-ahead thread now.
-        with contextlib.closing(placed):
-            for steps, device_batch in placed:
-                if preemption is not None and preemption.requested:
-                    throttle.drain()
-                    live.sync()
-                    position = checkpoint_lib.Position(epoch, index)
-                    checkpoints.save(self.model, position, self.seed)
-                    checkpoint_lib.exit_after_preemption(checkpoints.directory, position)
-                callbacks.on_train_batch_begin(index)
-                if live.needs_read():  # a callback changed the model
-                    live.read(self.init_state())
-                if steps == 1:
-                    state, logs = self._train_step(live.state, device_batch)
-                    finite = 0  # if this step's loss is not finite, it is the first bad one
-                else:
-                    state, logs, finite = self._train_steps(live.state, device_batch)
-                live.stepped(state)
-                throttle.add((index, finite, logs))
-                index += steps
-                callbacks.on_train_batch_end(index - 1, logs)
-                if throttle.failure is not None or self.model.stop_training:
-                    break
-        throttle.drain()
-        if throttle.failure is not None and not self.model.stop_training:
-            raise FloatingPointError(inflight.failure_message(epoch, *throttle.failure))
-        # No logs: a one-shot stream ran dry at the epoch's start (fit stops).
-        epoch_logs = {} if logs is None else callbacks_lib.to_python(logs)
-        if val is not None and logs is not None:
-            val_logs = self._evaluate(live.state, val, callbacks)
-            epoch_logs.update({f"val_{name}": value for name, value in val_logs.items()})
-        # Callbacks that look at the model get it synced (`LiveModel`); the
-        # state is written back at the end of fit in any case.
-        callbacks.on_epoch_end(epoch, epoch_logs)
-        return epoch_logs
-
-    def _placed(self, host_batches, template):
-        """The `DeviceBatch` of each host batch; across processes, each global one.
-
-        Across processes the loop runs until every process's share is out
-        (`distributed.global_batches`), so it may run longer than this
-        process's own batches; `template` is one of them, for padding.
-        """
-        if self.multiprocess:
-            return distributed_lib.global_batches(host_batches, self.mesh, template)
-        return data_lib.prefetch(
-            (data_lib.to_device(batch, self.mesh) for batch in host_batches), self.prefetch
+def _steps_per_execution(model, steps_per_execution):
+    """The trainer's K: the argument, else the model's from `compile`, else 1."""
+    if steps_per_execution is None:
+        steps_per_execution = getattr(model, "steps_per_execution", None) or 1
+    if int(steps_per_execution) < 1:
+        raise ValueError(
+            "`steps_per_execution` must be at least 1. Received: "
+            f"{steps_per_execution}."
         )
+    return int(steps_per_execution)
 
-    def _local_rows(self, output, batch):
-        """This process's real rows of a batch-sharded output, as numpy."""
-        if self.multiprocess:
-            return distributed_lib.local_rows(output, batch, self.mesh)
-        return np.asarray(output)[: batch.rows]
-
-    def _place(self, group):
-        """`(steps, DeviceBatch)` for a group of host batches from `group_steps`."""
-        if len(group) == 1:
-            return 1, self.shard(group[0])
-        return len(group), data_lib.to_device_stacked(group, self.mesh)
-
-    def _evaluate(self, state, batches, callbacks):
-        """Score `batches` with `state`'s weights; returns python-float logs."""
-        weights = (state.trainable, state.non_trainable)
-        metrics = fresh_metrics(self.model, self.mesh)
-        throttle = inflight.Throttle(self.steps_in_flight)
-        logs = None
-        callbacks.on_test_begin()
-        placed = self._placed(batches.epoch(0), batches.peek())
-        for index, device_batch in enumerate(placed):
-            callbacks.on_test_batch_begin(index)
-            metrics, logs = self._test_step(weights, metrics, device_batch)
-            throttle.add(logs)
-            callbacks.on_test_batch_end(index, logs)
-        throttle.drain()
-        logs = callbacks_lib.to_python(logs)
-        callbacks.on_test_end(logs)
-        return logs

@@ -32,20 +32,28 @@ MODULES = [
     "keras_dp.distributed",
     "keras_dp.models",
     "keras_dp.datasets",
-    "keras_dp.mesh",
+    "keras_dp.pipeline",
+    "keras_dp.placement",
+    "keras_dp.loop",
+    "keras_dp.steps",
     "keras_dp.state",
-    "keras_dp.step",
-    "keras_dp.data",
+    "keras_dp.mesh",
     "keras_dp.build",
     "keras_dp.callbacks",
     "keras_dp.inflight",
     "keras_dp.describe",
-    "keras_dp.plots",
-    "keras_dp.members",
-    "keras_dp.ensemble_step",
-    "keras_dp.scores",
-    "keras_dp.launch",
+    "keras_dp.pipeline.batch",
+    "keras_dp.pipeline.arrays",
+    "keras_dp.pipeline.iterables",
+    "keras_dp.pipeline.stream",
+    "keras_dp.ensemble.trainer",
+    "keras_dp.ensemble.members",
+    "keras_dp.ensemble.steps",
+    "keras_dp.ensemble.scores",
     "keras_dp.cli",
+    "keras_dp.cli.train",
+    "keras_dp.cli.launch",
+    "keras_dp.cli.plots",
 ]
 SKIPPED_MODULES = {"keras_dp.__main__"}  # just calls keras_dp.cli.main
 
@@ -63,7 +71,10 @@ def module_names():
     """Every module of the package to document, most used first."""
     import keras_dp
 
-    found = {f"keras_dp.{info.name}" for info in pkgutil.iter_modules(keras_dp.__path__)}
+    found = {
+        info.name for info in pkgutil.walk_packages(keras_dp.__path__, "keras_dp.")
+        if not info.name.rsplit(".", 1)[-1].startswith("_")  # _compat, __main__
+    }
     found -= SKIPPED_MODULES
     return [name for name in MODULES if name in found] + sorted(found - set(MODULES))
 

@@ -46,6 +46,13 @@ def mnist():
     return (x[:2048, ..., None], y[:2048]), (x_test[:1024, ..., None], y_test[:1024])
 
 
+# The guide's convnet gives this conv a bias and then a BatchNormalization
+# that subtracts the batch mean, bias included: its true gradient is 0, its
+# values are rounding noise (amplified to +-lr steps by Adam), and it has no
+# effect on any output. It is the one variable not compared.
+NO_GRADIENT = "large_k/bias"
+
+
 def convnet(seed=0, learning_rate=1e-3):
     """The guide's convnet, compiled, with initial weights fixed by `seed`."""
     keras.utils.set_random_seed(seed)
@@ -108,6 +115,11 @@ class BatchEnds(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self.ends.append(batch)
+
+
+def batches_of(mnist, count, size=64):
+    (x, y), _ = mnist
+    return [(x[i * size:(i + 1) * size], y[i * size:(i + 1) * size]) for i in range(count)]
 
 
 def weights(model):

@@ -13,15 +13,11 @@ import sys
 import time
 
 import jax
-import keras
 import numpy as np
 import pytest
 
-import keras_dp
-from keras_dp import data as data_lib
 from keras_dp import distributed
-from keras_dp.launch import child_environment
-from conftest import devices
+from keras_dp.cli.launch import child_environment
 
 WORKER = pathlib.Path(__file__).parent / "scripts" / "distributed_worker.py"
 LIMIT = 240
@@ -152,47 +148,7 @@ def test_initialize_after_jax_started_says_to_call_it_first():
         distributed.initialize("127.0.0.1:1", 2, 0)
 
 
-def test_a_batch_of_blocks_trains_like_its_real_rows_concatenated(mnist):
-    # The layout of a multi-process batch, on one process: two blocks of 8
-    # rows of which 5 and 3 are real. The step must equal one on those 8 rows.
-    (x, y), _ = mnist
-    mesh = keras_dp.make_mesh(devices(4))
-    rows = np.concatenate([np.arange(5), np.full(3, 4), 8 + np.arange(3), np.full(5, 10)])
-    blocked = data_lib.DeviceBatch(
-        jax.device_put((x[rows], y[rows], None), keras_dp.mesh.batch_sharded(mesh)), 8, (5, 3)
-    )
-    real = np.concatenate([np.arange(5), 8 + np.arange(3)])
-    results = []
-    for batch in (blocked, None):
-        keras.utils.set_random_seed(0)
-        trainer = keras_dp.ShardedTrainer(_mlp(), mesh=mesh)
-        trainer.build((x[:8], y[:8]))
-        batch = batch or trainer.shard((x[real], y[real]))
-        state, logs = trainer.train_step(trainer.init_state(), batch)
-        results.append((jax.device_get(state.trainable), jax.device_get(logs)))
-    for a, b in zip(*(jax.tree.leaves(result) for result in results)):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
-    predictions = keras_dp.step.make_predict_step(trainer.model, mesh)(
-        keras_dp.state.model_weights(trainer.model, mesh),
-        data_lib.DeviceBatch(blocked.data[0], 8, (5, 3)),
-    )
-    predictions = np.asarray(predictions)
-    assert not predictions[5:8].any() and not predictions[11:].any()  # padding: zeros
-    np.testing.assert_allclose(predictions[[0, 1, 2, 3, 4, 8, 9, 10]],
-                               trainer.model.predict(x[real], verbose=0), rtol=1e-5, atol=1e-6)
-
-
-def _mlp():
-    model = keras.Sequential([keras.Input((28, 28, 1)), keras.layers.Rescaling(1 / 255),
-                              keras.layers.Flatten(), keras.layers.Dense(16, activation="relu"),
-                              keras.layers.Dense(10)])
-    model.compile(optimizer=keras.optimizers.SGD(0.05),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
-    return model
-
-
 def _free_port():
-    from keras_dp.launch import _free_port as free_port
+    from keras_dp.cli.launch import _free_port as free_port
 
     return free_port()

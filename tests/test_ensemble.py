@@ -13,8 +13,8 @@ import pytest
 
 import keras_dp
 from conftest import devices, mlp, unseeded_mlp
-from keras_dp.data import make_batches
-from keras_dp.scores import classification_scores
+from keras_dp.pipeline import make_batches
+from keras_dp.ensemble.scores import classification_scores
 
 COLLECTIVES = ("all-reduce", "all-gather", "collective-permute", "all-to-all", "reduce-scatter")
 

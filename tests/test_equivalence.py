@@ -11,13 +11,9 @@ import subprocess
 import sys
 
 import numpy as np
+from conftest import NO_GRADIENT
 
 SCRIPT = pathlib.Path(__file__).parent / "scripts" / "equivalence.py"
-# The guide's convnet gives this conv a bias and then a BatchNormalization
-# that subtracts the batch mean, bias included: its true gradient is 0, its
-# values are rounding noise (amplified to +-lr steps by Adam), and it has no
-# effect on any output. It is the one variable not compared.
-NO_GRADIENT = "large_k/bias"
 
 
 def test_four_devices_equal_one_device_for_20_steps_in_float64():

@@ -8,11 +8,10 @@ that the result is what Keras computes on one device, sample for sample.
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import keras_dp
 from conftest import convnet, devices, mlp, sgd_mlp, weights
-from test_equivalence import NO_GRADIENT
+from conftest import NO_GRADIENT
 
 
 def sgd_convnet(seed=7):
@@ -183,26 +182,6 @@ def test_validation_split_and_freq_follow_keras(mnist):
     assert len(listed["val_loss"]) == 2
 
 
-def test_steps_per_epoch_reads_an_endless_dataset_and_stops_a_short_generator(mnist):
-    (x, y), _ = mnist
-    endless = tf.data.Dataset.from_tensor_slices((x[:256], y[:256])).batch(64).repeat()
-    model = mlp()
-    history = keras_dp.fit_sharded(model, endless, steps_per_epoch=5, epochs=2, verbose=0,
-                                   devices=devices(2))
-    assert int(model.optimizer.iterations.numpy()) == 10 and history.epoch == [0, 1]
-    # Arrays: an epoch of 3 steps may run into the next pass over the data.
-    model = mlp()
-    keras_dp.fit_sharded(model, x[:256], y[:256], batch_size=64, steps_per_epoch=3, epochs=3,
-                         verbose=0, devices=devices(2))
-    assert int(model.optimizer.iterations.numpy()) == 9
-    short = ((x[i:i + 32], y[i:i + 32]) for i in range(0, 224, 32))  # 7 batches
-    model = mlp()
-    with pytest.warns(UserWarning, match="ran out of data in epoch 1.*steps_per_epoch \\* epochs"):
-        history = keras_dp.fit_sharded(model, short, steps_per_epoch=5, epochs=3, verbose=0,
-                                       devices=devices(2))
-    assert int(model.optimizer.iterations.numpy()) == 7 and history.epoch == [0, 1]
-
-
 def test_initial_epoch_resumes_the_same_run(mnist):
     (x, y), _ = mnist
     unbroken = mlp(dropout=0.5)
@@ -216,28 +195,6 @@ def test_initial_epoch_resumes_the_same_run(mnist):
     assert history.epoch == [1, 2]
     for a, b in zip(weights(unbroken), weights(resumed)):
         np.testing.assert_array_equal(a, b)
-
-
-def batches_then(mnist, bad):
-    (x, y), _ = mnist
-    return [(x[:32], y[:32]), bad(x, y)]
-
-
-@pytest.mark.parametrize("bad, message", [
-    (lambda x, y: (x[:0], y[:0]), "Batch 1 of epoch 0 has no rows"),
-    (lambda x, y: (x[:32], y[:32], np.ones(32)), "Batch 1 of epoch 0 has a different structure"),
-    (lambda x, y: (x[:32], y[:31]), "same number of rows"),
-])
-def test_a_bad_batch_in_a_dataset_is_named(mnist, bad, message):
-    with pytest.raises(ValueError, match=message):
-        keras_dp.fit_sharded(mlp(), batches_then(mnist, bad), verbose=0, devices=devices(2))
-
-
-def test_sharding_a_batch_without_rows_by_hand_is_refused(mnist):
-    (x, y), _ = mnist
-    trainer = keras_dp.ShardedTrainer(mlp(), devices=devices(2))
-    with pytest.raises(ValueError, match="no rows cannot be placed.*past the end"):
-        trainer.shard((x[5000:5064], y[5000:5064]))
 
 
 def test_bad_array_arguments_are_refused_before_the_first_step(mnist):

@@ -53,17 +53,3 @@ def test_local_copy_stays_on_the_device_and_outlives_donation():
     jax.jit(lambda a: a + 1, donate_argnums=0)(state)
     assert state.is_deleted() and not copy.is_deleted()
     np.testing.assert_array_equal(np.asarray(copy), np.arange(6.0))
-
-
-def test_every_batch_is_sharded_padded_to_split_evenly():
-    mesh = keras_dp.make_mesh(devices(4))
-    even = keras_dp.data.to_device((np.zeros((8, 2)), np.zeros(8), None), mesh)
-    assert even.rows == 8
-    assert [s.data.shape for s in even.data[0].addressable_shards] == [(2, 2)] * 4
-    # 6 rows on 4 devices: padded to 8 with copies of the last row.
-    x = np.arange(12.0).reshape(6, 2)
-    uneven = keras_dp.data.to_device((x, np.arange(6), None), mesh)
-    assert uneven.rows == 6 and uneven.data[2] is None
-    assert [s.data.shape for s in uneven.data[0].addressable_shards] == [(2, 2)] * 4
-    np.testing.assert_array_equal(np.asarray(uneven.data[0]), np.concatenate([x, x[[5, 5]]]))
-    np.testing.assert_array_equal(np.asarray(uneven.data[1]), [0, 1, 2, 3, 4, 5, 5, 5])

@@ -23,10 +23,6 @@ def run_many(mnist, runs):
     return finals
 
 
-def test_one_step_in_flight_on_cpu():
-    assert keras_dp.ShardedTrainer(convnet(), devices=devices(8)).steps_in_flight == 1
-
-
 def test_three_back_to_back_runs_on_8_devices(mnist):
     losses = run_many(mnist, 3)
     assert len(losses) == 3 and all(0 < loss < 2.3 for loss in losses)

@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 
 import keras_dp
-from conftest import convnet, devices
-from test_equivalence import NO_GRADIENT
+from conftest import NO_GRADIENT, batches_of, convnet, devices
 
 
 def train_by_hand(model, batches, n_devices):
@@ -20,11 +19,6 @@ def train_by_hand(model, batches, n_devices):
         state, logs = trainer.train_step(state, trainer.shard(batch))
         losses.append(float(logs["loss"]))
     return losses, state, trainer
-
-
-def batches_of(mnist, count, size=64):
-    (x, y), _ = mnist
-    return [(x[i * size:(i + 1) * size], y[i * size:(i + 1) * size]) for i in range(count)]
 
 
 def assert_state_close(a, b, rtol=1e-5, atol=1e-6):
@@ -85,31 +79,6 @@ def test_dropout_masks_differ_between_shards_and_match_one_device():
     shard_rows = out_4.reshape(4, 2, 64)
     assert len({row.tobytes() for row in shard_rows[:, 0]}) == 4
     assert 0.3 < (out_4 == 0).mean() < 0.7
-
-
-def test_gradients_are_averaged_by_one_all_reduce_in_the_compiled_step(mnist):
-    batch = batches_of(mnist, 1)[0]
-    for n_devices, expect in ((4, True), (1, False)):
-        trainer = keras_dp.ShardedTrainer(convnet(), devices=devices(n_devices))
-        trainer.build(batch)
-        state = trainer.init_state()
-        hlo = trainer.compiled_train_step(state, trainer.shard(batch)).as_text()
-        assert ("all-reduce" in hlo) is expect
-
-
-def test_state_is_donated_and_model_variables_survive(mnist):
-    batch = batches_of(mnist, 1)[0]
-    model = convnet()
-    trainer = keras_dp.ShardedTrainer(model, devices=devices(2))
-    trainer.build(batch)
-    state = trainer.init_state()
-    new_state, _ = trainer.train_step(state, trainer.shard(batch))
-    assert all(leaf.is_deleted() for leaf in jax.tree.leaves(state))
-    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(new_state))
-    before = [np.asarray(v.value) for v in model.trainable_variables]  # still readable
-    trainer.write_back(new_state)
-    after = [np.asarray(v.value) for v in model.trainable_variables]
-    assert any(not np.array_equal(a, b) for a, b in zip(before, after))
 
 
 def test_the_model_is_traced_once_per_kind_of_data(mnist, monkeypatch):

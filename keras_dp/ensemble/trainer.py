@@ -1,103 +1,16 @@
-"""Ensembles across devices: one member per device, probabilities averaged.
-
-An ensemble of `M` models of one architecture, each from its own random
-initialisation, trains as one compiled step: the members' state is stacked
-on a member axis split over the devices (`keras_dp.members`), every device
-receives each batch whole, and updates only its own members
-(`keras_dp.ensemble_step`), with no cross-device communication at all. The
-ensemble predicts the mean of its members' class probabilities; only
-evaluation and prediction bring the members together, on the host.
-"""
-
-import collections
-from typing import NamedTuple
+"""`EnsembleTrainer`: the members of an ensemble trained together, one step for all."""
 
 import jax
-import keras
 import numpy as np
 
-from keras_dp import data as data_lib
-from keras_dp import ensemble_step
-from keras_dp import members as members_lib
+from keras_dp import build as build_lib
+from keras_dp import inflight
 from keras_dp import mesh as mesh_lib
-from keras_dp.scores import classification_scores
+from keras_dp import pipeline
+from keras_dp.ensemble import members as members_lib
+from keras_dp.ensemble import steps as ensemble_steps
+from keras_dp.ensemble.scores import classification_scores
 from keras_dp.state import is_alive
-from keras_dp.trainer import ShardedTrainer
-
-
-class EnsembleResult(NamedTuple):
-    """What `fit_ensemble` returns.
-
-    Attributes:
-        members: the `M` trained Keras models, member `i` at index `i`.
-        model: a Keras model of the members that outputs the mean of their
-            class probabilities (`EnsembleTrainer.averaging_model`).
-        history: the per-epoch logs (`EnsembleTrainer.fit`).
-    """
-
-    members: list
-    model: keras.Model
-    history: dict
-
-
-def fit_ensemble(build_model, x=None, y=None, *, members=None, epochs=1,
-                 batch_size=None, validation_data=None, shuffle=True,
-                 member_shuffle=False, sample_weight=None, from_logits=None,
-                 seed=0, mesh=None, devices=None, verbose="auto"):
-    """Train an ensemble, one member per device, that averages probabilities.
-
-    Member `i` is `build_model()` called right after
-    `keras.utils.set_random_seed(seed + i)`, and every member trains on the
-    same batches (with `member_shuffle`, member `i` shuffles with seed
-    `seed + i` instead). So member `i` of a run with `shuffle=False` is
-    the model that `keras.utils.set_random_seed(seed + i)`,
-    `model = build_model()`, `model.fit(x, y, batch_size=batch_size,
-    epochs=epochs, shuffle=False)` trains alone.
-
-    Args:
-        build_model: a function of no arguments returning a new compiled
-            multi-class classifier (`keras.Model`) on each call; or a
-            `keras.Model`, which is cloned with fresh weights and compiled
-            like it.
-        x, y, sample_weight: training data, as for `fit_sharded`.
-        members: the ensemble size `M` (default: the device count `D`). Up
-            to `D`, member `i` runs on device `i`; a multiple of `D` puts
-            `M / D` members on each device.
-        epochs, batch_size, shuffle: as in `model.fit`; each member trains
-            on every batch whole.
-        validation_data: `(x, y[, sample_weight])`, scored after each epoch
-            for every member and for the ensemble.
-        member_shuffle: give each member its own shuffle order.
-        from_logits: whether the models output logits (a softmax comes
-            before averaging); `None` reads it from the compiled loss.
-        seed: seed of the members' initialisations and of the data order.
-        mesh, devices: where to train (default: all of JAX's devices).
-        verbose: 0 silent; otherwise one line per epoch.
-
-    Returns:
-        `EnsembleResult(members, model, history)`.
-
-    Example:
-
-    ```python
-    def build_model():
-        return keras_dp.models.compile_classifier(keras_dp.models.convnet())
-
-    result = keras_dp.fit_ensemble(build_model, x_train, y_train,
-                                   batch_size=64, epochs=2)
-    probabilities = result.model.predict(x_test)  # the members' mean
-    ```
-    """
-    trainer = EnsembleTrainer(
-        build_model, members, seed=seed, mesh=mesh, devices=devices,
-        from_logits=from_logits,
-    )
-    history = trainer.fit(
-        x, y, batch_size=batch_size, epochs=epochs, shuffle=shuffle,
-        member_shuffle=member_shuffle, sample_weight=sample_weight,
-        validation_data=validation_data, verbose=verbose,
-    )
-    return EnsembleResult(trainer.members, trainer.averaging_model(), history)
 
 
 class EnsembleTrainer:
@@ -106,7 +19,7 @@ class EnsembleTrainer:
     The state is a `TrainState` whose arrays have a leading member axis of
     size `M`, split over the mesh axis `"batch"` (`PartitionSpec("batch")`);
     batches are replicated. `train_step` is one jitted step with no
-    collective in its compiled program (`keras_dp.ensemble_step`).
+    collective in its compiled program (`keras_dp.ensemble.steps`).
 
     Args:
         build_model, members, seed, mesh, devices: see `fit_ensemble`.
@@ -114,7 +27,7 @@ class EnsembleTrainer:
             are used.
         from_logits: whether the members output logits, whose softmax over
             the last axis is then taken before averaging; `None` reads it
-            from the compiled loss (`keras_dp.members.read_from_logits`).
+            from the compiled loss (`keras_dp.ensemble.members.read_from_logits`).
 
     Raises:
         TypeError: `build_model` is neither callable nor a `keras.Model`, or
@@ -130,9 +43,10 @@ class EnsembleTrainer:
         self.seed = seed
         self.members = members_lib.make_members(build_model, count, seed)
         self.from_logits = members_lib.read_from_logits(self.members[0], from_logits)
-        self._block_each_step = self.mesh.devices.flat[0].platform == "cpu"
+        # XLA:CPU can deadlock with several steps queued (`keras_dp.inflight`).
+        self.steps_in_flight = 1 if self.mesh.devices.flat[0].platform == "cpu" else 2
         self._train_steps = {}
-        self._predict_step = ensemble_step.make_predict_step(
+        self._predict_step = ensemble_steps.make_predict_step(
             self.members[0], self.mesh, self.from_logits)
         self._x_example = None
 
@@ -150,9 +64,9 @@ class EnsembleTrainer:
             ValueError: a member cannot be built on `x`, or the labels do
                 not fit its output.
         """
-        batch = data_lib.unpack(batch)
+        batch = pipeline.unpack(batch)
         for model in self.members:
-            ShardedTrainer(model, mesh=self.mesh).build(batch)
+            build_lib.build(model, batch)
         self._x_example = batch[0]
 
     def init_state(self):
@@ -171,11 +85,11 @@ class EnsembleTrainer:
 
     def replicate(self, batch):
         """Put a host batch `(x, y[, sample_weight])` whole on every device."""
-        return jax.device_put(data_lib.unpack(batch), mesh_lib.replicated(self.mesh))
+        return jax.device_put(pipeline.unpack(batch), mesh_lib.replicated(self.mesh))
 
     def stack(self, batches):
         """Put one host batch per member on the mesh, each on its member's device."""
-        stacked = jax.tree.map(lambda *a: np.stack(a), *map(data_lib.unpack, batches))
+        stacked = jax.tree.map(lambda *a: np.stack(a), *map(pipeline.unpack, batches))
         return jax.device_put(stacked, members_lib.member_sharded(self.mesh))
 
     def train_step(self, state, batch, *, per_member=False):
@@ -230,7 +144,7 @@ class EnsembleTrainer:
         if validation_data is not None:
             val = self._batches(validation_data, None, None, batch_size, False, self.seed)
             self.build(val.peek())  # bad validation labels fail now, not after epoch 1
-        history = collections.defaultdict(list)
+        history = {}
         live = _Live(self.init_state())
         try:
             for epoch in range(epochs):
@@ -241,7 +155,7 @@ class EnsembleTrainer:
                     scores = self._evaluate(weights, val)
                     logs.update({f"val_{name}": value for name, value in scores.items()})
                 for name, value in logs.items():
-                    history[name].append(value)
+                    history.setdefault(name, []).append(value)
                 if verbose:
                     print(_epoch_line(epoch, epochs, logs), flush=True)
         finally:
@@ -249,10 +163,10 @@ class EnsembleTrainer:
             # to write; the models keep the weights of the last whole epoch.
             if is_alive(live.state):
                 self.write_back(live.state)
-        return dict(history)
+        return history
 
     def evaluate(self, x=None, y=None, *, batch_size=None, sample_weight=None):
-        """Score each member and the ensemble (`keras_dp.scores`).
+        """Score each member and the ensemble (`keras_dp.ensemble.scores`).
 
         Labels are class ids or one-hot rows. The loss is the cross-entropy
         of the labels under the (mean) probabilities, the accuracy the share
@@ -294,7 +208,7 @@ class EnsembleTrainer:
 
     def _step(self, per_member):
         if per_member not in self._train_steps:  # member 0 stands for all, to trace
-            self._train_steps[per_member] = ensemble_step.make_train_step(
+            self._train_steps[per_member] = ensemble_steps.make_train_step(
                 self.members[0], self.mesh, per_member)
         return self._train_steps[per_member]
 
@@ -306,7 +220,7 @@ class EnsembleTrainer:
 
     def _batches(self, x, y, sample_weight, batch_size, shuffle, seed):
         # Every member trains on whole batches: no rows are split over devices.
-        return data_lib.make_batches(
+        return pipeline.make_batches(
             x, y, sample_weight, batch_size=batch_size, shuffle=shuffle, seed=seed
         )
 
@@ -314,7 +228,7 @@ class EnsembleTrainer:
         first = self._batches(x, y, sample_weight, batch_size, shuffle, self.seed)
         if not member_shuffle:
             return [first]
-        if not isinstance(first, data_lib.ArrayBatches) or not shuffle:
+        if not isinstance(first, pipeline.ArrayBatches) or not shuffle:
             raise ValueError(
                 "member_shuffle gives each member its own shuffle of array data, "
                 f"so it needs arrays and shuffle=True. Received x of type "
@@ -338,15 +252,12 @@ class EnsembleTrainer:
             model.reset_metrics()
         fresh = members_lib.stack_state(self.members, self.mesh, groups=("metrics",))
         live.state = live.state._replace(metrics=fresh.metrics)
-        pending = collections.deque()
+        throttle = inflight.Throttle(self.steps_in_flight)
         logs = None
         for batch in batches:
             live.state, logs = self.train_step(live.state, batch, per_member=per_member)
-            pending.append(logs)
-            # XLA:CPU can deadlock with several steps queued: wait for each
-            # one there; elsewhere keep at most two in flight.
-            while len(pending) >= (1 if self._block_each_step else 2):
-                jax.block_until_ready(pending.popleft())
+            throttle.add(logs)
+        throttle.drain()
         logs = jax.device_get(logs)
         names = sorted(logs, key=lambda name: (name != "loss", name))
         return {name: [float(value) for value in logs[name]] for name in names}

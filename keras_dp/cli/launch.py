@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 
+from keras_dp import _compat
 from keras_dp import distributed
 
 # Commands of keras-dp itself; anything else after `--` runs as a program.
@@ -82,14 +83,7 @@ def child_environment(index, processes, address, cpu_devices=None):
     env[distributed.PROCESS_ID_ENV] = str(index)
     env["PYTHONUNBUFFERED"] = "1"  # lines arrive as they are printed
     if cpu_devices is not None:
-        flags = [
-            flag for flag in env.get("XLA_FLAGS", "").split()
-            if not flag.startswith("--xla_force_host_platform_device_count")
-        ]
-        env["XLA_FLAGS"] = " ".join(
-            flags + [f"--xla_force_host_platform_device_count={cpu_devices}"]
-        )
-        env["JAX_PLATFORMS"] = "cpu"
+        _compat.cpu_device_environment(cpu_devices, env)
     return env
 
 

@@ -239,13 +239,7 @@ def _make_member(build_model, seed, index):
 
 
 def _host_state(model, groups):
-    variables = {
-        "trainable": model.trainable_variables,
-        "non_trainable": model.non_trainable_variables,
-        "optimizer": model.optimizer.variables,
-        "metrics": model.metrics_variables,
-    }
-    return TrainState(**{
-        name: [np.asarray(v.value) for v in variables[name]] if name in groups else None
-        for name in TrainState._fields
-    })
+    return TrainState(*(
+        [np.asarray(v.value) for v in variables] if name in groups else None
+        for name, variables in TrainState.variables_of(model).groups()
+    ))

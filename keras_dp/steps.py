@@ -2,7 +2,7 @@
 
 Each step sees the *global* batch as one sharded array and the model state as
 replicated arrays. The batch arrives as a `DeviceBatch` padded to split
-evenly; the step first cuts it back to its real rows (`data.real_rows`), so
+evenly; the step first cuts it back to its real rows (`placement.real_rows`), so
 that whatever the batch size, the step computes exactly what one device
 would on those rows, BatchNorm statistics, loss mean and metrics included. The loss is the mean over the global batch, so its
 gradient with respect to the replicated weights is a sum over every device's
@@ -17,8 +17,9 @@ import jax
 import jax.numpy as jnp
 import keras
 
-from keras_dp import data as data_lib
+from keras_dp import _compat
 from keras_dp import mesh as mesh_lib
+from keras_dp import placement
 from keras_dp.state import TrainState
 
 
@@ -51,7 +52,7 @@ def make_train_step(model, mesh):
 def make_multi_train_step(model, mesh, unroll=1):
     """Return the jitted `train_steps(state, batches) -> (state, logs, finite)`.
 
-    `batches` is a stacked `DeviceBatch` (`data.to_device_stacked`): K
+    `batches` is a stacked `DeviceBatch` (`placement.to_device_stacked`): K
     batches of the same row count, shape `[K, rows, ...]`, sharded
     `PartitionSpec(None, "batch")`. The program runs K optimizer steps, each
     exactly the step of `make_train_step` (its own gradient all-reduce), as
@@ -66,7 +67,7 @@ def make_multi_train_step(model, mesh, unroll=1):
 
     def train_steps(state, batches):
         def body(state, data):
-            return step(state, data_lib.DeviceBatch(data, batches.rows, batches.blocks))
+            return step(state, placement.DeviceBatch(data, batches.rows, batches.blocks))
 
         state, logs = jax.lax.scan(body, state, batches.data, unroll=unroll)
         if "loss" in logs:
@@ -85,7 +86,7 @@ def _train_step(model, mesh):
     step = model_train_step(model)
 
     def train_step(state, batch):
-        new_state, logs = step(state, data_lib.real_rows(batch, mesh))
+        new_state, logs = step(state, placement.real_rows(batch, mesh))
         return _keep_if_not_finite(new_state, state, logs), logs
 
     return train_step
@@ -145,7 +146,7 @@ def make_test_step(model, mesh):
     """
 
     def test_step(weights, metrics, batch):
-        x, y, sample_weight = data_lib.real_rows(batch, mesh)
+        x, y, sample_weight = placement.real_rows(batch, mesh)
         trainable, non_trainable = weights
         _, (loss, y_pred, _, metrics) = model.compute_loss_and_updates(
             trainable, non_trainable, metrics, x, y, sample_weight, training=False
@@ -169,11 +170,11 @@ def make_predict_step(model, mesh):
 
     def predict_step(weights, batch):
         trainable, non_trainable = weights
-        x = data_lib.real_rows(batch, mesh)
+        x = placement.real_rows(batch, mesh)
         y_pred, _ = model.stateless_call(trainable, non_trainable, x, training=False)
         return jax.tree.map(
             lambda out: jax.lax.with_sharding_constraint(
-                data_lib.restore_rows(out, batch), mesh_lib.batch_sharded(mesh)
+                placement.restore_rows(out, batch), mesh_lib.batch_sharded(mesh)
             ),
             y_pred,
         )
@@ -193,7 +194,7 @@ def _update_metrics(model, metrics, loss, x, y, y_pred, sample_weight):
         rows = jax.tree.leaves(x)[0].shape[0]
         # Keras keeps the running loss in this private Mean; updating it as
         # model.fit does keeps `logs["loss"]` identical to Keras's.
-        model._loss_tracker.update_state(loss, sample_weight=rows)
+        _compat.loss_tracker(model).update_state(loss, sample_weight=rows)
         logs = model.compute_metrics(x, y, y_pred, sample_weight)
     updated = [scope.get_current_value(variable) for variable in variables]
     metrics = [new if new is not None else old for new, old in zip(updated, metrics)]

@@ -1,7 +1,7 @@
 """The ensemble's compiled steps: each device updates its own members, alone.
 
 The members' state is stacked on a member axis split over `"batch"` (see
-`keras_dp.members`). Each step is a `shard_map` over the mesh whose body
+`keras_dp.ensemble.members`). Each step is a `shard_map` over the mesh whose body
 `vmap`s the single-model step over the device's own block of members, so a
 device never reads another device's members and the compiled program holds
 no collective: no all-reduce, all-gather, all-to-all or collective-permute.
@@ -16,13 +16,13 @@ import jax
 from jax.sharding import PartitionSpec
 
 from keras_dp import mesh as mesh_lib
-from keras_dp import step as step_lib
+from keras_dp import steps as steps_lib
 
 
 def make_train_step(model, mesh, per_member_batches=False):
     """Return the jitted `train_step(state, batch) -> (state, logs)`.
 
-    The per-member step is the one `keras_dp.step` runs: Keras's
+    The per-member step is the one `keras_dp.steps` runs: Keras's
     `model.compute_loss_and_updates`, its gradient, and
     `optimizer.stateless_apply`; the metrics update as under `model.fit`.
 
@@ -39,7 +39,7 @@ def make_train_step(model, mesh, per_member_batches=False):
         `(x, y, sample_weight)`, returning the new stacked state and the
         logs, each metric an `(M,)` array, all split over the member axis.
     """
-    member_step = step_lib.model_train_step(model)
+    member_step = steps_lib.model_train_step(model)
     return jax.jit(_on_each_device(member_step, mesh, per_member_batches), donate_argnums=0)
 
 

@@ -1,132 +1,10 @@
-"""The `keras-dp` command: parse arguments, set up devices, call the library.
+"""`keras-dp train`: the main job, on MNIST, with a report of what ran where."""
 
-    keras-dp train --epochs 2 --cpu-devices 2 --data-dir ../shared/data
-
-trains the guide's convnet on MNIST over all local devices, prints what ran
-where and how fast, then the test accuracy, and saves the model (`.keras`)
-and its training curves (PNG).
-"""
-
-import argparse
 import builtins
-import os
 import pathlib
 import time
 
-# Importing Keras (and through it JAX) starts no backend, so --cpu-devices can
-# still take effect after this.
 import keras
-
-
-def build_parser():
-    """Return the argument parser of `keras-dp`."""
-    parser = argparse.ArgumentParser(
-        prog="keras-dp",
-        description="Synchronous data-parallel training of Keras models on JAX devices.",
-    )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    train = commands.add_parser(
-        "train", help="train a model on MNIST over all local devices",
-        description="Train a model on MNIST with data parallelism over all local devices.",
-    )
-    train.add_argument("--model", default="convnet", choices=["convnet", "resnet18"],
-                       help="the model to train (default: %(default)s)")
-    train.add_argument("--epochs", type=int, default=2, help="default: %(default)s")
-    train.add_argument("--batch-size", type=int, default=64,
-                       help="global batch, split over the devices (default: %(default)s)")
-    train.add_argument("--learning-rate", type=float, default=1e-3,
-                       help="Adam's learning rate (default: %(default)s)")
-    train.add_argument("--data-dir", default=None,
-                       help="a directory with mnist.npz (default: $KERAS_DP_DATA_DIR, "
-                            "Keras's cache, a download, then the bundled subset)")
-    train.add_argument("--train-samples", type=int, default=None,
-                       help="train on the first N images only (default: all)")
-    train.add_argument("--cpu-devices", type=int, default=None, metavar="N",
-                       help="run on N simulated CPU devices (sets XLA_FLAGS and "
-                            "JAX_PLATFORMS=cpu before JAX starts)")
-    train.add_argument("--output-dir", default="keras_dp_output",
-                       help="where the model and plot go (default: %(default)s)")
-    train.add_argument("--model-path", default=None,
-                       help="the .keras file (default: OUTPUT_DIR/MODEL.keras)")
-    train.add_argument("--plot-path", default=None,
-                       help="the PNG of the curves (default: OUTPUT_DIR/training_curves.png)")
-    train.add_argument("--seed", type=int, default=0,
-                       help="seed of initial weights and data order (default: %(default)s)")
-    train.add_argument("--ensemble", type=int, default=None, metavar="N",
-                       help="train N models from different initial weights (seeds "
-                            "SEED..SEED+N-1), N a multiple of the device count or at "
-                            "most it, every member on every batch; print each "
-                            "member's test accuracy and that of their averaged "
-                            "probabilities, and save the averaging model")
-    train.add_argument("--verbose", type=int, default=1, choices=[0, 1, 2],
-                       help="Keras progress output: 0 none, 1 bar, 2 a line per epoch")
-    _add_launch_parser(commands)
-    return parser
-
-
-def _add_launch_parser(commands):
-    launch = commands.add_parser(
-        "launch", help="run a command as P joined processes on this machine",
-        description="Start P processes on this machine that join one "
-                    "multi-process JAX run over loopback, as P hosts would: "
-                    "keras-dp launch --processes 2 --cpu-devices 2 -- train --epochs 1",
-    )
-    launch.add_argument("--processes", type=int, default=2, help="default: %(default)s")
-    launch.add_argument("--cpu-devices", type=int, default=None, metavar="N",
-                        help="give each process N simulated CPU devices")
-    launch.add_argument("--port", type=int, default=None,
-                        help="the coordinator's port on 127.0.0.1 (default: a free one)")
-    launch.add_argument("launched", nargs=argparse.REMAINDER, metavar="-- COMMAND",
-                        help="a keras-dp command (train ...) or any program and its arguments")
-
-
-def main(argv=None):
-    """Run `keras-dp` with `argv` (default: the command line)."""
-    args = build_parser().parse_args(argv)
-    if args.command == "launch":
-        from keras_dp.launch import launch
-
-        launched = args.launched[1:] if args.launched[:1] == ["--"] else args.launched
-        raise SystemExit(launch(launched, args.processes, args.cpu_devices, args.port))
-    if args.cpu_devices is not None:
-        use_cpu_devices(args.cpu_devices)
-    from keras_dp import distributed
-
-    if distributed.requested_by_environment():  # started by `keras-dp launch` or by hand
-        distributed.initialize()
-    if args.command == "train" and args.ensemble is not None:
-        train_ensemble(args)
-    elif args.command == "train":
-        train(args)
-
-
-def use_cpu_devices(count):
-    """Make JAX start with `count` simulated CPU devices.
-
-    Raises:
-        ValueError: `count` is below 1.
-        RuntimeError: JAX has already started a backend (too late to change).
-    """
-    if count < 1:
-        raise ValueError(f"--cpu-devices must be at least 1. Received: {count}.")
-    # JAX is always imported here (through Keras); what matters is whether it
-    # has started a backend yet. There is no public way to ask this.
-    from jax._src import xla_bridge
-
-    if xla_bridge.backends_are_initialized():
-        raise RuntimeError(
-            "JAX has already started, so the number of CPU devices can no "
-            "longer change. Set XLA_FLAGS=--xla_force_host_platform_device_count"
-            f"={count} before starting Python, or restart the kernel."
-        )
-    flags = [
-        flag for flag in os.environ.get("XLA_FLAGS", "").split()
-        if not flag.startswith("--xla_force_host_platform_device_count")
-    ]
-    os.environ["XLA_FLAGS"] = " ".join(
-        flags + [f"--xla_force_host_platform_device_count={count}"]
-    )
-    os.environ["JAX_PLATFORMS"] = "cpu"
 
 
 def train(args):
@@ -135,7 +13,7 @@ def train(args):
 
     import keras_dp
     from keras_dp import distributed
-    from keras_dp.plots import plot_history
+    from keras_dp.cli.plots import plot_history
 
     keras.utils.set_random_seed(args.seed)
     (x_train, y_train), (x_test, y_test), source = _mnist(args.data_dir, args.train_samples)
@@ -271,6 +149,3 @@ class EpochReport(keras.callbacks.Callback):
             flush=True,
         )
 
-
-if __name__ == "__main__":
-    main()

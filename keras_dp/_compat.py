@@ -1,0 +1,110 @@
+"""Every private Keras and JAX hook keras_dp uses, one small function each.
+
+keras_dp uses public APIs wherever one exists. What is left here has no
+public equivalent; each function names the private attribute it reads, and
+`tests/test_compat.py` checks each one against the installed Keras and JAX,
+so that a release that changes one fails there, loudly, not deep in a run.
+"""
+
+import os
+
+from keras.src import backend as _keras_backend
+
+
+def compute_output_spec(fn, *args, **kwargs):
+    """Trace `fn` on `keras.KerasTensor`s and return its output spec.
+
+    Keras's own symbolic tracing (`keras.src.backend.compute_output_spec`),
+    the one `model.fit` builds with; it builds every layer it calls.
+    """
+    return _keras_backend.compute_output_spec(fn, *args, **kwargs)
+
+
+def symbolic_build(model, batch):
+    """Build the loss, metrics and optimizer from a host batch, as `model.fit` does.
+
+    `Trainer._symbolic_build(data_batch=...)`.
+    """
+    model._symbolic_build(data_batch=batch)
+
+
+def compile_arguments(model):
+    """The keyword arguments of the model's last `compile()`, as the objects given.
+
+    `model._compile_config.config`; the public `get_compile_config()` returns
+    them serialised, and compiling from that would make new objects.
+    """
+    return dict(model._compile_config.config)
+
+
+def compiled_loss(model):
+    """The model's `CompileLoss`, or None when compiled without a loss (`_compile_loss`)."""
+    return getattr(model, "_compile_loss", None)
+
+
+def compiled_metrics(model):
+    """The model's `CompileMetrics`, or None (`_compile_metrics`)."""
+    return getattr(model, "_compile_metrics", None)
+
+
+def all_layers(model):
+    """Every layer of `model`, nested ones included (`_flatten_layers`)."""
+    return model._flatten_layers()
+
+
+def loss_tracker(model):
+    """The `Mean` that holds `logs["loss"]` under `model.fit` (`_loss_tracker`)."""
+    return model._loss_tracker
+
+
+def take_initial_epoch(model):
+    """The epoch `BackupAndRestore` asks `fit` to resume at, cleared once read.
+
+    Keras's `BackupAndRestore` sets `model._initial_epoch`; Keras's own fit
+    leaves it set, keras_dp consumes it so a later fit starts where asked.
+    """
+    epoch = getattr(model, "_initial_epoch", None)
+    model._initial_epoch = None
+    return epoch
+
+
+def shadow_state_sync(model, sync):
+    """Make Keras's `Callback.model` call `sync` before handing out `model`.
+
+    On the JAX backend, `Callback.model` calls `model.jax_state_sync()`; an
+    instance attribute shadows the method for one fit. Undo with
+    `unshadow_state_sync`.
+    """
+    model.jax_state_sync = sync
+
+
+def unshadow_state_sync(model):
+    """Give `model` back Keras's own `jax_state_sync`."""
+    del model.jax_state_sync
+
+
+def jax_backend_started():
+    """Whether JAX has started a backend (then devices can no longer change).
+
+    There is no public way to ask: `jax._src.xla_bridge.backends_are_initialized`.
+    """
+    from jax._src import xla_bridge
+
+    return xla_bridge.backends_are_initialized()
+
+
+def cpu_device_environment(count, environ=None):
+    """The environment that makes a new JAX start with `count` CPU devices.
+
+    Edits `XLA_FLAGS` (`--xla_force_host_platform_device_count`, XLA's own
+    flag) and sets `JAX_PLATFORMS=cpu`, in `environ` (default: a copy of
+    `os.environ`). Returns the edited mapping.
+    """
+    env = dict(os.environ) if environ is None else environ
+    flags = [
+        flag for flag in env.get("XLA_FLAGS", "").split()
+        if not flag.startswith("--xla_force_host_platform_device_count")
+    ]
+    env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={count}"])
+    env["JAX_PLATFORMS"] = "cpu"
+    return env

@@ -1,0 +1,93 @@
+"""Ensembles across devices: one member per device, probabilities averaged.
+
+An ensemble of `M` models of one architecture, each from its own random
+initialisation, trains as one compiled step: the members' state is stacked
+on a member axis split over the devices (`keras_dp.ensemble.members`), every device
+receives each batch whole, and updates only its own members
+(`keras_dp.ensemble.steps`), with no cross-device communication at all. The
+ensemble predicts the mean of its members' class probabilities; only
+evaluation and prediction bring the members together, on the host.
+"""
+
+from typing import NamedTuple
+
+import keras
+
+from keras_dp.ensemble.trainer import EnsembleTrainer
+
+__all__ = ["EnsembleResult", "EnsembleTrainer", "fit_ensemble"]
+
+
+class EnsembleResult(NamedTuple):
+    """What `fit_ensemble` returns.
+
+    Attributes:
+        members: the `M` trained Keras models, member `i` at index `i`.
+        model: a Keras model of the members that outputs the mean of their
+            class probabilities (`EnsembleTrainer.averaging_model`).
+        history: the per-epoch logs (`EnsembleTrainer.fit`).
+    """
+
+    members: list
+    model: keras.Model
+    history: dict
+
+
+def fit_ensemble(build_model, x=None, y=None, *, members=None, epochs=1,
+                 batch_size=None, validation_data=None, shuffle=True,
+                 member_shuffle=False, sample_weight=None, from_logits=None,
+                 seed=0, mesh=None, devices=None, verbose="auto"):
+    """Train an ensemble, one member per device, that averages probabilities.
+
+    Member `i` is `build_model()` called right after
+    `keras.utils.set_random_seed(seed + i)`, and every member trains on the
+    same batches (with `member_shuffle`, member `i` shuffles with seed
+    `seed + i` instead). So member `i` of a run with `shuffle=False` is
+    the model that `keras.utils.set_random_seed(seed + i)`,
+    `model = build_model()`, `model.fit(x, y, batch_size=batch_size,
+    epochs=epochs, shuffle=False)` trains alone.
+
+    Args:
+        build_model: a function of no arguments returning a new compiled
+            multi-class classifier (`keras.Model`) on each call; or a
+            `keras.Model`, which is cloned with fresh weights and compiled
+            like it.
+        x, y, sample_weight: training data, as for `fit_sharded`.
+        members: the ensemble size `M` (default: the device count `D`). Up
+            to `D`, member `i` runs on device `i`; a multiple of `D` puts
+            `M / D` members on each device.
+        epochs, batch_size, shuffle: as in `model.fit`; each member trains
+            on every batch whole.
+        validation_data: `(x, y[, sample_weight])`, scored after each epoch
+            for every member and for the ensemble.
+        member_shuffle: give each member its own shuffle order.
+        from_logits: whether the models output logits (a softmax comes
+            before averaging); `None` reads it from the compiled loss.
+        seed: seed of the members' initialisations and of the data order.
+        mesh, devices: where to train (default: all of JAX's devices).
+        verbose: 0 silent; otherwise one line per epoch.
+
+    Returns:
+        `EnsembleResult(members, model, history)`.
+
+    Example:
+
+    ```python
+    def build_model():
+        return keras_dp.models.compile_classifier(keras_dp.models.convnet())
+
+    result = keras_dp.fit_ensemble(build_model, x_train, y_train,
+                                   batch_size=64, epochs=2)
+    probabilities = result.model.predict(x_test)  # the members' mean
+    ```
+    """
+    trainer = EnsembleTrainer(
+        build_model, members, seed=seed, mesh=mesh, devices=devices,
+        from_logits=from_logits,
+    )
+    history = trainer.fit(
+        x, y, batch_size=batch_size, epochs=epochs, shuffle=shuffle,
+        member_shuffle=member_shuffle, sample_weight=sample_weight,
+        validation_data=validation_data, verbose=verbose,
+    )
+    return EnsembleResult(trainer.members, trainer.averaging_model(), history)

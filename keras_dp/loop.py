@@ -1,0 +1,217 @@
+"""The loops of `fit` and `evaluate`, as short functions, in the order they run.
+
+`fit` runs epochs; each epoch is `start_epoch` (callbacks, the state in),
+`train_batches` (host batches placed on the devices, one compiled call per
+step or per K steps, callbacks around each), `validate`, and the epoch's
+end (`end_epoch`: a checkpoint, a preemption exit). The state of the epoch
+in progress is held by a `keras_dp.state.LiveModel`, so that a callback, an
+exception or an interrupt always finds the Keras model current.
+
+Every function takes the `ShardedTrainer` whose parts it runs: its `model`,
+`placement`, compiled steps (`_train_step`, `_train_steps`, `_test_step`),
+`steps_per_execution` and `steps_in_flight`.
+"""
+
+import contextlib
+import dataclasses
+import itertools
+
+from keras_dp import _compat
+from keras_dp import callbacks as callbacks_lib
+from keras_dp import checkpoint as checkpoint_lib
+from keras_dp import inflight
+from keras_dp.state import LiveModel
+from keras_dp.state import fresh_metrics
+
+
+@dataclasses.dataclass
+class FitRun:
+    """What every epoch of one `fit` shares."""
+
+    trainer: object
+    batches: object
+    live: LiveModel
+    callbacks: object
+    checkpoints: object = None
+    preemption: object = None
+
+    @property
+    def model(self):
+        """The Keras model being trained."""
+        return self.trainer.model
+
+
+def fit(trainer, batches, val, callbacks, *, epochs, resume, validation_freq,
+        checkpoints=None):
+    """Train from `resume` to epoch `epochs - 1`; return the model's History.
+
+    `resume` (a `checkpoint.Position`) is the epoch to start at and how many
+    of its steps a restored checkpoint has done already; a
+    `keras.callbacks.BackupAndRestore` that restores a backup in
+    `on_train_begin` moves the start, as under `model.fit`. Whatever ends the
+    loop, the model holds the state of the last completed step when this
+    returns or raises.
+    """
+    model = trainer.model
+    model.stop_training = False
+    run = FitRun(trainer, batches, LiveModel(model), callbacks, checkpoints)
+    epoch_logs, finished = {}, False
+    callbacks.on_train_begin()
+    start = _compat.take_initial_epoch(model) or resume.epoch
+    try:
+        with run.live.attached(), checkpoint_lib.Preemption() as preemption:
+            run.preemption = preemption if checkpoints is not None else None
+            for epoch in range(start, epochs):
+                validate_now = val is not None and callbacks_lib.should_validate(
+                    epoch, validation_freq)
+                skip = resume.steps if epoch == resume.epoch else 0
+                epoch_logs = run_epoch(run, epoch, skip, val if validate_now else None)
+                end_epoch(run, epoch)
+                if model.stop_training or getattr(batches, "exhausted", False):
+                    break
+            finished = True
+    finally:
+        run.live.finish()
+        if epochs > 0:
+            # Keras's own end of fit: e.g. copy EMA weights into the model.
+            model.optimizer.finalize_variable_values(model.trainable_weights)
+        if checkpoints is not None:
+            checkpoints.close()
+    if finished:
+        callbacks.on_train_end(epoch_logs)
+    return model.history
+
+
+def run_epoch(run, epoch, skip, val):
+    """One epoch: start, train, validate, end callbacks. Returns the epoch logs.
+
+    `skip` steps of the epoch are done already (a restored checkpoint, whose
+    metrics hold their running totals).
+    """
+    start_epoch(run, epoch, skip)
+    logs = train_batches(run, epoch, skip)
+    # No logs: a one-shot stream ran dry at the epoch's start (fit stops).
+    epoch_logs = {} if logs is None else callbacks_lib.to_python(logs)
+    if val is not None and logs is not None:
+        epoch_logs.update(validate(run, val))
+    # Callbacks that look at the model get it synced (`LiveModel`); the
+    # state is written back at the end of fit in any case.
+    run.callbacks.on_epoch_end(epoch, epoch_logs)
+    return epoch_logs
+
+
+def start_epoch(run, epoch, skip):
+    """Reset the metrics, call `on_epoch_begin`, and bring the state in.
+
+    The state stays on the devices from epoch to epoch unless a callback
+    changed the model (weights, learning rate) since they met. Across
+    processes every epoch starts from process 0's model, as every process
+    must take part in that broadcast, whatever its callbacks did.
+    """
+    trainer, live = run.trainer, run.live
+    if not skip:
+        run.model.reset_metrics()
+    run.callbacks.on_epoch_begin(epoch)
+    if trainer.placement.multiprocess:
+        live.sync()
+        live.read(trainer.init_state())
+    elif live.needs_read():
+        live.read(trainer.init_state())
+    elif not skip:
+        live.state = live.state._replace(metrics=fresh_metrics(run.model, trainer.mesh))
+
+
+def train_batches(run, epoch, skip):
+    """Run the epoch's steps; return the last step's logs (None if no step ran).
+
+    Keeps at most `steps_in_flight` calls unfinished, checks each call's
+    loss when it finishes, and stops early on `stop_training`.
+
+    Raises:
+        FloatingPointError: a step's loss was NaN or Inf (unless a callback
+            such as `TerminateOnNaN` stopped training instead).
+    """
+    trainer = run.trainer
+    throttle = inflight.Throttle(trainer.steps_in_flight)
+    host_batches = itertools.islice(run.batches.epoch(epoch), skip, None)
+    placed = trainer.placement.steps(
+        host_batches, trainer.steps_per_execution, run.batches.peek())
+    index, logs = skip, None
+    # Closing it on a break (stop_training) stops the look-ahead thread now.
+    with contextlib.closing(placed):
+        for steps, device_batch in placed:
+            if run.preemption is not None and run.preemption.requested:
+                throttle.drain()
+                save_and_exit(run, checkpoint_lib.Position(epoch, index))
+            run.callbacks.on_train_batch_begin(index)
+            logs = train_call(run, steps, device_batch, throttle, index)
+            index += steps
+            run.callbacks.on_train_batch_end(index - 1, logs)
+            if throttle.failure is not None or run.model.stop_training:
+                break
+    throttle.drain()
+    if throttle.failure is not None and not run.model.stop_training:
+        raise FloatingPointError(inflight.failure_message(epoch, *throttle.failure))
+    return logs
+
+
+def train_call(run, steps, device_batch, throttle, index):
+    """Dispatch one compiled call of `steps` steps on the live state; return its logs."""
+    trainer, live = run.trainer, run.live
+    if live.needs_read():  # a callback changed the model
+        live.read(trainer.init_state())
+    if steps == 1:
+        state, logs = trainer._train_step(live.state, device_batch)
+        finite = 0  # if this step's loss is not finite, it is the first bad one
+    else:
+        state, logs, finite = trainer._train_steps(live.state, device_batch)
+    live.stepped(state)
+    throttle.add((index, finite, logs))
+    return logs
+
+
+def validate(run, val):
+    """Score the validation data with the live weights: `val_*` logs."""
+    logs = evaluate(run.trainer, run.live.state.weights, val, run.callbacks)
+    return {f"val_{name}": value for name, value in logs.items()}
+
+
+def end_epoch(run, epoch):
+    """Save a checkpoint of the finished epoch; exit if SIGTERM asked to."""
+    if run.checkpoints is None:
+        return
+    run.live.sync()
+    position = checkpoint_lib.Position(epoch + 1, 0)
+    run.checkpoints.save(run.model, position, run.trainer.seed)
+    if run.preemption.requested:
+        checkpoint_lib.exit_after_preemption(run.checkpoints.directory, position)
+
+
+def save_and_exit(run, position):
+    """Write the model's state at `position` and exit with status 143."""
+    run.live.sync()
+    run.checkpoints.save(run.model, position, run.trainer.seed)
+    checkpoint_lib.exit_after_preemption(run.checkpoints.directory, position)
+
+
+def evaluate(trainer, weights, batches, callbacks):
+    """Score `batches` with `weights` (`(trainable, non_trainable)`).
+
+    Returns:
+        The final logs as python floats, in Keras's order.
+    """
+    metrics = fresh_metrics(trainer.model, trainer.mesh)
+    throttle = inflight.Throttle(trainer.steps_in_flight)
+    logs = None
+    callbacks.on_test_begin()
+    placed = trainer.placement.batches(batches.epoch(0), batches.peek())
+    with contextlib.closing(placed):
+        for index, device_batch in enumerate(placed):
+            callbacks.on_test_batch_begin(index)
+            metrics, logs = trainer._test_step(weights, metrics, device_batch)
+            throttle.add(logs)
+            callbacks.on_test_batch_end(index, logs)
+    throttle.drain()
+    logs = callbacks_lib.to_python(logs)
+    callbacks.on_test_end(logs)
+    return logs

@@ -1,0 +1,132 @@
+"""The host input pipeline: user data to host batches, epoch after epoch.
+
+keras_dp accepts what `model.fit` accepts most often: numpy arrays (`x`, `y`,
+`sample_weight`; `x` may be a dict or list of arrays), a `(x, y)` or
+`(x, y, sample_weight)` tuple of arrays, a `tf.data.Dataset` of batches, a
+`keras.utils.PyDataset`, or any re-iterable of such batches. `make_batches`
+turns each into a `Batches` object (`ArrayBatches` or `IterableBatches`)
+whose `epoch(e)` yields host batches `(x, y, sample_weight)` of numpy arrays.
+`stream` then shapes them in time (`StepsPerEpoch`, K-step groups, the
+look-ahead thread); `keras_dp.placement` puts them on the devices.
+"""
+
+import jax
+import numpy as np
+
+from keras_dp.pipeline.arrays import ArrayBatches
+from keras_dp.pipeline.batch import batch_rows
+from keras_dp.pipeline.batch import class_weight_to_sample_weight
+from keras_dp.pipeline.batch import unpack
+from keras_dp.pipeline.iterables import IterableBatches
+from keras_dp.pipeline.iterables import hide_gpus_from_tensorflow
+from keras_dp.pipeline.stream import StepsPerEpoch
+from keras_dp.pipeline.stream import group_steps
+from keras_dp.pipeline.stream import prefetch
+
+__all__ = [
+    "ArrayBatches",
+    "IterableBatches",
+    "StepsPerEpoch",
+    "batch_rows",
+    "class_weight_to_sample_weight",
+    "group_steps",
+    "hide_gpus_from_tensorflow",
+    "make_batches",
+    "prefetch",
+    "split_validation",
+    "unpack",
+]
+
+
+def make_batches(x, y=None, sample_weight=None, *, batch_size=None, shuffle=False,
+                 seed=0, class_weight=None):
+    """Wrap user data as `Batches`, validating what can be checked up front.
+
+    Args:
+        x: arrays (with `y`), a `(x, y[, sample_weight])` tuple, a
+            `tf.data.Dataset` of batches, or a re-iterable of batches.
+        y, sample_weight: arrays, only with array `x`.
+        batch_size: global rows per step for arrays (default 32, as in
+            Keras), any positive number whatever the device count; must be
+            `None` for datasets, which are batched already.
+        shuffle: reshuffle array rows every epoch (seeded by `seed`).
+        seed: seed of the shuffle order; the same seed gives the same order.
+        class_weight: `{class_id: weight}`, turned into per-sample weights
+            from the labels as `model.fit` does (integer ids, or the argmax
+            of one-hot rows); classes not listed weigh 1.
+
+    Raises:
+        ValueError: arrays of different lengths or of a non-numeric dtype,
+            no rows, a `batch_size` below 1 or given with a dataset, or
+            `class_weight` with `sample_weight` or with several outputs.
+    """
+    if x is None:
+        raise ValueError("No training data: pass x (and y), or a dataset.")
+    if _is_array_data(x, y):
+        if isinstance(x, tuple) and y is None:
+            x, y, sample_weight = unpack(x)
+        return ArrayBatches(x, y, sample_weight, batch_size=batch_size,
+                            shuffle=shuffle, seed=seed, class_weight=class_weight)
+    if y is not None or sample_weight is not None:
+        raise ValueError(
+            "`y` and `sample_weight` go with array inputs only; a dataset "
+            f"carries its own. Received x of type {type(x).__name__} and y."
+        )
+    if batch_size is not None:
+        raise ValueError(
+            "Do not pass `batch_size` with a dataset: it is batched already. "
+            f"Received: batch_size={batch_size}. Batch the dataset itself "
+            "(for tf.data, `dataset.batch(n)`)."
+        )
+    return IterableBatches(x, class_weight=class_weight)
+
+
+def split_validation(x, y, sample_weight, validation_split):
+    """Split off the last `validation_split` of array data, as `model.fit` does.
+
+    The split is taken before any shuffling, so the validation rows are the
+    same every epoch and in every run.
+
+    Returns:
+        `((x, y, sample_weight), (x_val, y_val, sample_weight_val))`.
+
+    Raises:
+        ValueError: a fraction outside (0, 1), data that is not arrays, or
+            a split that leaves either part without rows.
+    """
+    if not 0 < validation_split < 1:
+        raise ValueError(
+            "`validation_split` is the fraction of rows held out, between 0 "
+            f"and 1. Received: validation_split={validation_split}."
+        )
+    if not _is_array_data(x, y):
+        raise ValueError(
+            "`validation_split` works on arrays only; a dataset cannot be "
+            "split without reading it. Pass `validation_data=` instead. "
+            f"Received x of type {type(x).__name__}."
+        )
+    if isinstance(x, tuple) and y is None:
+        x, y, sample_weight = unpack(x)
+    arrays = jax.tree.map(np.asarray, (x, y, sample_weight))
+    total = batch_rows(arrays)
+    split = int(np.floor(total * (1 - validation_split)))
+    if split == 0 or split == total:
+        raise ValueError(
+            f"`validation_split={validation_split}` of {total} rows leaves "
+            f"{split} rows for training and {total - split} for validation; "
+            "both need at least one. Use a fraction that splits the data."
+        )
+    return (
+        jax.tree.map(lambda array: array[:split], arrays),
+        jax.tree.map(lambda array: array[split:], arrays),
+    )
+
+
+def _is_array_data(x, y):
+    if isinstance(x, tuple) and y is None:  # a packed (x, y[, sample_weight])
+        x = x[0] if x else None
+    # A list is several model inputs only beside `y`; alone it is a list of batches.
+    return isinstance(x, dict) or hasattr(x, "__array__") or (
+        isinstance(x, list) and y is not None
+    )
+

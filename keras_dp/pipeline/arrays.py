@@ -1,0 +1,52 @@
+"""In-memory arrays as batches: sliced, shuffled per epoch, the last one partial."""
+
+import jax
+import numpy as np
+
+from keras_dp.pipeline.batch import apply_class_weight
+from keras_dp.pipeline.batch import batch_rows
+from keras_dp.pipeline.batch import check_dtypes
+
+
+class ArrayBatches:
+    """Batches sliced from in-memory arrays, the last one partial if needed."""
+
+    reiterable = True
+
+    def __init__(self, x, y, sample_weight, *, batch_size, shuffle, seed, class_weight):
+        arrays = jax.tree.map(np.asarray, (x, y, sample_weight))
+        check_dtypes(arrays)
+        self.num_samples = batch_rows(arrays)
+        if self.num_samples == 0:
+            raise ValueError("The data has no rows. Pass at least one sample.")
+        self.batch_size = 32 if batch_size is None else int(batch_size)
+        if self.batch_size < 1:
+            raise ValueError(
+                f"`batch_size` must be at least 1. Received: batch_size={batch_size}."
+            )
+        if class_weight is not None:
+            arrays = apply_class_weight(arrays, class_weight)
+        self._arrays, self._shuffle, self._seed = arrays, shuffle, seed
+
+    @property
+    def steps(self):
+        """Batches per epoch, the partial last one included."""
+        return -(-self.num_samples // self.batch_size)
+
+    def peek(self):
+        """The first batch, without consuming anything."""
+        return next(iter(self.epoch(0)))
+
+    def epoch(self, epoch):
+        """Yield this epoch's host batches; every row exactly once."""
+        order = None
+        if self._shuffle:
+            order = np.random.default_rng([self._seed, epoch]).permutation(
+                self.num_samples
+            )
+        for start in range(0, self.num_samples, self.batch_size):
+            rows = slice(start, start + self.batch_size)
+            if order is not None:
+                rows = order[rows]
+            yield jax.tree.map(lambda array: array[rows], self._arrays)
+

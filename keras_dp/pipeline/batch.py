@@ -1,0 +1,90 @@
+"""What a host batch is: `(x, y, sample_weight)` of numpy arrays, and its checks."""
+
+import jax
+import keras
+import numpy as np
+
+
+def unpack(batch):
+    """Split a batch into `(x, y, sample_weight)`, `None` where absent.
+
+    As in Keras, a list is read like a tuple: `[x, y]` is x and y.
+    """
+    if isinstance(batch, list):
+        batch = tuple(batch)
+    if isinstance(batch, tuple):
+        if not 1 <= len(batch) <= 3:
+            raise ValueError(
+                "A batch must be x, (x,), (x, y) or (x, y, sample_weight). "
+                f"Received a tuple of {len(batch)} elements."
+            )
+        return tuple(batch) + (None,) * (3 - len(batch))
+    return batch, None, None
+
+
+def batch_rows(batch):
+    """The number of rows of a batch, checking that every array agrees.
+
+    Raises:
+        ValueError: arrays with different leading sizes, or no arrays.
+    """
+    leaves = jax.tree.leaves(batch)
+    if not leaves:
+        raise ValueError("A batch holds no arrays. Each batch needs at least x.")
+    sizes = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in leaves}
+    if len(sizes) != 1 or None in sizes:
+        shapes = [np.shape(leaf) for leaf in leaves]
+        raise ValueError(
+            "Every array of a batch must have the same number of rows (its "
+            f"first dimension). Received arrays of shapes {shapes}. Check "
+            "that x, y and sample_weight have one entry per sample."
+        )
+    return sizes.pop()
+
+
+def class_weight_to_sample_weight(y, class_weight):
+    """Per-sample weights `class_weight[class of row]`, 1 for unlisted classes.
+
+    The class of a row is its label when `y` holds class ids (shape `(n,)`
+    or `(n, 1)`), and the argmax when `y` holds one-hot rows.
+    """
+    y = np.asarray(y)
+    if y.ndim > 1:
+        y = np.argmax(y, axis=-1) if y.shape[-1] != 1 else np.squeeze(y, axis=-1)
+    ids = np.round(y).astype(np.int64)
+    weights = np.ones(ids.shape[0], dtype=keras.config.floatx())
+    for class_id, weight in class_weight.items():
+        weights[ids == int(class_id)] = weight
+    return weights
+
+
+def apply_class_weight(batch, class_weight):
+    """`batch` with `class_weight` turned into its sample weights (see above)."""
+    x, y, sample_weight = batch
+    if sample_weight is not None:
+        raise ValueError(
+            "Pass either `class_weight` or `sample_weight`, not both: "
+            "class_weight is turned into sample weights. To combine them, "
+            "multiply the class weights into your sample_weight yourself."
+        )
+    if y is None or len(jax.tree.leaves(y)) != 1 or not hasattr(y, "shape"):
+        raise ValueError(
+            "`class_weight` needs one array of labels `y` (a model with a "
+            "single output), as in model.fit. For several outputs, pass "
+            "per-output `sample_weight` instead."
+        )
+    return x, y, class_weight_to_sample_weight(y, class_weight)
+
+
+def check_dtypes(batch, where="The data"):
+    """Raise a `ValueError` naming `where` if an array of `batch` is not numeric."""
+    for leaf in jax.tree.leaves(batch):
+        if leaf.dtype.kind not in "biuf":
+            raise ValueError(
+                f"{where} has an array of dtype {leaf.dtype} (shape "
+                f"{leaf.shape}); keras_dp trains on numeric arrays only. "
+                "Convert it to numbers first; ragged sequences become "
+                "`object` arrays: pad them to one length "
+                "(keras.utils.pad_sequences)."
+            )
+

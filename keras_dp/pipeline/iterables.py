@@ -1,0 +1,160 @@
+"""Datasets and iterables as batches: tf.data, `keras.utils.PyDataset`, any iterable."""
+
+import collections.abc as collections_abc
+import itertools
+
+import jax
+import keras
+import numpy as np
+
+from keras_dp.pipeline.batch import apply_class_weight
+from keras_dp.pipeline.batch import batch_rows
+from keras_dp.pipeline.batch import check_dtypes
+from keras_dp.pipeline.batch import unpack
+
+
+class IterableBatches:
+    """Batches from a `tf.data.Dataset` or any iterable, one pass per epoch.
+
+    Every batch is checked as it arrives against the first: the same
+    structure (x, y, sample_weight and their nesting), at least one row,
+    and one row count across its arrays. A one-shot iterator (a generator)
+    gives one epoch; a later epoch that yields nothing raises a clear error
+    instead of silently training on nothing.
+    """
+
+    def __init__(self, source, *, class_weight=None):
+        if not hasattr(source, "__iter__"):
+            raise TypeError(
+                "Training data must be arrays, a tf.data.Dataset or an "
+                f"iterable of batches. Received: {type(source).__name__}."
+            )
+        self._source = _as_numpy_iterable(source)
+        self.reiterable = not isinstance(self._source, collections_abc.Iterator)
+        self._class_weight = class_weight
+        self._first = None
+        self._replay = None
+        self._structure = None
+        # Known for a PyDataset (its len), so the progress bar has a total.
+        self.steps = getattr(self._source, "num_batches", None)
+        self.num_samples = None
+
+    def peek(self):
+        """The first batch, kept so that a one-shot iterator loses nothing."""
+        if self._first is None:
+            iterator = iter(self._source)
+            first = next(iterator, None)
+            if first is None:
+                raise ValueError(_empty_message(0))
+            self._first = self._host_batch(first, 0, 0)
+            if not self.reiterable:
+                self._replay = self._first
+        return self._first
+
+    def epoch(self, epoch):
+        """Yield this epoch's host batches as `(x, y, sample_weight)`."""
+        self.peek()
+        count = 0
+        if self._replay is not None:
+            replay, self._replay = self._replay, None
+            count += 1
+            yield replay
+        for batch in iter(self._source):
+            yield self._host_batch(batch, count, epoch)
+            count += 1
+        if count == 0:
+            raise ValueError(_empty_message(epoch))
+
+    def _host_batch(self, batch, index, epoch):
+        batch = jax.tree.map(np.asarray, unpack(batch))
+        where = f"Batch {index} of epoch {epoch}"
+        structure = jax.tree.structure(batch)
+        if self._structure is None:
+            self._structure = structure
+        elif structure != self._structure:
+            raise ValueError(
+                f"{where} has a different structure from the first batch: "
+                f"{structure} instead of {self._structure}. Every batch must "
+                "hold the same x, y and sample_weight arrays in the same nesting."
+            )
+        check_dtypes(batch, where)
+        if batch_rows(batch) == 0:
+            raise ValueError(
+                f"{where} has no rows. Every batch needs at least one sample; "
+                "drop empty batches from the dataset (for tf.data, "
+                "`dataset.filter(lambda x, *rest: tf.shape(x)[0] > 0)`)."
+            )
+        if self._class_weight is not None:
+            batch = apply_class_weight(batch, self._class_weight)
+        return batch
+
+
+def _as_numpy_iterable(source):
+    # Checking the class's module keeps TensorFlow unimported for users who
+    # never pass a tf.data.Dataset.
+    if type(source).__module__.startswith("tensorflow") and hasattr(
+        source, "as_numpy_iterator"
+    ):
+        hide_gpus_from_tensorflow()
+        return _TFEpochs(source)
+    if isinstance(source, keras.utils.PyDataset):
+        return _PyDatasetEpochs(source)
+    return source
+
+
+class _TFEpochs:
+    """A tf.data.Dataset as a re-iterable of numpy batches."""
+
+    def __init__(self, dataset):
+        self._dataset = dataset
+
+    def __iter__(self):
+        return self._dataset.as_numpy_iterator()
+
+
+class _PyDatasetEpochs:
+    """A `keras.utils.PyDataset` read in index order, one pass per epoch.
+
+    Calls the dataset's `on_epoch_begin` and `on_epoch_end` around each pass,
+    as `model.fit` does, so per-epoch reshuffling inside it works. Batches
+    are read in this thread (`workers` and multiprocessing are not used).
+    """
+
+    def __init__(self, dataset):
+        self._dataset = dataset
+
+    @property
+    def num_batches(self):
+        return self._dataset.num_batches
+
+    def __iter__(self):
+        self._dataset.on_epoch_begin()
+        count = self._dataset.num_batches
+        # No length: an endless dataset, for use with `steps_per_epoch`.
+        indices = range(count) if count is not None else itertools.count()
+        for index in indices:
+            yield self._dataset[index]
+        self._dataset.on_epoch_end()
+
+
+def hide_gpus_from_tensorflow():
+    """Keep TensorFlow (used for tf.data only) off every GPU.
+
+    Without this, TensorFlow would reserve most of each GPU's memory for
+    itself, leaving JAX to run out.
+    """
+    import tensorflow as tf
+
+    try:
+        tf.config.set_visible_devices([], "GPU")
+    except RuntimeError:
+        pass  # TensorFlow's devices are initialised already; nothing to do.
+
+
+def _empty_message(epoch):
+    return (
+        f"The dataset yielded no batches in epoch {epoch}. If it is a "
+        "generator or iterator, it is used up after one pass: pass a "
+        "re-iterable (a list of batches, a tf.data.Dataset) or arrays instead."
+    )
+

@@ -1,0 +1,123 @@
+"""Batches in time: epochs of a fixed length, K-step groups, and the look-ahead."""
+
+import itertools
+import queue
+import threading
+import warnings
+
+from keras_dp.pipeline.batch import batch_rows
+
+
+class StepsPerEpoch:
+    """Epochs of a fixed number of steps, drawn from one continuing stream.
+
+    Epoch e takes the next `steps` batches. When the data ends, a
+    re-iterable source (arrays, a `tf.data.Dataset`, a list) starts a new
+    pass, reshuffled for arrays, so an epoch may span two passes. A one-shot
+    iterator that runs out ends the epoch early and sets `exhausted`, and
+    the trainer stops, as `model.fit` does.
+    """
+
+    def __init__(self, batches, steps):
+        if int(steps) < 1:
+            raise ValueError(
+                f"`steps_per_epoch` must be at least 1. Received: {steps}."
+            )
+        self.steps = int(steps)
+        self.exhausted = False
+        self._batches = batches
+        self._stream = self._passes()
+
+    def peek(self):
+        """The first batch of the underlying data."""
+        return self._batches.peek()
+
+    def epoch(self, epoch):
+        """Yield the next `steps` batches of the stream."""
+        for _ in range(self.steps):
+            batch = next(self._stream, None)
+            if batch is None:
+                self.exhausted = True
+                warnings.warn(
+                    f"The input ran out of data in epoch {epoch}; training "
+                    "stops here. Make sure the data can give at least "
+                    "`steps_per_epoch * epochs` batches: pass a re-iterable "
+                    "(a tf.data.Dataset, a list) or `.repeat()` the dataset.",
+                    stacklevel=2,
+                )
+                return
+            yield batch
+
+    def _passes(self):
+        for data_pass in itertools.count():
+            yield from self._batches.epoch(data_pass)
+            if not self._batches.reiterable:
+                return
+
+
+def group_steps(batches, steps_per_execution):
+    """Group host batches for execution: lists of K batches of one row count.
+
+    A run of fewer than K batches of one row count (an epoch's end, a
+    partial batch) comes out as single-batch lists, for the one-step
+    program: every batch is used, in order, and only two programs compile.
+    """
+    pending = []
+    for batch in batches:
+        if pending and batch_rows(batch) != batch_rows(pending[0]):
+            yield from ([single] for single in pending)
+            pending = []
+        pending.append(batch)
+        if len(pending) == steps_per_execution:
+            yield pending
+            pending = []
+    yield from ([single] for single in pending)
+
+
+def prefetch(items, depth):
+    """Yield `items` in order, produced up to `depth` ahead by a thread.
+
+    The producer (slicing, shuffling, reading tf.data, padding and the copy
+    to the devices) then runs while the devices compute the previous step.
+    It dispatches no computation, so it does not count against the bound on
+    steps in flight. An exception in the producer is raised here, at the
+    item where it happened; closing this generator stops the producer.
+    `depth=0` produces inline, without a thread.
+    """
+    if depth <= 0:
+        yield from items
+        return
+    slots = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    end = object()
+
+    def offer(entry):
+        while not stop.is_set():
+            try:
+                slots.put(entry, timeout=0.1)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def produce():
+        try:
+            for item in items:
+                if not offer((item, None)):
+                    return
+            offer((end, None))
+        except BaseException as error:  # noqa: BLE001 - re-raised by the consumer
+            offer((None, error))
+
+    threading.Thread(target=produce, name="keras_dp-prefetch", daemon=True).start()
+    try:
+        while True:
+            item, error = slots.get()
+            if error is not None:
+                raise error
+            if item is end:
+                return
+            yield item
+    finally:
+        stop.set()
+

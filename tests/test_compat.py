@@ -1,0 +1,115 @@
+"""Each private Keras/JAX hook in `keras_dp._compat` still does what keras_dp needs.
+
+One test per hook: when a Keras or JAX release renames or changes one, the
+test of that hook fails here, by name, instead of a run failing deep inside.
+"""
+
+import os
+
+import jax
+import keras
+import numpy as np
+
+from keras_dp import _compat
+
+
+def _compiled_mlp():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(2)])
+    optimizer = keras.optimizers.SGD(0.1)
+    loss = keras.losses.MeanSquaredError()
+    model.compile(optimizer=optimizer, loss=loss, metrics=["mae"])
+    return model, optimizer, loss
+
+
+def test_compute_output_spec_traces_and_builds_layers():
+    layer = keras.layers.Dense(5)
+    spec = _compat.compute_output_spec(layer, keras.KerasTensor((2, 3)))
+    assert tuple(spec.shape) == (2, 5)
+    assert layer.built and layer.kernel.shape == (3, 5)
+
+
+def test_symbolic_build_builds_optimizer_loss_and_metrics():
+    model, _, _ = _compiled_mlp()
+    assert not model.optimizer.built
+    _compat.symbolic_build(model, (np.zeros((2, 3), "float32"), np.zeros((2, 2), "float32"), None))
+    assert model.optimizer.built
+    assert _compat.compiled_loss(model).built and _compat.compiled_metrics(model).built
+    # Adam-free SGD: the iteration count and learning rate.
+    assert len(model.optimizer.variables) == 2
+
+
+def test_compile_arguments_are_the_objects_given():
+    model, optimizer, loss = _compiled_mlp()
+    arguments = _compat.compile_arguments(model)
+    assert arguments["optimizer"] is optimizer and arguments["loss"] is loss
+    assert arguments["metrics"] == ["mae"]
+
+
+def test_compiled_loss_and_metrics_are_none_without_them():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd")
+    assert _compat.compiled_loss(model) is None
+    assert _compat.compiled_metrics(model) is None
+
+
+def test_all_layers_includes_nested_layers():
+    inner = keras.Sequential([keras.layers.Dense(2, name="inner_dense")], name="inner")
+    outer = keras.Sequential([keras.Input((3,)), inner, keras.layers.Dense(1, name="top")])
+    names = {layer.name for layer in _compat.all_layers(outer)}
+    assert {"inner", "inner_dense", "top"} <= names
+
+
+def test_loss_tracker_is_the_mean_behind_logs_loss():
+    model, _, _ = _compiled_mlp()
+    x, y = np.ones((4, 3), "float32"), np.zeros((4, 2), "float32")
+    history = model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    tracker = _compat.loss_tracker(model)
+    assert isinstance(tracker, keras.metrics.Mean)
+    assert tracker in model.metrics
+    assert float(tracker.result()) == history.history["loss"][-1]
+
+
+def test_initial_epoch_is_what_backup_and_restore_sets(tmp_path):
+    model, _, _ = _compiled_mlp()
+    x, y = np.ones((4, 3), "float32"), np.zeros((4, 2), "float32")
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path), delete_checkpoint=False)
+    model.fit(x, y, epochs=2, verbose=0, callbacks=[backup])
+    model2, _, _ = _compiled_mlp()
+    backup2 = keras.callbacks.BackupAndRestore(str(tmp_path), delete_checkpoint=False)
+    backup2.set_model(model2)
+    backup2.on_train_begin()
+    assert _compat.take_initial_epoch(model2) == 2
+    assert _compat.take_initial_epoch(model2) is None  # consumed
+
+
+def test_callback_model_calls_the_shadowed_state_sync():
+    model, _, _ = _compiled_mlp()
+    calls = []
+    callback = keras.callbacks.Callback()
+    callback.set_model(model)
+    _compat.shadow_state_sync(model, lambda: calls.append(1))
+    try:
+        assert callback.model is model
+    finally:
+        _compat.unshadow_state_sync(model)
+    assert calls == [1]
+    callback.model  # Keras's own sync again: nothing recorded
+    assert calls == [1]
+
+
+def test_jax_backend_started_after_devices_are_listed():
+    jax.devices()
+    assert _compat.jax_backend_started() is True
+
+
+def test_cpu_device_environment_replaces_the_count_and_keeps_other_flags():
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_dump_to=/tmp/x"}
+    _compat.cpu_device_environment(3, env)
+    assert env["XLA_FLAGS"].split() == [
+        "--xla_dump_to=/tmp/x", "--xla_force_host_platform_device_count=3"]
+    assert env["JAX_PLATFORMS"] == "cpu"
+    before = dict(os.environ)
+    copy = _compat.cpu_device_environment(2)  # a copy of os.environ, edited
+    assert copy["XLA_FLAGS"].endswith("--xla_force_host_platform_device_count=2")
+    assert dict(os.environ) == before

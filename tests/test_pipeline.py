@@ -1,0 +1,148 @@
+"""The host pipeline (`keras_dp.pipeline`): user data to host batches, in order, every row once."""
+
+import numpy as np
+import tensorflow as tf
+import pytest
+
+import keras_dp
+from conftest import devices, mlp
+
+
+def test_prefetch_keeps_order_raises_in_place_and_stops_when_closed():
+    import threading
+    import time
+
+    from keras_dp.pipeline import prefetch
+
+    assert list(prefetch(iter(range(50)), 2)) == list(range(50))
+    assert list(prefetch(iter(range(5)), 0)) == list(range(5))
+
+    def failing():
+        yield 1
+        raise ValueError("batch 1 is bad")
+
+    seen = []
+    with pytest.raises(ValueError, match="batch 1 is bad"):
+        for item in prefetch(failing(), 2):
+            seen.append(item)
+    assert seen == [1]
+    produced = []
+    stream = prefetch((produced.append(i) or i for i in range(1000)), 2)
+    assert next(stream) == 0
+    stream.close()
+    time.sleep(0.5)
+    assert len(produced) <= 4  # the one taken, two queued, one waiting
+    assert not any(t.name == "keras_dp-prefetch" for t in threading.enumerate())
+
+
+@pytest.mark.parametrize("data", [[], "exhausted generator"])
+def test_a_dataset_that_yields_nothing_is_refused(data):
+    if data == "exhausted generator":
+        data = (batch for batch in [])
+    with pytest.raises(ValueError, match="yielded no batches in epoch 0"):
+        keras_dp.fit_sharded(mlp(), data, verbose=0, devices=devices(2))
+
+
+def test_a_generator_used_up_after_one_epoch_is_refused_in_the_next(mnist):
+    (x, y), _ = mnist
+    batches = ((x[i:i + 64], y[i:i + 64]) for i in range(0, 128, 64))
+    model = mlp()
+    with pytest.raises(ValueError, match="yielded no batches in epoch 1.*re-iterable"):
+        keras_dp.fit_sharded(model, batches, epochs=2, verbose=0, devices=devices(2))
+
+
+def test_arrays_without_rows_are_refused():
+    with pytest.raises(ValueError, match="has no rows"):
+        keras_dp.fit_sharded(mlp(), np.zeros((0, 28, 28, 1)), np.zeros(0), verbose=0)
+
+
+def test_x_and_y_of_different_lengths_are_refused(mnist):
+    (x, y), _ = mnist
+    with pytest.raises(ValueError, match="same number of rows.*one entry per sample"):
+        keras_dp.fit_sharded(mlp(), x[:64], y[:63], batch_size=32, verbose=0)
+
+
+def test_batch_size_with_a_dataset_is_refused(mnist):
+    (x, y), _ = mnist
+    with pytest.raises(ValueError, match="Do not pass `batch_size` with a dataset"):
+        keras_dp.fit_sharded(mlp(), [(x[:64], y[:64])], batch_size=64, verbose=0)
+
+
+def test_steps_per_epoch_reads_an_endless_dataset_and_stops_a_short_generator(mnist):
+    (x, y), _ = mnist
+    endless = tf.data.Dataset.from_tensor_slices((x[:256], y[:256])).batch(64).repeat()
+    model = mlp()
+    history = keras_dp.fit_sharded(model, endless, steps_per_epoch=5, epochs=2, verbose=0,
+                                   devices=devices(2))
+    assert int(model.optimizer.iterations.numpy()) == 10 and history.epoch == [0, 1]
+    # Arrays: an epoch of 3 steps may run into the next pass over the data.
+    model = mlp()
+    keras_dp.fit_sharded(model, x[:256], y[:256], batch_size=64, steps_per_epoch=3, epochs=3,
+                         verbose=0, devices=devices(2))
+    assert int(model.optimizer.iterations.numpy()) == 9
+    short = ((x[i:i + 32], y[i:i + 32]) for i in range(0, 224, 32))  # 7 batches
+    model = mlp()
+    with pytest.warns(UserWarning, match="ran out of data in epoch 1.*steps_per_epoch \\* epochs"):
+        history = keras_dp.fit_sharded(model, short, steps_per_epoch=5, epochs=3, verbose=0,
+                                       devices=devices(2))
+    assert int(model.optimizer.iterations.numpy()) == 7 and history.epoch == [0, 1]
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda x, y: (x[:0], y[:0]), "Batch 1 of epoch 0 has no rows"),
+    (lambda x, y: (x[:32], y[:32], np.ones(32)), "Batch 1 of epoch 0 has a different structure"),
+    (lambda x, y: (x[:32], y[:31]), "same number of rows"),
+])
+def test_a_bad_batch_in_a_dataset_is_named(mnist, bad, message):
+    with pytest.raises(ValueError, match=message):
+        keras_dp.fit_sharded(mlp(), batches_then(mnist, bad), verbose=0, devices=devices(2))
+
+
+def batches_then(mnist, bad):
+    (x, y), _ = mnist
+    return [(x[:32], y[:32]), bad(x, y)]
+
+
+def _rows(batch):
+    return keras_dp.pipeline.batch_rows(batch)
+
+
+def test_group_steps_groups_k_equal_batches_and_runs_the_rest_alone():
+    batches = [np.zeros((4, 1))] * 5 + [np.zeros((3, 1))]
+    groups = list(keras_dp.pipeline.group_steps(batches, 2))
+    assert [[_rows(b) for b in group] for group in groups] == [[4, 4], [4, 4], [4], [3]]
+    assert list(keras_dp.pipeline.group_steps(batches, 1)) == [[b] for b in batches]
+
+
+def test_array_batches_use_every_row_once_in_a_seeded_order():
+    x, y = np.arange(10.0)[:, None], np.arange(10)
+    batches = keras_dp.pipeline.make_batches(x, y, batch_size=4, shuffle=True, seed=3)
+    assert batches.steps == 3
+    epoch0 = list(batches.epoch(0))
+    assert [_rows(b) for b in epoch0] == [4, 4, 2]
+    rows0 = np.concatenate([b[1] for b in epoch0])
+    assert sorted(rows0) == list(range(10))
+    again = np.concatenate([b[1] for b in batches.epoch(0)])
+    epoch1 = np.concatenate([b[1] for b in batches.epoch(1)])
+    np.testing.assert_array_equal(rows0, again)
+    assert sorted(epoch1) == list(range(10)) and not np.array_equal(epoch1, rows0)
+    np.testing.assert_array_equal(np.concatenate([b[0][:, 0] for b in epoch0]), rows0)
+
+
+def test_class_weight_becomes_sample_weight_for_ids_and_one_hot():
+    ids = np.array([0, 1, 2, 1])
+    np.testing.assert_array_equal(
+        keras_dp.pipeline.class_weight_to_sample_weight(ids, {1: 3.0}), [1, 3, 1, 3])
+    one_hot = np.eye(3)[ids]
+    np.testing.assert_array_equal(
+        keras_dp.pipeline.class_weight_to_sample_weight(one_hot, {0: 0.5, 2: 2}), [0.5, 1, 2, 1])
+
+
+def test_split_validation_holds_out_the_last_rows_before_shuffling():
+    x, y = np.arange(10.0), np.arange(10)
+    (x_train, y_train, _), (x_val, y_val, _) = keras_dp.pipeline.split_validation(x, y, None, 0.25)
+    # floor(10 * 0.75) = 7 rows train, as in Keras's train_validation_split.
+    np.testing.assert_array_equal(y_train, np.arange(7))
+    np.testing.assert_array_equal(y_val, [7, 8, 9])
+    with pytest.raises(ValueError, match="both need at least one"):
+        keras_dp.pipeline.split_validation(x[:1], y[:1], None, 0.5)
