@@ -6,6 +6,7 @@ public equivalent; each function names the private attribute it reads, and
 so that a release that changes one fails there, loudly, not deep in a run.
 """
 
+import inspect
 import os
 
 from keras.src import backend as _keras_backend
@@ -57,6 +58,25 @@ def loss_tracker(model):
     return model._loss_tracker
 
 
+def metric_names(model):
+    """The names of `model`'s metrics in Keras's order for logs and `evaluate`.
+
+    `model.metrics` in order (the loss tracker, compiled metrics, per-output
+    losses, the model's own metrics), with Keras's private `CompileMetrics`
+    container expanded into its metrics, as `Trainer._flatten_metrics_in_order`
+    does.
+    """
+    from keras.src.trainers.compile_utils import CompileMetrics
+
+    names = []
+    for metric in model.metrics:
+        if isinstance(metric, CompileMetrics):
+            names += [sub_metric.name for sub_metric in metric.metrics]
+        else:
+            names.append(metric.name)
+    return names
+
+
 def take_initial_epoch(model):
     """The epoch `BackupAndRestore` asks `fit` to resume at, cleared once read.
 
@@ -81,6 +101,42 @@ def shadow_state_sync(model, sync):
 def unshadow_state_sync(model):
     """Give `model` back Keras's own `jax_state_sync`."""
     del model.jax_state_sync
+
+
+def has_call(model):
+    """Whether `model` defines `call()` (Keras's `Model.call` only raises)."""
+    import keras
+
+    return type(model).call is not keras.Model.call
+
+
+def custom_step(model, name):
+    """Whether `model` overrides the JAX trainer's `name` ("train_step", ...).
+
+    Compares the method `model.fit` would call with Keras's JAX trainer's
+    own (`keras.src.backend.jax.trainer.JAXTrainer`): a subclass's override
+    and a function set on the instance both count.
+
+    Raises:
+        TypeError: an override that takes only `data`, the TensorFlow form,
+            which keras_dp (like Keras on JAX) cannot call.
+    """
+    from keras.src.backend.jax.trainer import JAXTrainer
+
+    method = getattr(model, name)
+    if getattr(method, "__func__", method) is getattr(JAXTrainer, name):
+        return False
+    parameters = inspect.signature(method).parameters.values()
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) == 1 and not any(p.kind is p.VAR_POSITIONAL for p in parameters):
+        raise TypeError(
+            f"{type(model).__name__}.{name}({positional[0].name}) takes only the data: "
+            "that is the TensorFlow form, and keras_dp runs Keras's JAX backend, "
+            f"whose {name} is stateless: `def {name}(self, state, data)` returning "
+            "`(logs, state)` (see keras.io, 'Customizing what happens in fit() "
+            "with JAX')."
+        )
+    return True
 
 
 def jax_backend_started():

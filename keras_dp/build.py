@@ -16,49 +16,84 @@ from keras_dp import _compat
 def compile_model(model, optimizer, loss, metrics):
     """Compile `model`, overriding only what is given (not None).
 
-    A compiled model keeps its other compile arguments; an uncompiled one
-    needs at least an optimizer and a loss.
-
-    Raises:
-        ValueError: no optimizer or no loss, from the model or the arguments.
+    A compiled model keeps its other compile arguments. An uncompiled model
+    given nothing stays uncompiled (enough to predict; `require_compiled`
+    refuses to train it), and one given an optimizer alone is compiled with
+    it, as `model.compile(optimizer=...)` is for a model whose losses come
+    from `add_loss`.
     """
     overrides = {
         name: value
         for name, value in (("optimizer", optimizer), ("loss", loss), ("metrics", metrics))
         if value is not None
     }
-    if not overrides and model.compiled:
+    if not overrides:
         return
     # Recompile with the last compile()'s own objects, changing only what the
     # caller overrides (the public get_compile_config() serialises them, and
     # compiling from that would replace the user's optimizer and loss).
     config = _compat.compile_arguments(model) if model.compiled else {}
     config.update(overrides)
-    if config.get("optimizer") is None or config.get("loss") is None:
-        raise ValueError(
-            "The model is not compiled, and keras_dp was not given both an "
-            "optimizer and a loss. Either call model.compile(optimizer=..., "
-            "loss=..., metrics=[...]) first, or pass optimizer= and loss= "
-            f"(and metrics=). Received: optimizer={optimizer!r}, loss={loss!r}."
-        )
     model.compile(**config)
 
 
-def is_built(model):
-    """Whether every layer, the optimizer, the loss and the metrics are built."""
+def require_compiled(model, what):
+    """Raise a `ValueError` saying how to compile, unless `model` has an optimizer.
+
+    Args:
+        what: what needs it, for the message ("fit", "evaluate").
+    """
+    if model.compiled and (what == "evaluate" or model.optimizer is not None):
+        return
+    raise ValueError(
+        f"The model is not compiled, so keras_dp cannot {what} it: it needs an "
+        "optimizer (and a loss, unless the model adds its own with add_loss). "
+        "Either call model.compile(optimizer=..., loss=..., metrics=[...]) "
+        "first, or pass optimizer= and loss= (and metrics=) to keras_dp. "
+        "Predicting needs neither."
+    )
+
+
+def is_built(model, for_training=True):
+    """Whether every layer is built, and for training the optimizer, loss and metrics."""
+    if not all(layer.built for layer in _compat.all_layers(model)):
+        return False
+    if not for_training:
+        return True
     parts = (_compat.compiled_metrics(model), _compat.compiled_loss(model))
     return (
-        all(layer.built for layer in _compat.all_layers(model))
-        and model.optimizer.built
+        model.optimizer is not None and model.optimizer.built
         and all(part is None or part.built for part in parts)
     )
 
 
-def build(model, batch):
-    """Build `model` symbolically from a host batch, checking the labels first."""
+def build(model, batch, for_training=True):
+    """Build `model` from a host batch as `model.fit` does, checking the labels first.
+
+    The layers are built by tracing the model on the batch's `x`; a model
+    without a `call()` (a GAN: sub-models and a custom `train_step`) must
+    have built its sub-models itself, and is then marked built. For
+    training (or evaluation), Keras's own symbolic build then builds the
+    compiled loss, metrics and optimizer, with or without labels.
+
+    Raises:
+        ValueError: the model cannot be built on `x`, or the labels do not
+            fit its output.
+    """
     x, y, sample_weight = jax.tree.map(spec, batch)
+    if _compat.has_call(model):
+        y_pred = _trace(model, x)
+        if y is not None and _compat.compiled_loss(model) is not None:
+            check_labels(model, x, y, y_pred, sample_weight)
+    else:
+        _mark_built(model)
+    if for_training:
+        _compat.symbolic_build(model, batch)
+
+
+def _trace(model, x):
     try:
-        y_pred = _compat.compute_output_spec(model, x, training=False)
+        return _compat.compute_output_spec(model, x, training=False)
     except Exception as error:
         raise ValueError(
             "The model could not be built on the data's x (shapes "
@@ -66,11 +101,20 @@ def build(model, batch):
             "the model's inputs, or build the model yourself with "
             f"model.build(input_shape). Keras reported: {error}"
         ) from error
-    if y is None:
-        return  # inputs only (predict): the symbolic call built every layer
-    if _compat.compiled_loss(model) is not None:
-        check_labels(model, x, y, y_pred, sample_weight)
-    _compat.symbolic_build(model, batch)
+
+
+def _mark_built(model):
+    """A model without `call()`: built once all its sub-layers are."""
+    unbuilt = [layer.name for layer in _compat.all_layers(model)
+               if layer is not model and not layer.built]
+    if unbuilt:
+        raise ValueError(
+            f"{type(model).__name__} has no call() method, so it cannot be built "
+            f"from data, and these layers are not built: {unbuilt}. Build its "
+            "sub-models in its __init__ or build() (for example with "
+            "keras.Input shapes), as model.fit requires too."
+        )
+    model.built = True
 
 
 def check_labels(model, x, y, y_pred, sample_weight):

@@ -10,6 +10,7 @@ import jax
 import keras
 import numpy as np
 
+from keras_dp import _compat
 from keras_dp import distributed as distributed_lib
 
 
@@ -27,13 +28,29 @@ def callback_list(callbacks, model, verbose, **params):
     )
 
 
-def to_python(logs):
-    """Logs as python floats (arrays for non-scalar metrics), in the order
-    `model.evaluate` lists them: the loss first, then the rest by name."""
+def to_python(logs, model):
+    """Logs as python floats (arrays for non-scalar metrics), in Keras's order.
+
+    As `model.fit` reports them: when the logs' names are exactly the
+    model's metrics' (`_compat.metric_names`), in the order of
+    `model.metrics`; otherwise (a custom step's own logs) sorted by name,
+    as a jitted step returns a dict.
+    """
     host = jax.device_get(logs)
-    names = sorted(host, key=lambda name: (name != "loss", name))
+    order = _compat.metric_names(model)
+    names = order if set(order) == set(host) and len(order) == len(host) else sorted(host)
     return {name: host[name].item() if np.ndim(host[name]) == 0 else np.asarray(host[name])
             for name in names}
+
+
+def in_evaluate_order(logs, model):
+    """The list `model.evaluate` returns: the model's metrics in order, then
+    any other logs by name; a single value alone."""
+    order = _compat.metric_names(model)
+    names = [name for name in order if name in logs]
+    names += sorted(name for name in logs if name not in names)
+    values = [logs[name] for name in names]
+    return values[0] if len(values) == 1 else values
 
 
 def check_validation_freq(validation_freq):

@@ -113,7 +113,8 @@ class Checkpoints:
         self._manager.close()
 
 
-def open_for_fit(checkpoint_dir, model, seed, multiprocess, initial_epoch):
+def open_for_fit(checkpoint_dir, model, seed, multiprocess, initial_epoch,
+                 steps_per_epoch=None):
     """The `Checkpoints` of a fit and where it starts: `(checkpoints, Position)`.
 
     Without `checkpoint_dir`: `(None, Position(initial_epoch, 0))`. With one
@@ -121,12 +122,22 @@ def open_for_fit(checkpoint_dir, model, seed, multiprocess, initial_epoch):
     position replaces `initial_epoch`.
 
     Raises:
-        ValueError: `checkpoint_dir` on a mesh spanning processes, or a
-            checkpoint that does not fit (see `Checkpoints.restore`).
+        ValueError: `checkpoint_dir` on a mesh spanning processes or with
+            `steps_per_epoch`, or a checkpoint that does not fit (see
+            `Checkpoints.restore`).
     """
     start = Position(initial_epoch, 0)
     if checkpoint_dir is None:
         return None, start
+    if steps_per_epoch is not None:
+        raise ValueError(
+            "checkpoint_dir cannot be combined with steps_per_epoch yet: "
+            "epochs of a fixed length draw from one continuing stream, and a "
+            "checkpoint does not record the stream's position, so a resumed run "
+            "would train on other batches than an unbroken one. Drop "
+            "steps_per_epoch (an epoch is then one pass over the data), or "
+            "drop checkpoint_dir."
+        )
     if multiprocess:
         raise ValueError(
             "checkpoint_dir is not supported across processes yet: a "

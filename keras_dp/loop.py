@@ -91,7 +91,7 @@ def run_epoch(run, epoch, skip, val):
     start_epoch(run, epoch, skip)
     logs = train_batches(run, epoch, skip)
     # No logs: a one-shot stream ran dry at the epoch's start (fit stops).
-    epoch_logs = {} if logs is None else callbacks_lib.to_python(logs)
+    epoch_logs = {} if logs is None else callbacks_lib.to_python(logs, run.model)
     if val is not None and logs is not None:
         epoch_logs.update(validate(run, val))
     # Callbacks that look at the model get it synced (`LiveModel`); the
@@ -171,8 +171,13 @@ def train_call(run, steps, device_batch, throttle, index):
 
 
 def validate(run, val):
-    """Score the validation data with the live weights: `val_*` logs."""
-    logs = evaluate(run.trainer, run.live.state.weights, val, run.callbacks)
+    """Score the validation data with the live weights: `val_*` logs.
+
+    As under `model.fit`, the non-trainable values the test steps leave (a
+    seed generator advanced in inference mode) carry into the next epoch.
+    """
+    logs, non_trainable, _ = evaluate(run.trainer, run.live.state.weights, val, run.callbacks)
+    run.live.stepped(run.live.state._replace(non_trainable=non_trainable))
     return {f"val_{name}": value for name, value in logs.items()}
 
 
@@ -198,8 +203,11 @@ def evaluate(trainer, weights, batches, callbacks):
     """Score `batches` with `weights` (`(trainable, non_trainable)`).
 
     Returns:
-        The final logs as python floats, in Keras's order.
+        `(logs, non_trainable, metrics)`: the final logs as python floats in
+        Keras's order, and the non-trainable and metric values the last test
+        step left.
     """
+    trainable, non_trainable = weights
     metrics = fresh_metrics(trainer.model, trainer.mesh)
     throttle = inflight.Throttle(trainer.steps_in_flight)
     logs = None
@@ -208,10 +216,11 @@ def evaluate(trainer, weights, batches, callbacks):
     with contextlib.closing(placed):
         for index, device_batch in enumerate(placed):
             callbacks.on_test_batch_begin(index)
-            metrics, logs = trainer._test_step(weights, metrics, device_batch)
+            non_trainable, metrics, logs = trainer._test_step(
+                (trainable, non_trainable), metrics, device_batch)
             throttle.add(logs)
             callbacks.on_test_batch_end(index, logs)
     throttle.drain()
-    logs = callbacks_lib.to_python(logs)
+    logs = callbacks_lib.to_python(logs, trainer.model)
     callbacks.on_test_end(logs)
-    return logs
+    return logs, non_trainable, metrics

@@ -82,6 +82,8 @@ def write_back(state, model):
     the model intact.
     """
     for group, values in zip(TrainState.variables_of(model), state):
+        if values is None:  # a group the caller does not write
+            continue
         for variable, value in zip(group, values, strict=True):
             variable.assign(mesh_lib.local_copy(value, like=variable.value))
 

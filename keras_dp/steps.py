@@ -108,9 +108,22 @@ def _keep_if_not_finite(new_state, state, logs):
 def model_train_step(model):
     """The pure optimizer step of `model` on a batch `(x, y, sample_weight)`.
 
+    The model's own stateless `train_step(state, data)` when it overrides
+    Keras's (a GAN, a VAE: see `keras_dp._compat.custom_step`), called as
+    `model.fit` calls it on the JAX backend: `state` is the tuple
+    `(trainable, non_trainable, optimizer, metrics)` of `TrainState`, and
+    `data` is `keras.utils.pack_x_y_sample_weight(x, y, sample_weight)`, the
+    form Keras gives it for array input. Otherwise Keras's default step.
+
     Unjitted and unaware of devices: `make_train_step` runs it on the real
     rows of a sharded batch, and the ensemble vmaps it over its members.
     """
+    if _compat.custom_step(model, "train_step"):
+        def custom_train_step(state, batch):
+            logs, new_state = model.train_step(tuple(state), _keras_data(batch))
+            return TrainState(*new_state), logs
+
+        return custom_train_step
 
     def train_step(state, batch):
         x, y, sample_weight = batch
@@ -138,20 +151,31 @@ def model_train_step(model):
 
 
 def make_test_step(model, mesh):
-    """Return the jitted `test_step(weights, metrics, batch) -> (metrics, logs)`.
+    """Return the jitted `test_step(weights, metrics, batch) -> (non_trainable, metrics, logs)`.
 
-    `weights` is the `(trainable, non_trainable)` pair, read but not changed
-    (inference mode: BatchNorm uses its moving statistics, Dropout is off);
-    `metrics` is donated and returned updated with this batch.
+    `weights` is the `(trainable, non_trainable)` pair, read but not
+    donated (inference mode: BatchNorm uses its moving statistics, Dropout
+    is off). The non-trainable values come back as the step leaves them, as
+    `model.evaluate` keeps them (a layer may advance its seed generator even
+    in inference mode). `metrics` is donated and returned updated with this
+    batch. A model that overrides `test_step` has it called as
+    `model.evaluate` calls it: `model.test_step((trainable, non_trainable,
+    metrics), data)`.
     """
+    custom = _compat.custom_step(model, "test_step")
 
     def test_step(weights, metrics, batch):
         x, y, sample_weight = placement.real_rows(batch, mesh)
         trainable, non_trainable = weights
-        _, (loss, y_pred, _, metrics) = model.compute_loss_and_updates(
+        if custom:
+            logs, (_, non_trainable, metrics) = model.test_step(
+                (trainable, non_trainable, metrics), _keras_data((x, y, sample_weight)))
+            return non_trainable, metrics, logs
+        _, (loss, y_pred, non_trainable, metrics) = model.compute_loss_and_updates(
             trainable, non_trainable, metrics, x, y, sample_weight, training=False
         )
-        return _update_metrics(model, metrics, loss, x, y, y_pred, sample_weight)
+        metrics, logs = _update_metrics(model, metrics, loss, x, y, y_pred, sample_weight)
+        return non_trainable, metrics, logs
 
     return jax.jit(
         test_step, donate_argnums=1, out_shardings=mesh_lib.replicated(mesh)
@@ -168,10 +192,15 @@ def make_predict_step(model, mesh):
     the padding).
     """
 
+    custom = _compat.custom_step(model, "predict_step")
+
     def predict_step(weights, batch):
         trainable, non_trainable = weights
         x = placement.real_rows(batch, mesh)
-        y_pred, _ = model.stateless_call(trainable, non_trainable, x, training=False)
+        if custom:  # called as model.predict calls it
+            y_pred, _ = model.predict_step((trainable, non_trainable), _keras_data((x,)))
+        else:
+            y_pred, _ = model.stateless_call(trainable, non_trainable, x, training=False)
         return jax.tree.map(
             lambda out: jax.lax.with_sharding_constraint(
                 placement.restore_rows(out, batch), mesh_lib.batch_sharded(mesh)
@@ -180,6 +209,11 @@ def make_predict_step(model, mesh):
         )
 
     return jax.jit(predict_step)
+
+
+def _keras_data(batch):
+    """`(x, y, sample_weight)` in the form Keras hands a step: `x` alone without labels."""
+    return keras.utils.pack_x_y_sample_weight(*(tuple(batch) + (None,) * (3 - len(batch))))
 
 
 def _update_metrics(model, metrics, loss, x, y, y_pred, sample_weight):

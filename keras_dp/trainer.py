@@ -17,6 +17,7 @@ import jax
 import keras
 import numpy as np
 
+from keras_dp import _compat
 from keras_dp import build as build_lib
 from keras_dp import callbacks as callbacks_lib
 from keras_dp import checkpoint as checkpoint_lib
@@ -39,8 +40,9 @@ class ShardedTrainer:
             may be unbuilt; it is built from the first batch, as in
             `model.fit`.
         optimizer, loss, metrics: as in `model.compile`; each one given
-            overrides what the model was compiled with. An uncompiled model
-            needs at least `optimizer` and `loss`.
+            overrides what the model was compiled with. To train, an
+            uncompiled model needs at least `optimizer` (and `loss`, unless
+            its losses come from `add_loss`); to predict, neither.
         mesh: a 1-D `jax.sharding.Mesh` with axis `"batch"`.
         devices: the devices to train on (default: all of JAX's devices).
             Use either `mesh` or `devices`.
@@ -64,8 +66,8 @@ class ShardedTrainer:
 
     Raises:
         TypeError: `model` is not a `keras.Model`.
-        ValueError: the model cannot be compiled from what was given, or
-            the mesh is not a 1-D `"batch"` mesh.
+        ValueError: the mesh is not a 1-D `"batch"` mesh, or an argument
+            is out of range.
     """
 
     def __init__(self, model, optimizer=None, loss=None, metrics=None, mesh=None,
@@ -81,11 +83,11 @@ class ShardedTrainer:
         mesh_lib.check_keras_distribution()
         build_lib.compile_model(model, optimizer, loss, metrics)
         self.model = model
-        self._checked = set()  # data signatures `build` has checked
+        self._checked = []  # (data signature, loss and optimizer) `build` has checked
         self.mesh = mesh_lib.make_mesh(devices, mesh)
         self.seed = seed
         on_cpu = self.mesh.devices.flat[0].platform == "cpu"
-        self.steps_in_flight = steps_in_flight or (1 if on_cpu else 2)
+        self.steps_in_flight = _steps_in_flight(steps_in_flight, on_cpu)
         self.steps_per_execution = _steps_per_execution(model, steps_per_execution)
         self.placement = placement_lib.make_placement(self.mesh, prefetch)
         if self.placement.multiprocess and self.steps_per_execution > 1:
@@ -115,11 +117,12 @@ class ShardedTrainer:
 
     # -- The parts, for training by hand ------------------------------------
 
-    def build(self, batch):
+    def build(self, batch, for_training=True):
         """Build the model, its loss, metrics and optimizer from a host batch.
 
-        A batch without labels builds the model's layers only (enough to
-        predict).
+        As `model.fit` builds it (`keras_dp.build.build`), with or without
+        labels; `for_training=False` builds the layers only (enough to
+        predict, for an uncompiled model too).
 
         Also checks, before anything is compiled, that the labels fit the
         model's output under its loss.
@@ -131,13 +134,17 @@ class ShardedTrainer:
         batch = pipeline.unpack(batch)
         # Tracing the model symbolically costs a fit call as much as several
         # steps of a small model: skip it for data already checked against
-        # this model, loss and optimizer (a recompile replaces them).
-        key = (build_lib.signature(batch), id(self.model._compile_loss),
-               id(self.model.optimizer))
-        if key in self._checked and build_lib.is_built(self.model):
+        # this model, loss and optimizer. The objects themselves are kept
+        # and compared by identity (a recompile replaces them; an id() could
+        # be reused by a new object after the old one is freed).
+        key = (build_lib.signature(batch), for_training)
+        parts = (_compat.compiled_loss(self.model), self.model.optimizer)
+        checked = any(key == seen and all(a is b for a, b in zip(parts, objects))
+                      for seen, objects in self._checked)
+        if checked and build_lib.is_built(self.model, for_training):
             return
-        build_lib.build(self.model, batch)
-        self._checked.add(key)
+        build_lib.build(self.model, batch, for_training)
+        self._checked.append((key, parts))
 
     def init_state(self):
         """Return the model's current variables as a replicated `TrainState`.
@@ -255,6 +262,7 @@ class ShardedTrainer:
             (x, y, sample_weight), validation_data = pipeline.split_validation(
                 x, y, sample_weight, validation_split
             )
+        build_lib.require_compiled(self.model, "fit")
         batches = self._batches(x, y, sample_weight, batch_size, shuffle, class_weight)
         if steps_per_epoch is not None:
             batches = pipeline.StepsPerEpoch(batches, steps_per_epoch)
@@ -265,7 +273,8 @@ class ShardedTrainer:
             self.build(val.peek())  # bad validation labels fail now, not after epoch 1
         callbacks_lib.check_validation_freq(validation_freq)
         checkpoints, resume = checkpoint_lib.open_for_fit(
-            checkpoint_dir, self.model, self.seed, self.multiprocess, initial_epoch)
+            checkpoint_dir, self.model, self.seed, self.multiprocess, initial_epoch,
+            steps_per_epoch)
         callbacks = callbacks_lib.callback_list(
             callbacks, self.model, verbose, epochs=epochs, steps=batches.steps
         )
@@ -282,14 +291,17 @@ class ShardedTrainer:
             The loss alone when there are no metrics, else a list in the
             order of `model.metrics_names`, or a dict with `return_dict`.
         """
+        build_lib.require_compiled(self.model, "evaluate")
         batches = self._batches(x, y, sample_weight, batch_size, False)
         self.build(batches.peek())
         callbacks = callbacks_lib.callback_list(callbacks, self.model, verbose, steps=batches.steps)
-        logs = loop.evaluate(self, model_weights(self.model, self.mesh), batches, callbacks)
+        logs, non_trainable, metrics = loop.evaluate(
+            self, model_weights(self.model, self.mesh), batches, callbacks)
+        # As model.evaluate does: the model keeps what the test steps left.
+        write_back(TrainState(None, non_trainable, None, metrics), self.model)
         if return_dict:
             return logs
-        values = list(logs.values())
-        return values[0] if len(values) == 1 else values
+        return callbacks_lib.in_evaluate_order(logs, self.model)
 
     def predict(self, x, *, batch_size=None, verbose="auto", callbacks=None):
         """Return the model's outputs for every row of `x`, in order.
@@ -299,7 +311,7 @@ class ShardedTrainer:
             exactly one row per input row.
         """
         batches = self._batches(x, None, None, batch_size, False)
-        self.build(batches.peek())
+        self.build(batches.peek(), for_training=False)
         callbacks = callbacks_lib.callback_list(callbacks, self.model, verbose, steps=batches.steps)
         weights = model_weights(self.model, self.mesh)
         outputs = []
@@ -324,6 +336,20 @@ class ShardedTrainer:
             x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
             seed=self.seed, class_weight=class_weight,
         )
+
+
+def _steps_in_flight(steps_in_flight, on_cpu):
+    """The bound on unfinished steps: the argument, else 1 on CPU and 2 elsewhere."""
+    if steps_in_flight is None:
+        return 1 if on_cpu else 2
+    if isinstance(steps_in_flight, bool) or not isinstance(steps_in_flight, int) \
+            or steps_in_flight < 1:
+        raise ValueError(
+            "`steps_in_flight` is how many dispatched steps may be unfinished "
+            "at once, an int of at least 1 (None: 1 on CPU, 2 elsewhere). "
+            f"Received: steps_in_flight={steps_in_flight!r}."
+        )
+    return steps_in_flight
 
 
 def _steps_per_execution(model, steps_per_execution):

@@ -26,8 +26,12 @@ def test_labels_that_do_not_fit_the_output_are_refused_before_compiling(mnist):
 
 def test_an_uncompiled_model_without_optimizer_and_loss_is_refused():
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    trainer = keras_dp.ShardedTrainer(model)  # enough to predict
+    x = np.ones((5, 4), "float32")
     with pytest.raises(ValueError, match="not compiled.*model.compile"):
-        keras_dp.ShardedTrainer(model)
+        trainer.fit(x, np.ones((5, 2)), verbose=0)
+    with pytest.raises(ValueError, match="not compiled.*model.compile"):
+        keras_dp.fit_sharded(model, x, np.ones((5, 2)), verbose=0)
 
 
 def test_an_unbuildable_model_is_refused_with_the_fix(mnist):

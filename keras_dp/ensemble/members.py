@@ -29,11 +29,19 @@ def member_mesh(members=None, mesh=None, devices=None):
 
     Raises:
         ValueError: `M` is not a positive integer, or is above `D` and not
-            a multiple of it; or a Keras distribution other than
-            `DataParallel` is set.
+            a multiple of it; the mesh spans several processes; or a Keras
+            distribution other than `DataParallel` is set.
     """
     mesh_lib.check_keras_distribution()
     base = mesh_lib.make_mesh(devices, mesh)
+    if mesh_lib.spans_processes(base):
+        raise ValueError(
+            "Ensembles train in one process: keras_dp places every member on "
+            "this process's devices and scores them on its host. Received a "
+            f"mesh over {len({d.process_index for d in base.devices.flat})} "
+            "processes. Pass devices=jax.local_devices() to train an ensemble "
+            "on each host's own devices, or train in one process."
+        )
     available = list(base.devices.flat)
     n = len(available)
     count = n if members is None else members

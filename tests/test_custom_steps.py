@@ -1,0 +1,110 @@
+"""Models that customise training train as their authors wrote them.
+
+A GAN (no `call()`, two sub-models, two optimizers, its own stateless
+`train_step`, metrics as attributes), a VAE (loss and KL term computed in its
+`train_step`), a model whose only loss is `add_loss`, and a model with its own
+`test_step` (builders in `tests/parity_models.py`), each against Keras's own
+`model.fit` / `model.evaluate` on one device. 155 rows in batches of 50: the
+last batch has 5 rows, and 50 does not divide by 3, so the uneven cut runs.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+import keras_dp
+import parity_models
+from conftest import devices
+
+SCRIPT = pathlib.Path(__file__).parent / "scripts" / "custom_steps.py"
+OPTIONS = dict(batch_size=50, epochs=2, shuffle=False, verbose=0)
+
+
+@pytest.fixture(scope="module")
+def data():
+    return parity_models.mnist_like(155)
+
+
+def _inputs(name, data):
+    images, labels = data
+    return {"image": images, "label": labels} if name == "add_loss_model" else images
+
+
+def _assert_variables_close(reference, ours, scale_tolerance):
+    """Every variable within `scale_tolerance` of its own largest value."""
+    for a, b in zip(reference.variables, ours.variables, strict=True):
+        a, b = np.asarray(a.value, np.float64), np.asarray(b.value, np.float64)
+        if a.size:
+            np.testing.assert_allclose(b, a, rtol=0, atol=scale_tolerance * max(np.abs(a).max(), 1e-6))
+
+
+# float32 here on 2 or 3 devices; all three on 3 devices in float64 below.
+@pytest.mark.parametrize("name,n_devices", [("dcgan", 3), ("vae", 2), ("add_loss_model", 2)])
+def test_a_custom_step_model_trains_as_keras_fit_on_one_device(data, name, n_devices):
+    build = getattr(parity_models, name)
+    reference = build(0)
+    expected = reference.fit(_inputs(name, data), **OPTIONS).history
+    ours = build(0)
+    history = keras_dp.fit_sharded(ours, _inputs(name, data), devices=devices(n_devices), **OPTIONS)
+    assert sorted(history.history) == sorted(expected)
+    for key, values in expected.items():
+        np.testing.assert_allclose(history.history[key], values, rtol=1e-5)
+    _assert_variables_close(reference, ours, 1e-5)
+    if name == "dcgan":  # both optimizers stepped, the latent draws advanced exactly
+        assert int(ours.d_optimizer.iterations.value) == 8
+        assert int(ours.g_optimizer.iterations.value) == 8
+        np.testing.assert_array_equal(np.asarray(ours.seed_generator.state.value),
+                                      np.asarray(reference.seed_generator.state.value))
+
+
+def test_custom_test_step_evaluates_as_model_evaluate(data):
+    images, labels = data
+    expected = parity_models.eval_model(0).evaluate(images, labels, batch_size=50, verbose=0)
+    trainer = keras_dp.ShardedTrainer(parity_models.eval_model(0), devices=devices(3))
+    got = trainer.evaluate(images, labels, batch_size=50, verbose=0)
+    assert len(got) == len(expected) == 3  # loss, acc, then the step's own batch_rows
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+    assert got[2] == 5.0  # the last batch's real rows: the step never sees padding
+
+
+def test_an_overridden_step_is_never_skipped():
+    class OnlyData(keras.Model):
+        def train_step(self, data):  # the TensorFlow form
+            return {}
+
+    model = OnlyData()
+    with pytest.raises(TypeError, match="TensorFlow form.*train_step.self, state, data"):
+        keras_dp.ShardedTrainer(model, optimizer="sgd", loss="mse")
+
+
+def test_a_model_without_call_and_unbuilt_sub_models_names_them():
+    class NoCall(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.inner = keras.layers.Dense(2, name="unbuilt_dense")
+
+        def train_step(self, state, data):
+            return {}, state
+
+    with pytest.raises(ValueError, match="no call.*unbuilt_dense"):
+        keras_dp.fit_sharded(NoCall(), np.ones((4, 3)), optimizer="sgd", verbose=0)
+
+
+def test_float64_custom_steps_equal_keras_fit_to_rounding():
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--float64", "--devices", "3"],
+        capture_output=True, text=True, timeout=400, env=dict(os.environ),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = {run["model"]: run for run in map(json.loads, (
+        line for line in result.stdout.splitlines() if line.startswith("{")))}
+    assert sorted(runs) == ["add_loss_model", "dcgan", "vae"]
+    for name, run in runs.items():
+        assert run["dtype"] == "float64"
+        assert run["relative_difference"] <= 1e-10, (name, run["relative_difference"])
