@@ -61,8 +61,9 @@ def is_built(model, for_training=True):
     if not for_training:
         return True
     parts = (_compat.compiled_metrics(model), _compat.compiled_loss(model))
+    optimizer = getattr(model, "optimizer", None)  # absent before compile()
     return (
-        model.optimizer is not None and model.optimizer.built
+        optimizer is not None and optimizer.built
         and all(part is None or part.built for part in parts)
     )
 
@@ -81,6 +82,14 @@ def build(model, batch, for_training=True):
             fit its output.
     """
     x, y, sample_weight = jax.tree.map(spec, batch)
+    if (for_training and y is None and _compat.compiled_loss(model) is not None
+            and not _compat.custom_step(model, "train_step")):
+        raise ValueError(
+            f"The model is compiled with a loss ({model.loss!r}), but the data "
+            "has no labels: pass y (or (x, y) batches). A model whose losses "
+            "all come from add_loss is compiled without one: "
+            "model.compile(optimizer=...)."
+        )
     if _compat.has_call(model):
         y_pred = _trace(model, x)
         if y is not None and _compat.compiled_loss(model) is not None:

@@ -138,7 +138,7 @@ class ShardedTrainer:
         # and compared by identity (a recompile replaces them; an id() could
         # be reused by a new object after the old one is freed).
         key = (build_lib.signature(batch), for_training)
-        parts = (_compat.compiled_loss(self.model), self.model.optimizer)
+        parts = (_compat.compiled_loss(self.model), getattr(self.model, "optimizer", None))
         checked = any(key == seen and all(a is b for a, b in zip(parts, objects))
                       for seen, objects in self._checked)
         if checked and build_lib.is_built(self.model, for_training):

@@ -73,7 +73,7 @@ def test_a_model_parallel_keras_distribution_is_refused_not_ignored():
         keras.distribution.ModelParallel(layout_map=layout, batch_dim_name=None))
     try:
         with pytest.raises(ValueError, match="data parallelism only.*ModelParallel.*"
-                                             "set_distribution\(None\)"):
+                                             r"set_distribution\(None\)"):
             keras_dp.ShardedTrainer(mlp(), devices=devices(2))
         with pytest.raises(ValueError, match="ModelParallel"):
             keras_dp.fit_ensemble(mlp, np.zeros((8, 28, 28, 1)), np.zeros(8), verbose=0,
@@ -82,3 +82,35 @@ def test_a_model_parallel_keras_distribution_is_refused_not_ignored():
         keras_dp.ShardedTrainer(mlp(), devices=devices(2))  # the same layout: accepted
     finally:
         keras.distribution.set_distribution(None)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_steps_in_flight_must_be_a_positive_int(bad):
+    with pytest.raises(ValueError, match="steps_in_flight.*at least 1.*Received: steps_in_flight="):
+        keras_dp.ShardedTrainer(mlp(), steps_in_flight=bad)
+
+
+def test_checkpoints_with_steps_per_epoch_are_refused_before_training(mnist, tmp_path):
+    (x, y), _ = mnist
+    model = mlp()
+    with pytest.raises(ValueError, match="checkpoint_dir cannot be combined with steps_per_epoch"):
+        keras_dp.fit_sharded(model, x[:64], y[:64], steps_per_epoch=2, verbose=0,
+                             checkpoint_dir=tmp_path / "ckpt", devices=devices(2))
+    assert int(model.optimizer.iterations.value) == 0
+
+
+def test_labels_missing_for_a_compiled_loss_are_named(mnist):
+    (x, _), _ = mnist
+    with pytest.raises(ValueError, match="compiled with a loss.*no labels"):
+        keras_dp.fit_sharded(mlp(), x[:64], verbose=0, devices=devices(2))
+
+
+def test_a_recompiled_optimizer_is_built_again_by_the_build_cache(mnist):
+    (x, y), _ = mnist
+    model = mlp()
+    trainer = keras_dp.ShardedTrainer(model, devices=devices(2))
+    trainer.build((x[:8], y[:8]))
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=model.loss)
+    assert not model.optimizer.built
+    trainer.build((x[:8], y[:8]))  # same data: the cache must see a new optimizer
+    assert model.optimizer.built

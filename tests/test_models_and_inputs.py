@@ -188,3 +188,66 @@ def test_optimizer_features_match_keras_fit(data, options):
     assert int(np.asarray(model.optimizer.iterations)) == int(np.asarray(reference.optimizer.iterations))
     for left, right in zip(weights(model), weights(reference), strict=True):
         np.testing.assert_allclose(left, right, rtol=1e-4, atol=1e-5)
+
+
+def _two_output_model():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((28, 28, 1))
+    hidden = keras.layers.Dense(16, activation="relu")(keras.layers.Flatten()(inputs / 255.0))
+    digit = keras.layers.Dense(10, name="digit")(hidden)
+    odd = keras.layers.Dense(1, name="odd")(hidden)
+    model = keras.Model(inputs, {"digit": digit, "odd": odd})
+    zz = keras.metrics.SparseCategoricalCrossentropy(from_logits=True, name="zz_ce")
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.05),
+        loss={"digit": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+              "odd": keras.losses.BinaryCrossentropy(from_logits=True)},
+        metrics={"digit": [zz, "accuracy"], "odd": ["mae"]},
+    )
+    return model
+
+
+def test_evaluate_and_history_follow_kerass_metric_order(data):
+    x, y = data[0][:155], data[1][:155]
+    labels = {"digit": y, "odd": (y % 2).astype("float32")}
+    reference = _two_output_model()
+    expected_history = reference.fit(x, labels, batch_size=50, epochs=1, shuffle=False, verbose=0)
+    expected = reference.evaluate(x, labels, batch_size=50, verbose=0)
+    model = _two_output_model()
+    history = keras_dp.fit_sharded(model, x, labels, batch_size=50, epochs=1, shuffle=False,
+                                   verbose=0, devices=devices(3))
+    assert list(history.history) == list(expected_history.history)
+    got = keras_dp.ShardedTrainer(model, devices=devices(3)).evaluate(
+        x, labels, batch_size=50, verbose=0)
+    assert len(got) == len(expected) > 3
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+
+
+def test_an_uncompiled_model_predicts_as_model_predict(data):
+    x = data[0]
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((28, 28, 1)), keras.layers.Flatten(),
+                              keras.layers.Dense(3)])
+    got = keras_dp.ShardedTrainer(model, devices=devices(3)).predict(x[:50], verbose=0)
+    np.testing.assert_allclose(got, model.predict(x[:50], verbose=0), rtol=1e-6, atol=1e-6)
+    assert not model.compiled
+
+
+def test_validation_keeps_the_test_steps_non_trainable_state_as_model_fit(data):
+    x, y = data[0][:155], data[1][:155]
+
+    def lstm():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([
+            keras.Input((28, 28)), keras.layers.Rescaling(1 / 255.0),
+            keras.layers.LSTM(8, dropout=0.3), keras.layers.Dense(10)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    options = dict(batch_size=50, epochs=2, shuffle=False, verbose=0,
+                   validation_data=(x[:60, ..., 0], y[:60]))
+    expected = lstm().fit(x[:, ..., 0], y, **options).history
+    got = keras_dp.fit_sharded(lstm(), x[:, ..., 0], y, devices=devices(2), **options).history
+    for key in ("loss", "val_loss"):
+        np.testing.assert_allclose(got[key], expected[key], rtol=1e-5)

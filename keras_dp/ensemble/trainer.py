@@ -65,8 +65,8 @@ class EnsembleTrainer:
                 not fit its output.
         """
         batch = pipeline.unpack(batch)
-        for model in self.members:
-            build_lib.build(model, batch)
+        for model in self.members:  # without labels: enough to predict
+            build_lib.build(model, batch, for_training=batch[1] is not None)
         self._x_example = batch[0]
 
     def init_state(self):

@@ -30,10 +30,11 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import keras_dp  # noqa: E402
+from keras_float64 import keep_keras_in_float64  # noqa: E402
 import parity_models  # noqa: E402
 
 if args.float64:
-    keras.config.set_floatx("float64")
+    keep_keras_in_float64()
 
 images, labels = parity_models.mnist_like(args.rows)
 images = images.astype(keras.config.floatx())

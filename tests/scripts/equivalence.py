@@ -26,9 +26,10 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import keras_dp  # noqa: E402
+from keras_float64 import keep_keras_in_float64  # noqa: E402
 
 if args.float64:
-    keras.config.set_floatx("float64")
+    keep_keras_in_float64()
 
 OPTIMIZERS = {
     "adam": lambda: keras.optimizers.Adam(1e-3),
