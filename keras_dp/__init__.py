@@ -24,6 +24,7 @@ from keras_dp.ensemble import EnsembleResult  # noqa: E402
 from keras_dp.ensemble import EnsembleTrainer  # noqa: E402
 from keras_dp.ensemble import fit_ensemble  # noqa: E402
 from keras_dp.fit import fit_sharded  # noqa: E402
+from keras_dp.memory import memory_plan  # noqa: E402
 from keras_dp.mesh import make_mesh  # noqa: E402
 from keras_dp.state import TrainState  # noqa: E402
 from keras_dp.trainer import ShardedTrainer  # noqa: E402
@@ -40,5 +41,6 @@ __all__ = [
     "fit_ensemble",
     "fit_sharded",
     "make_mesh",
+    "memory_plan",
     "models",
 ]

@@ -3,6 +3,7 @@
 import jax
 import numpy as np
 
+from keras_dp import layout
 from keras_dp import mesh as mesh_lib
 
 
@@ -11,12 +12,12 @@ def describe(mesh, state=None, batch=None):
 
     Args:
         mesh: the `"batch"` mesh.
-        state: an optional replicated `TrainState`.
+        state: an optional `TrainState` on the mesh (any `state_sharding`).
         batch: an optional `DeviceBatch`.
 
     Returns:
         A multi-line string: the devices; for each state group its array
-        count, size and sharding; for each batch array its shape, sharding
+        count, size, bytes per device and how many arrays are split; for each batch array its shape, sharding
         and the rows each device holds.
     """
     devices = list(mesh.devices.flat)
@@ -26,15 +27,7 @@ def describe(mesh, state=None, batch=None):
         "  " + ", ".join(_device_name(device) for device in devices),
     ]
     if state is not None:
-        lines.append("Model state (one full copy on every device):")
-        for name, values in state.groups():
-            size = sum(value.size for value in values)
-            nbytes = sum(value.nbytes for value in values)
-            spec = values[0].sharding.spec if values else "-"
-            lines.append(
-                f"  {name:<14}{len(values):>4} arrays {size:>12,} values "
-                f"{_megabytes(nbytes):>10} per device  PartitionSpec{tuple(spec)}"
-            )
+        lines.extend(_state_lines(state))
     if batch is not None:
         padded = jax.tree.leaves(batch.data)[0].shape[0]
         lines.append(
@@ -50,6 +43,22 @@ def describe(mesh, state=None, batch=None):
             )
             lines.append("    " + " | ".join(_shard_rows(array)))
     return "\n".join(lines)
+
+
+def _state_lines(state):
+    """One line per state group: values, bytes per device, split or replicated."""
+    lines = ["Model state (bytes per device; split arrays hold 1/N of their values):"]
+    for name, values in state.groups():
+        size = sum(value.size for value in values)
+        per_device = sum(layout.bytes_per_device(value) for value in values)
+        split = sum(not value.sharding.is_fully_replicated for value in values)
+        where = (f"{split} split over 'batch', {len(values) - split} replicated" if split
+                 else "all replicated: PartitionSpec()")
+        lines.append(
+            f"  {name:<14}{len(values):>4} arrays {size:>12,} values "
+            f"{_megabytes(per_device):>10} per device  ({where})"
+        )
+    return lines
 
 
 def _batch_name(path):

@@ -9,7 +9,7 @@ def fit_sharded(model, x=None, y=None, *, epochs=1, batch_size=None,
                 sample_weight=None, initial_epoch=0, steps_per_epoch=None,
                 validation_freq=1, steps_per_execution=None, optimizer=None,
                 loss=None, metrics=None, mesh=None, devices=None, seed=0,
-                checkpoint_dir=None):
+                checkpoint_dir=None, state_sharding="replicated"):
     """Train `model` with synchronous data parallelism and return its History.
 
     Each global batch is split by rows over the devices, every device holds
@@ -38,6 +38,10 @@ def fit_sharded(model, x=None, y=None, *, epochs=1, batch_size=None,
         checkpoint_dir: save the whole training state there after every
             epoch and on SIGTERM, and resume from it when it holds a
             checkpoint (see `ShardedTrainer.fit`).
+        state_sharding: `"replicated"` (default), `"optimizer"` or `"full"`:
+            keep a full copy of the state on every device, or split the
+            optimizer state, or the whole state, over the devices
+            (`keras_dp.layout`); the steps computed are the same.
 
     Returns:
         A `keras.callbacks.History`, as `model.fit` returns.
@@ -56,6 +60,7 @@ def fit_sharded(model, x=None, y=None, *, epochs=1, batch_size=None,
     trainer = ShardedTrainer(
         model, optimizer=optimizer, loss=loss, metrics=metrics, mesh=mesh,
         devices=devices, seed=seed, steps_per_execution=steps_per_execution,
+        state_sharding=state_sharding,
     )
     return trainer.fit(
         x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,

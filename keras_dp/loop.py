@@ -118,7 +118,8 @@ def start_epoch(run, epoch, skip):
     elif live.needs_read():
         live.read(trainer.init_state())
     elif not skip:
-        live.state = live.state._replace(metrics=fresh_metrics(run.model, trainer.mesh))
+        live.state = live.state._replace(metrics=fresh_metrics(
+            run.model, trainer.mesh, trainer.state_layout().metrics))
 
 
 def train_batches(run, epoch, skip):
@@ -208,7 +209,7 @@ def evaluate(trainer, weights, batches, callbacks):
         step left.
     """
     trainable, non_trainable = weights
-    metrics = fresh_metrics(trainer.model, trainer.mesh)
+    metrics = fresh_metrics(trainer.model, trainer.mesh, trainer.state_layout().metrics)
     throttle = inflight.Throttle(trainer.steps_in_flight)
     logs = None
     callbacks.on_test_begin()

@@ -94,7 +94,12 @@ def stacked_batch_sharded(mesh):
 
 
 def replicate(tree, mesh):
-    """Copy every array of `tree` to every device of `mesh`.
+    """Copy every array of `tree` to every device of `mesh` (see `place`)."""
+    return place(tree, mesh, replicated(mesh))
+
+
+def place(tree, mesh, shardings):
+    """Copy every array of `tree` onto `mesh`, laid out as `shardings`.
 
     Each value is first copied where it lies (a `jax.Array` on its device,
     with no trip through the host; a numpy array on the host): `jax.device_put`
@@ -105,9 +110,15 @@ def replicate(tree, mesh):
     When `mesh` spans several processes, every process gets process 0's
     values (one broadcast, through the host).
 
+    Args:
+        tree: arrays (numpy, or `jax.Array`s anywhere).
+        mesh: the `"batch"` mesh.
+        shardings: one sharding for all, or a tree of shardings matching
+            `tree` (see `keras_dp.layout`).
+
     Returns:
-        A tree of the same structure whose leaves are `jax.Array`s with the
-        replicated sharding.
+        A tree of the same structure whose leaves are `jax.Array`s with
+        the given shardings.
     """
     if spans_processes(mesh):
         # Each process places its own values on its own devices: take process
@@ -120,8 +131,8 @@ def replicate(tree, mesh):
             lambda value: np.array(value, copy=True),
             multihost_utils.broadcast_one_to_all(host),
         )
-        return jax.device_put(host, replicated(mesh))
-    return jax.device_put(jax.tree.map(_fresh_copy, tree), replicated(mesh))
+        return jax.device_put(host, shardings)
+    return jax.device_put(jax.tree.map(_fresh_copy, tree), shardings)
 
 
 def _fresh_copy(value):
@@ -143,19 +154,33 @@ def to_host(array):
 
 
 def local_copy(array, like=None):
-    """A fresh single-device copy of a replicated array, made on the device.
+    """A fresh single-device copy of a state array, made on the device.
 
-    Copies one local shard on its device (no trip through the host), then
+    A replicated array: copies one local shard on its device (no trip
+    through the host); a split one (`keras_dp.layout`) is gathered. Then
     moves it to `like`'s sharding when `like` (the Keras variable's current
     value) lies elsewhere. The result shares no buffer with `array`, so
     donating `array` later leaves it intact. A numpy array is copied as it is.
     """
     if not isinstance(array, jax.Array):
         return np.array(array, copy=True)
+    if not array.sharding.is_fully_replicated:  # split (`state_sharding`): gather it
+        return _gathered_copy(array, like)
     copy = jnp.copy(array.addressable_data(0))
     if isinstance(like, jax.Array) and like.sharding != copy.sharding:
         copy = jax.device_put(copy, like.sharding)
     return copy
+
+
+def _gathered_copy(array, like):
+    """A whole single-device copy of a split array, gathered device to device."""
+    if not array.is_fully_addressable:  # split over processes: through the hosts
+        from jax.experimental import multihost_utils
+
+        return jnp.asarray(multihost_utils.process_allgather(array, tiled=True))
+    target = like.sharding if isinstance(like, jax.Array) else jax.sharding.SingleDeviceSharding(
+        array.addressable_shards[0].device)
+    return jnp.copy(jax.device_put(array, target))
 
 
 def spans_processes(mesh):

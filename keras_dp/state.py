@@ -52,14 +52,19 @@ class TrainState(NamedTuple):
         )
 
     @classmethod
-    def from_model(cls, model, mesh):
-        """Copy a built, compiled model's variables onto every device of `mesh`.
+    def from_model(cls, model, mesh, shardings=None):
+        """Copy a built, compiled model's variables onto the devices of `mesh`.
+
+        Args:
+            shardings: a `TrainState` of shardings (`keras_dp.layout`);
+                default: every variable replicated.
 
         Returns:
             A `TrainState` whose leaves are fresh (never aliased with the
-            Keras variables) and replicated over `mesh`.
+            Keras variables), laid out as `shardings`.
         """
-        return mesh_lib.replicate(cls(*map(_values, cls.variables_of(model))), mesh)
+        values = cls(*map(_values, cls.variables_of(model)))
+        return mesh_lib.place(values, mesh, shardings or mesh_lib.replicated(mesh))
 
     def groups(self):
         """Yield `(name, list_of_arrays)` for each state group."""
@@ -88,22 +93,23 @@ def write_back(state, model):
             variable.assign(mesh_lib.local_copy(value, like=variable.value))
 
 
-def model_weights(model, mesh):
-    """The model's `(trainable, non_trainable)` values, replicated over `mesh`.
+def model_weights(model, mesh, shardings=None):
+    """The model's `(trainable, non_trainable)` values on `mesh`.
 
     All that inference reads: unlike `TrainState.from_model`, this needs no
-    built optimizer or metrics.
+    built optimizer or metrics. `shardings` is a `TrainState` of shardings
+    (its two weight groups are used); default: replicated.
     """
-    return mesh_lib.replicate(
-        (_values(model.trainable_variables), _values(model.non_trainable_variables)),
-        mesh,
-    )
+    weights = (_values(model.trainable_variables), _values(model.non_trainable_variables))
+    layout = mesh_lib.replicated(mesh) if shardings is None else shardings.weights
+    return mesh_lib.place(weights, mesh, layout)
 
 
-def fresh_metrics(model, mesh):
-    """Return the metric variables' reset values, replicated over `mesh`."""
+def fresh_metrics(model, mesh, shardings=None):
+    """Return the metric variables' reset values on `mesh` (`shardings`: a list)."""
     model.reset_metrics()
-    return mesh_lib.replicate(_values(model.metrics_variables), mesh)
+    return mesh_lib.place(_values(model.metrics_variables), mesh,
+                          shardings or mesh_lib.replicated(mesh))
 
 
 def is_alive(state):

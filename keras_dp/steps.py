@@ -18,19 +18,23 @@ import jax.numpy as jnp
 import keras
 
 from keras_dp import _compat
+from keras_dp import layout
 from keras_dp import mesh as mesh_lib
 from keras_dp import placement
 from keras_dp.state import TrainState
 
 
-def make_train_step(model, mesh):
+def make_train_step(model, mesh, state_sharding="replicated"):
     """Return the jitted `train_step(state, batch) -> (state, logs)`.
 
     The forward pass and loss are Keras's own stateless
     `model.compute_loss_and_updates` (`stateless_call` plus
     `stateless_compute_loss`, with regularisation losses and loss scaling);
-    the update is `optimizer.stateless_apply`. `state` is donated, and the new
-    state and the logs come back replicated over `mesh`.
+    the update is `optimizer.stateless_apply`. `state` is donated; the new
+    state comes back laid out as `state_sharding` says (`keras_dp.layout`:
+    replicated by default), the logs replicated. Under `"optimizer"` and
+    `"full"` the gradients are constrained to the split layout before the
+    update, so XLA reduce-scatters them rather than all-reducing.
 
     A step whose running loss (`logs["loss"]`, the mean over the epoch so
     far) is NaN or Inf keeps the weights, non-trainable state and optimizer
@@ -41,15 +45,13 @@ def make_train_step(model, mesh):
 
     Args:
         model: a built, compiled Keras model; only read while tracing.
-        mesh: the `"batch"` mesh the state is replicated over.
+        mesh: the `"batch"` mesh.
+        state_sharding: `"replicated"`, `"optimizer"` or `"full"`.
     """
-    return jax.jit(
-        _train_step(model, mesh), donate_argnums=0,
-        out_shardings=mesh_lib.replicated(mesh),
-    )
+    return jax.jit(_train_step(model, mesh, state_sharding), donate_argnums=0)
 
 
-def make_multi_train_step(model, mesh, unroll=1):
+def make_multi_train_step(model, mesh, unroll=1, state_sharding="replicated"):
     """Return the jitted `train_steps(state, batches) -> (state, logs, finite)`.
 
     `batches` is a stacked `DeviceBatch` (`placement.to_device_stacked`): K
@@ -63,7 +65,7 @@ def make_multi_train_step(model, mesh, unroll=1):
     The third output counts the steps whose loss was finite (K unless one
     failed; see `make_train_step` for what a non-finite loss does).
     """
-    step = _train_step(model, mesh)
+    step = _train_step(model, mesh, state_sharding)
 
     def train_steps(state, batches):
         def body(state, data):
@@ -74,22 +76,28 @@ def make_multi_train_step(model, mesh, unroll=1):
             finite = jnp.sum(jnp.isfinite(logs["loss"]))
         else:  # nothing to check: every step counts as finite
             finite = jax.tree.leaves(batches.data)[0].shape[0]
-        return state, jax.tree.map(lambda values: values[-1], logs), finite
+        logs = jax.tree.map(lambda values: values[-1], logs)
+        return state, logs, _replicated(jnp.asarray(finite), mesh)
 
-    return jax.jit(
-        train_steps, donate_argnums=0, out_shardings=mesh_lib.replicated(mesh)
-    )
+    return jax.jit(train_steps, donate_argnums=0)
 
 
-def _train_step(model, mesh):
+def _train_step(model, mesh, state_sharding):
     """The sharded step shared by the single- and multi-step programs."""
-    step = model_train_step(model)
+    step = model_train_step(model, lambda grads: layout.constrain(
+        grads, layout.gradient_shardings(grads, mesh, state_sharding)))
 
     def train_step(state, batch):
         new_state, logs = step(state, placement.real_rows(batch, mesh))
-        return _keep_if_not_finite(new_state, state, logs), logs
+        new_state = _keep_if_not_finite(new_state, state, logs)
+        shardings = layout.state_shardings(new_state, mesh, state_sharding)
+        return layout.constrain(new_state, shardings), _replicated(logs, mesh)
 
     return train_step
+
+
+def _replicated(tree, mesh):
+    return jax.lax.with_sharding_constraint(tree, mesh_lib.replicated(mesh))
 
 
 def _keep_if_not_finite(new_state, state, logs):
@@ -105,8 +113,12 @@ def _keep_if_not_finite(new_state, state, logs):
     )
 
 
-def model_train_step(model):
+def model_train_step(model, constrain_grads=None):
     """The pure optimizer step of `model` on a batch `(x, y, sample_weight)`.
+
+    `constrain_grads`, if given, is applied to the gradients before the
+    update (see `make_train_step`); a model's own `train_step` computes its
+    gradients itself, so there only the new state's layout is constrained.
 
     The model's own stateless `train_step(state, data)` when it overrides
     Keras's (a GAN, a VAE: see `keras_dp._compat.custom_step`), called as
@@ -139,6 +151,8 @@ def model_train_step(model):
             optimizer_variables=state.optimizer,
         )
         loss, y_pred, non_trainable, metrics = aux
+        if constrain_grads is not None:
+            grads = constrain_grads(grads)
         trainable, optimizer = model.optimizer.stateless_apply(
             state.optimizer, grads, state.trainable
         )
@@ -150,7 +164,7 @@ def model_train_step(model):
     return train_step
 
 
-def make_test_step(model, mesh):
+def make_test_step(model, mesh, state_sharding="replicated"):
     """Return the jitted `test_step(weights, metrics, batch) -> (non_trainable, metrics, logs)`.
 
     `weights` is the `(trainable, non_trainable)` pair, read but not
@@ -170,16 +184,18 @@ def make_test_step(model, mesh):
         if custom:
             logs, (_, non_trainable, metrics) = model.test_step(
                 (trainable, non_trainable, metrics), _keras_data((x, y, sample_weight)))
-            return non_trainable, metrics, logs
-        _, (loss, y_pred, non_trainable, metrics) = model.compute_loss_and_updates(
-            trainable, non_trainable, metrics, x, y, sample_weight, training=False
-        )
-        metrics, logs = _update_metrics(model, metrics, loss, x, y, y_pred, sample_weight)
-        return non_trainable, metrics, logs
+        else:
+            _, (loss, y_pred, non_trainable, metrics) = model.compute_loss_and_updates(
+                trainable, non_trainable, metrics, x, y, sample_weight, training=False
+            )
+            metrics, logs = _update_metrics(model, metrics, loss, x, y, y_pred, sample_weight)
+        non_trainable = layout.constrain(non_trainable, layout.group_shardings(
+            non_trainable, mesh, state_sharding, "non_trainable"))
+        metrics = layout.constrain(
+            metrics, layout.group_shardings(metrics, mesh, state_sharding, "metrics"))
+        return non_trainable, metrics, _replicated(logs, mesh)
 
-    return jax.jit(
-        test_step, donate_argnums=1, out_shardings=mesh_lib.replicated(mesh)
-    )
+    return jax.jit(test_step, donate_argnums=1)
 
 
 def make_predict_step(model, mesh):

@@ -22,7 +22,9 @@ from keras_dp import build as build_lib
 from keras_dp import callbacks as callbacks_lib
 from keras_dp import checkpoint as checkpoint_lib
 from keras_dp import describe as describe_lib
+from keras_dp import layout
 from keras_dp import loop
+from keras_dp import memory as memory_lib
 from keras_dp import mesh as mesh_lib
 from keras_dp import pipeline
 from keras_dp import placement as placement_lib
@@ -63,6 +65,12 @@ class ShardedTrainer:
             before the next is dispatched. Defaults to 1 on CPU (several
             queued cross-device all-reduces can deadlock XLA:CPU's thread
             pool) and 2 elsewhere.
+        state_sharding: where the training state lives (`keras_dp.layout`):
+            `"replicated"` (default; a full copy on every device),
+            `"optimizer"` (optimizer slots and metrics split over the
+            devices, gradients reduce-scattered, ZeRO-1/2) or `"full"`
+            (weights split too, gathered where a layer needs them, FSDP).
+            Every mode computes the same steps.
 
     Raises:
         TypeError: `model` is not a `keras.Model`.
@@ -72,7 +80,7 @@ class ShardedTrainer:
 
     def __init__(self, model, optimizer=None, loss=None, metrics=None, mesh=None,
                  devices=None, seed=0, steps_per_execution=None, unroll=None,
-                 prefetch=2, steps_in_flight=None):
+                 prefetch=2, steps_in_flight=None, state_sharding="replicated"):
         if not isinstance(model, keras.Model):
             raise TypeError(
                 "keras_dp trains a keras.Model. Received an object of type "
@@ -85,6 +93,7 @@ class ShardedTrainer:
         self.model = model
         self._checked = []  # (data signature, loss and optimizer) `build` has checked
         self.mesh = mesh_lib.make_mesh(devices, mesh)
+        self.state_sharding = layout.check_mode(state_sharding, self.mesh)
         self.seed = seed
         on_cpu = self.mesh.devices.flat[0].platform == "cpu"
         self.steps_in_flight = _steps_in_flight(steps_in_flight, on_cpu)
@@ -100,9 +109,10 @@ class ShardedTrainer:
             )
         if unroll is None:
             unroll = self.steps_per_execution if on_cpu else 1
-        self._train_step = steps_lib.make_train_step(model, self.mesh)
-        self._train_steps = steps_lib.make_multi_train_step(model, self.mesh, unroll)
-        self._test_step = steps_lib.make_test_step(model, self.mesh)
+        mode = self.state_sharding
+        self._train_step = steps_lib.make_train_step(model, self.mesh, mode)
+        self._train_steps = steps_lib.make_multi_train_step(model, self.mesh, unroll, mode)
+        self._test_step = steps_lib.make_test_step(model, self.mesh, mode)
         self._predict_step = steps_lib.make_predict_step(model, self.mesh)
 
     @property
@@ -147,7 +157,10 @@ class ShardedTrainer:
         self._checked.append((key, parts))
 
     def init_state(self):
-        """Return the model's current variables as a replicated `TrainState`.
+        """Return the model's current variables as a `TrainState` on the mesh.
+
+        Laid out as `state_sharding` says: each array replicated, or split
+        over `"batch"` (`keras_dp.layout`; `describe()` shows which).
 
         Raises:
             ValueError: the model, its metrics or optimizer are not built.
@@ -158,7 +171,12 @@ class ShardedTrainer:
                 "Call trainer.build(batch) with one batch of data first (fit "
                 "does this for you), or model.build(input_shape)."
             )
-        return TrainState.from_model(self.model, self.mesh)
+        return TrainState.from_model(self.model, self.mesh, self.state_layout())
+
+    def state_layout(self):
+        """The sharding of every state variable, as a `TrainState` of lists."""
+        return layout.state_shardings(
+            TrainState.variables_of(self.model), self.mesh, self.state_sharding)
 
     def shard(self, batch):
         """Put a host batch `(x, y[, sample_weight])` on the mesh, split by rows.
@@ -179,6 +197,24 @@ class ShardedTrainer:
     def write_back(self, state):
         """Copy `state` into the Keras model's variables."""
         write_back(state, self.model)
+
+    def memory_plan(self, x, y=None, *, batch_size=32, sample_weight=None):
+        """Bytes per device of the state and of one train step, before running.
+
+        Args:
+            x, y, sample_weight: a few rows of the training data (any number:
+                they are repeated or cut to `batch_size`), for their shapes.
+            batch_size: the global batch to plan for.
+
+        Returns:
+            A `keras_dp.memory.MemoryPlan` (print it for a summary).
+        """
+        batch = pipeline.unpack((x, y, sample_weight))
+        rows = pipeline.batch_rows(batch)
+        batch = jax.tree.map(lambda a: np.resize(np.asarray(a), (batch_size,) + np.shape(a)[1:])
+                             if rows != batch_size else np.asarray(a), batch)
+        self.build(batch)
+        return memory_lib.plan(self, batch)
 
     def compiled_train_step(self, state, batch):
         """The train step compiled for these arguments (`.as_text()` is HLO)."""
@@ -267,6 +303,8 @@ class ShardedTrainer:
         if steps_per_epoch is not None:
             batches = pipeline.StepsPerEpoch(batches, steps_per_epoch)
         self.build(batches.peek())
+        if self.mesh.devices.flat[0].platform != "cpu":  # accelerators report capacity
+            memory_lib.check_fits(memory_lib.plan(self, batches.peek()))
         val = None
         if validation_data is not None:
             val = self._batches(validation_data, None, None, batch_size, False)
@@ -296,7 +334,7 @@ class ShardedTrainer:
         self.build(batches.peek())
         callbacks = callbacks_lib.callback_list(callbacks, self.model, verbose, steps=batches.steps)
         logs, non_trainable, metrics = loop.evaluate(
-            self, model_weights(self.model, self.mesh), batches, callbacks)
+            self, model_weights(self.model, self.mesh, self.state_layout()), batches, callbacks)
         # As model.evaluate does: the model keeps what the test steps left.
         write_back(TrainState(None, non_trainable, None, metrics), self.model)
         if return_dict:
@@ -313,7 +351,10 @@ class ShardedTrainer:
         batches = self._batches(x, None, None, batch_size, False)
         self.build(batches.peek(), for_training=False)
         callbacks = callbacks_lib.callback_list(callbacks, self.model, verbose, steps=batches.steps)
-        weights = model_weights(self.model, self.mesh)
+        shardings = layout.state_shardings(TrainState(
+            self.model.trainable_variables, self.model.non_trainable_variables, None, None,
+        ), self.mesh, self.state_sharding)
+        weights = model_weights(self.model, self.mesh, shardings)
         outputs = []
         callbacks.on_predict_begin()
         inputs = (batch[0] for batch in batches.epoch(0))

@@ -55,6 +55,11 @@ def build_parser():
                             "most it, every member on every batch; print each "
                             "member's test accuracy and that of their averaged "
                             "probabilities, and save the averaging model")
+    train.add_argument("--state-sharding", default="replicated",
+                       choices=["replicated", "optimizer", "full"],
+                       help="keep the whole training state on every device, or split "
+                            "the optimizer state, or all of it, over the devices "
+                            "(default: %(default)s)")
     train.add_argument("--verbose", type=int, default=1, choices=[0, 1, 2],
                        help="Keras progress output: 0 none, 1 bar, 2 a line per epoch")
     _add_launch_parser(commands)
@@ -79,7 +84,11 @@ def _add_launch_parser(commands):
 
 def main(argv=None):
     """Run `keras-dp` with `argv` (default: the command line)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "ensemble", None) is not None and args.state_sharding != "replicated":
+        parser.error("--state-sharding splits one model's state over the devices; an "
+                     "ensemble already keeps each member on its own device. Drop one.")
     if args.command == "launch":
         from keras_dp.cli.launch import launch
 

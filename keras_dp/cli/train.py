@@ -22,7 +22,7 @@ def train(args):
     model = keras_dp.models.compile_classifier(
         keras_dp.models.MODELS[args.model](), learning_rate=args.learning_rate
     )
-    trainer = keras_dp.ShardedTrainer(model, seed=args.seed)
+    trainer = keras_dp.ShardedTrainer(model, seed=args.seed, state_sharding=args.state_sharding)
     print(f"keras_dp {keras_dp.__version__} | jax {jax.__version__} | keras {keras.__version__}")
     print(f"Data: {source}: {len(x_train)} training and {len(x_test)} test images")
     local_batch = args.batch_size
@@ -36,6 +36,8 @@ def train(args):
     first_batch = (x_train[:local_batch], y_train[:local_batch])
     trainer.build(first_batch)
     print(trainer.describe(first_batch))
+    if not trainer.multiprocess:
+        print(trainer.memory_plan(*first_batch, batch_size=args.batch_size))
     # The test set is scored after every epoch (val_* curves); its last
     # score is the test result, so it is computed once per epoch, not again.
     history = trainer.fit(

@@ -15,6 +15,10 @@ parser.add_argument("--float64", action="store_true")
 parser.add_argument("--steps", type=int, default=20)
 parser.add_argument("--devices", type=int, default=4)
 parser.add_argument("--optimizers", default="adam,sgd")
+parser.add_argument("--state-sharding", default="replicated",
+                    help="the N-device runs' state_sharding modes, comma-separated "
+                         "(the 1-device run is replicated)")
+parser.add_argument("--model", default="convnet", choices=["convnet", "odd"])
 args = parser.parse_args()
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
 os.environ["KERAS_BACKEND"] = "jax"
@@ -37,14 +41,26 @@ OPTIMIZERS = {
 }
 
 
-def run(n_devices, batches, optimizer):
+def odd_model():
+    """Layers whose sizes do not divide by 4 beside ones that do, Dropout, BatchNorm."""
+    return keras.Sequential([
+        keras.Input((28, 28, 1)), keras.layers.Rescaling(1 / 255.0),
+        keras.layers.Conv2D(12, 3, activation="relu"), keras.layers.BatchNormalization(),
+        keras.layers.Conv2D(10, 3, strides=2, activation="relu"), keras.layers.Flatten(),
+        keras.layers.Dropout(0.25), keras.layers.Dense(30, activation="relu"),
+        keras.layers.Dense(10),
+    ])
+
+
+def run(n_devices, batches, optimizer, state_sharding="replicated"):
     keras.utils.set_random_seed(1)
-    model = keras_dp.models.convnet()
+    model = keras_dp.models.convnet() if args.model == "convnet" else odd_model()
     model.compile(
         optimizer=OPTIMIZERS[optimizer](),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     )
-    trainer = keras_dp.ShardedTrainer(model, devices=jax.devices()[:n_devices])
+    trainer = keras_dp.ShardedTrainer(model, devices=jax.devices()[:n_devices],
+                                      state_sharding=state_sharding)
     trainer.build(batches[0])
     state = trainer.init_state()
     losses = []
@@ -62,15 +78,17 @@ x = x[..., None].astype(keras.config.floatx())
 batches = [(x[i * 64:(i + 1) * 64], y[i * 64:(i + 1) * 64]) for i in range(args.steps)]
 for optimizer in args.optimizers.split(","):
     losses_1, weights_1 = run(1, batches, optimizer)
-    losses_n, weights_n = run(args.devices, batches, optimizer)
-    print(json.dumps({
-        "optimizer": optimizer,
-        "dtype": keras.config.floatx(),
-        "losses_1": losses_1,
-        "losses_n": losses_n,
-        "relative_difference": {
-            path: float(np.max(np.abs(a - b)) / max(np.max(np.abs(a)), 1e-6))
-            for (path, a), (_, b) in zip(weights_1, weights_n)
-            if np.issubdtype(a.dtype, np.floating) and a.size
-        },
-    }))
+    for state_sharding in args.state_sharding.split(","):
+        losses_n, weights_n = run(args.devices, batches, optimizer, state_sharding)
+        print(json.dumps({
+            "optimizer": optimizer,
+            "state_sharding": state_sharding,
+            "dtype": keras.config.floatx(),
+            "losses_1": losses_1,
+            "losses_n": losses_n,
+            "relative_difference": {
+                path: float(np.max(np.abs(a - b)) / max(np.max(np.abs(a)), 1e-6))
+                for (path, a), (_, b) in zip(weights_1, weights_n)
+                if np.issubdtype(a.dtype, np.floating) and a.size
+            },
+        }))

@@ -1,0 +1,129 @@
+"""Where each variable of the training state lives: `state_sharding`.
+
+Three modes, all on the one `"batch"` mesh:
+
+- `"replicated"` (the default): every device holds the whole state.
+- `"optimizer"` (ZeRO-1/2): optimizer slots and metric accumulators are
+  split over `"batch"`; the gradients are constrained to the same split, so
+  XLA reduce-scatters them instead of all-reducing, each device updates its
+  slice of the weights, and the new weights are all-gathered back to every
+  device (they stay replicated).
+- `"full"` (FSDP / ZeRO-3): the weights and non-trainable variables are
+  split too; XLA all-gathers each one inside the compiled step where a
+  layer needs it.
+
+Which variables are split, and along which axis (`variable_sharding`): a
+floating-point variable of at least `MIN_SPLIT_SIZE` elements is split along
+its largest dimension that divides by the device count (the last such on a
+tie); smaller variables (biases, BatchNorm parameters, scalars, seed-generator
+states) and variables with no dimension that divides stay replicated, since
+splitting them saves little and costs a collective. Nothing is padded. The
+layout is a pure function of the variables' shapes, so the host (placing the
+state) and every compiled step (constraining it) agree on it.
+
+The split changes where numbers live, not what is computed: every mode gives
+the same steps as `"replicated"` up to float summation order.
+"""
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
+
+from keras_dp import mesh as mesh_lib
+
+MODES = ("replicated", "optimizer", "full")
+# Below this many elements a variable stays replicated (16 KiB in float32).
+MIN_SPLIT_SIZE = 4096
+_SPLIT_GROUPS = {
+    "replicated": (),
+    "optimizer": ("optimizer", "metrics"),
+    "full": ("trainable", "non_trainable", "optimizer", "metrics"),
+}
+
+
+def check_mode(state_sharding, mesh):
+    """Return `state_sharding` if it is a mode `mesh` can use.
+
+    Raises:
+        ValueError: an unknown mode, or a split mode on a mesh whose axes are
+            not exactly `("batch",)`.
+    """
+    if state_sharding not in MODES:
+        raise ValueError(
+            f"`state_sharding` must be one of {', '.join(map(repr, MODES))}. "
+            f"Received: state_sharding={state_sharding!r}."
+        )
+    if state_sharding != "replicated" and tuple(mesh.axis_names) != (mesh_lib.BATCH_AXIS,):
+        raise ValueError(
+            f"state_sharding={state_sharding!r} splits the state over the mesh's "
+            f"single {mesh_lib.BATCH_AXIS!r} axis; received a mesh with axes "
+            f"{mesh.axis_names}. Use keras_dp.make_mesh()."
+        )
+    return state_sharding
+
+
+def variable_sharding(shape, dtype, mesh, split=True):
+    """The `NamedSharding` of one variable (see the module docstring).
+
+    Args:
+        shape, dtype: the variable's.
+        mesh: the `"batch"` mesh.
+        split: whether this variable's group is split in the current mode.
+    """
+    devices = mesh_lib.num_devices(mesh)
+    if (not split or devices == 1 or not np.issubdtype(np.dtype(dtype), np.floating)
+            or int(np.prod(shape, dtype=np.int64)) < MIN_SPLIT_SIZE):
+        return mesh_lib.replicated(mesh)
+    candidates = [axis for axis, size in enumerate(shape) if size % devices == 0]
+    if not candidates:
+        return mesh_lib.replicated(mesh)
+    axis = max(candidates, key=lambda axis: (shape[axis], axis))
+    spec = [None] * len(shape)
+    spec[axis] = mesh_lib.BATCH_AXIS
+    return NamedSharding(mesh, PartitionSpec(*spec))
+
+
+def state_shardings(state, mesh, mode):
+    """The sharding of every array of `state` (a `TrainState`) under `mode`.
+
+    `state`'s leaves need only `shape` and `dtype` (arrays, Keras variables
+    or `jax.ShapeDtypeStruct`s). Returns a `TrainState` of lists of
+    `NamedSharding`, in the same order; a `None` group stays `None`.
+    """
+    return type(state)(*(
+        None if values is None else group_shardings(values, mesh, mode, name)
+        for name, values in state.groups()
+    ))
+
+
+def group_shardings(values, mesh, mode, group):
+    """The shardings of one state group's arrays (`group`: "trainable", ...)."""
+    split = group in _SPLIT_GROUPS[mode]
+    return [variable_sharding(v.shape, v.dtype, mesh, split) for v in values]
+
+
+def gradient_shardings(trainable, mesh, mode):
+    """Where the gradients of `trainable` go before the optimizer update.
+
+    Split like a weight of that shape would be in any mode but
+    `"replicated"` (None then: the gradients stay replicated, one
+    all-reduce). Constraining a gradient to a split layout makes XLA
+    reduce-scatter it: each device gets the sum of its slice only.
+    """
+    if mode == "replicated":
+        return None
+    return [variable_sharding(v.shape, v.dtype, mesh, True) for v in trainable]
+
+
+def constrain(tree, shardings):
+    """Inside a compiled step: `tree` laid out as `shardings` (None: as it is)."""
+    if shardings is None:
+        return tree
+    return jax.lax.with_sharding_constraint(tree, shardings)
+
+
+def bytes_per_device(array):
+    """The bytes of `array` held by its first addressable device."""
+    first = array.addressable_shards[0].device
+    return sum(shard.data.nbytes for shard in array.addressable_shards if shard.device == first)

@@ -1,0 +1,154 @@
+"""Memory you can see before you run: the state's bytes and one step's peak.
+
+`memory_plan` lays the state out as `state_sharding` says (`keras_dp.layout`)
+without placing it, compiles the train step for one global batch against
+abstract arrays (`jax.ShapeDtypeStruct`s with their shardings), and reads
+XLA's own memory analysis of that program. Nothing is put on a device.
+"""
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from keras_dp import mesh as mesh_lib
+from keras_dp import pipeline
+from keras_dp import placement
+from keras_dp.state import TrainState
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes per device of the training state and of one compiled train step.
+
+    Attributes:
+        state_sharding: the mode the plan is for.
+        devices: the device count the state and batch are split over.
+        weights, non_trainable, optimizer, metrics: bytes per device of each
+            state group, as laid out (a split array counts 1/N of its bytes).
+        arguments, outputs, temporaries: XLA's memory analysis of the
+            compiled step: its inputs (state and batch), outputs, and the
+            scratch it needs while running, per device.
+        peak: `arguments + outputs - aliased + temporaries`, the most the
+            step holds at once (donated state is aliased with its output).
+        capacity: the device's memory (`memory_stats()["bytes_limit"]`), or
+            None where the platform does not report it (CPU).
+    """
+
+    state_sharding: str
+    devices: int
+    weights: int
+    non_trainable: int
+    optimizer: int
+    metrics: int
+    arguments: int
+    outputs: int
+    temporaries: int
+    peak: int
+    capacity: int | None
+
+    def fits(self):
+        """Whether the peak is within the capacity (True when unknown)."""
+        return self.capacity is None or self.peak <= self.capacity
+
+    def __str__(self):
+        mib = lambda n: f"{n / 2**20:,.1f} MiB"  # noqa: E731
+        lines = [
+            f"Memory per device ({self.devices} devices, state_sharding="
+            f"{self.state_sharding!r}):",
+            f"  weights {mib(self.weights)}, non-trainable {mib(self.non_trainable)}, "
+            f"optimizer {mib(self.optimizer)}, metrics {mib(self.metrics)}",
+            f"  compiled step: arguments {mib(self.arguments)}, outputs "
+            f"{mib(self.outputs)}, temporaries {mib(self.temporaries)}, peak {mib(self.peak)}",
+            "  capacity " + ("not reported by this platform" if self.capacity is None
+                             else f"{mib(self.capacity)}"),
+        ]
+        return "\n".join(lines)
+
+
+def plan(trainer, batch):
+    """The `MemoryPlan` of `trainer`'s train step on one global host `batch`.
+
+    The model must be built (`trainer.build(batch)`).
+    """
+    shardings = trainer.state_layout()
+    variables = TrainState.variables_of(trainer.model)
+    state = jax.tree.map(
+        lambda variable, sharding: jax.ShapeDtypeStruct(
+            variable.shape, variable.dtype, sharding=sharding),
+        variables, shardings, is_leaf=lambda leaf: hasattr(leaf, "shape"))
+    per_group = {name: sum(_bytes_per_device(v, s) for v, s in zip(values, group))
+                 for (name, values), group in zip(variables.groups(), shardings)}
+    analysis = trainer._train_step.lower(state, _abstract_batch(batch, trainer.mesh)) \
+        .compile().memory_analysis()
+    peak = (analysis.argument_size_in_bytes + analysis.output_size_in_bytes
+            - analysis.alias_size_in_bytes + analysis.temp_size_in_bytes)
+    return MemoryPlan(
+        state_sharding=trainer.state_sharding, devices=mesh_lib.num_devices(trainer.mesh),
+        weights=per_group["trainable"], non_trainable=per_group["non_trainable"],
+        optimizer=per_group["optimizer"], metrics=per_group["metrics"],
+        arguments=analysis.argument_size_in_bytes, outputs=analysis.output_size_in_bytes,
+        temporaries=analysis.temp_size_in_bytes, peak=peak,
+        capacity=device_capacity(trainer.mesh.devices.flat[0]),
+    )
+
+
+def memory_plan(model, x, y=None, *, batch_size=32, sample_weight=None, devices=None,
+                mesh=None, state_sharding="replicated", optimizer=None, loss=None,
+                metrics=None):
+    """Plan the memory of training `model` on `devices` before running it.
+
+    Args:
+        model: a `keras.Model`, compiled or given `optimizer`/`loss`.
+        x, y, sample_weight: a few rows of the data, for their shapes.
+        batch_size: the global batch to plan for.
+        devices, mesh, state_sharding: as for `ShardedTrainer`.
+
+    Returns:
+        A `MemoryPlan`: per device, the bytes of weights, optimizer and
+        metrics as laid out, and the compiled step's arguments,
+        temporaries and peak from XLA's memory analysis.
+    """
+    from keras_dp.trainer import ShardedTrainer  # noqa: PLC0415 (trainer imports this)
+
+    trainer = ShardedTrainer(model, optimizer=optimizer, loss=loss, metrics=metrics,
+                             devices=devices, mesh=mesh, state_sharding=state_sharding)
+    return trainer.memory_plan(x, y, batch_size=batch_size, sample_weight=sample_weight)
+
+
+def device_capacity(device):
+    """The device's memory in bytes, or None where the platform does not say."""
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001 - some platforms raise instead of returning None
+        return None
+    return None if not stats else stats.get("bytes_limit")
+
+
+def _bytes_per_device(variable, sharding):
+    nbytes = int(np.prod(variable.shape, dtype=np.int64)) * np.dtype(variable.dtype).itemsize
+    return nbytes if sharding.is_fully_replicated else nbytes // mesh_lib.num_devices(
+        sharding.mesh)
+
+
+def _abstract_batch(batch, mesh):
+    """The `DeviceBatch` `placement.to_device` would make, as abstract arrays."""
+    rows = pipeline.batch_rows(batch)
+    padded = rows + -rows % mesh_lib.num_devices(mesh)
+    sharding = mesh_lib.batch_sharded(mesh)
+    data = jax.tree.map(lambda array: jax.ShapeDtypeStruct(
+        (padded,) + np.shape(array)[1:], np.asarray(array).dtype, sharding=sharding), batch)
+    return placement.DeviceBatch(data, rows)
+
+
+def check_fits(memory_plan):
+    """Raise a `MemoryError` with the numbers and the fixes if the step cannot fit."""
+    if memory_plan.fits():
+        return
+    raise MemoryError(
+        f"One train step needs {memory_plan.peak / 2**30:.2f} GiB per device, and "
+        f"the device has {memory_plan.capacity / 2**30:.2f} GiB.\n{memory_plan}\n"
+        "To fit: split the state over the devices (state_sharding='full', or "
+        "'optimizer'), use a smaller batch_size, or compute in bfloat16 "
+        "(keras.mixed_precision.set_global_policy('mixed_bfloat16'))."
+    )

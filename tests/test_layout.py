@@ -1,0 +1,151 @@
+"""Sharded training state (`keras_dp.layout`, `state_sharding=`): same steps, 1/N bytes."""
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import keras_dp
+from keras_dp import layout
+from conftest import NO_GRADIENT, convnet, devices, mlp, weights
+
+SCRIPT = pathlib.Path(__file__).parent / "scripts" / "equivalence.py"
+
+
+def test_the_split_axis_is_the_largest_that_divides_and_small_variables_stay_whole():
+    mesh = keras_dp.make_mesh(devices(4))
+    spec = lambda shape, dtype="float32": tuple(  # noqa: E731
+        layout.variable_sharding(shape, dtype, mesh).spec)
+    assert spec((3, 3, 24, 32)) == (None, None, None, "batch")  # 32 > 24, both divide
+    assert spec((1152, 10)) == ("batch", None)  # 10 does not divide by 4
+    assert spec((30, 10, 15)) == ()  # nothing divides (4,500 values): kept whole
+    assert spec((256,)) == ()  # small: a bias
+    assert spec((4096, 4), "int32") == ()  # never an integer (step counts, seeds)
+    assert tuple(layout.variable_sharding((4096, 4), "float32", mesh, split=False).spec) == ()
+
+
+def test_each_mode_trains_the_same_steps_as_replicated_in_float32(mnist):
+    (x, y), _ = mnist
+    x, y = x[:150], y[:150]  # batches of 50 rows: 50 does not divide by 4
+    histories, models = {}, {}
+    for mode in ("replicated", "optimizer", "full"):
+        models[mode] = convnet()
+        histories[mode] = keras_dp.fit_sharded(
+            models[mode], x, y, batch_size=50, epochs=1, shuffle=False, verbose=0,
+            devices=devices(4), state_sharding=mode, steps_per_execution=2,
+            validation_data=(x[:30], y[:30])).history
+    for mode in ("optimizer", "full"):
+        for key in ("loss", "val_loss", "accuracy"):
+            np.testing.assert_allclose(histories[mode][key], histories["replicated"][key],
+                                       rtol=1e-5)
+        for a, b in zip(models["replicated"].variables, models[mode].variables):
+            if a.path.endswith(NO_GRADIENT.split("/")[0] + "/bias"):
+                continue  # rounding noise on any device count (see conftest)
+            a, b = np.asarray(a.value, np.float64), np.asarray(b.value, np.float64)
+            np.testing.assert_allclose(b, a, rtol=0, atol=1e-4 * max(np.abs(a).max(), 1e-6))
+
+
+def test_float64_every_mode_equals_one_device_to_rounding():
+    """20 steps, Adam and SGD with momentum, Dropout and BatchNorm, layers of 10 and 30 units."""
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--float64", "--steps", "10", "--devices", "4",
+         "--model", "odd", "--state-sharding", "optimizer,full"],
+        capture_output=True, text=True, timeout=400, env=dict(os.environ),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert [(r["optimizer"], r["state_sharding"]) for r in runs] == [
+        ("adam", "optimizer"), ("adam", "full"), ("sgd", "optimizer"), ("sgd", "full")]
+    for run in runs:
+        np.testing.assert_allclose(run["losses_n"], run["losses_1"], rtol=1e-12)
+        worst = max(run["relative_difference"].values())
+        assert worst <= 1e-10, (run["optimizer"], run["state_sharding"], worst)
+
+
+def _state_bytes(trainer):
+    state = trainer.init_state()
+    return {name: (sum(layout.bytes_per_device(v) for v in values),
+                   sum(v.nbytes for v in values if v.sharding.is_fully_replicated))
+            for name, values in state.groups()}
+
+
+@pytest.mark.parametrize("mode", ["optimizer", "full"])
+def test_bytes_per_device_are_a_1_over_n_share_plus_what_stays_whole(mnist, mode):
+    (x, y), _ = mnist
+    replicated = keras_dp.ShardedTrainer(convnet(), devices=devices(4))
+    replicated.build((x[:8], y[:8]))
+    split = keras_dp.ShardedTrainer(convnet(), devices=devices(4), state_sharding=mode)
+    split.build((x[:8], y[:8]))
+    whole, parts = _state_bytes(replicated), _state_bytes(split)
+    groups = ("optimizer",) if mode == "optimizer" else ("trainable", "optimizer")
+    for group in groups:
+        per_device, kept_whole = parts[group]
+        assert per_device <= whole[group][0] / 4 + kept_whole, group
+        assert per_device < 0.4 * whole[group][0], group  # the convnet: most bytes split
+    if mode == "optimizer":
+        assert parts["trainable"] == whole["trainable"]
+    assert "split over 'batch'" in split.describe()
+
+
+@pytest.mark.parametrize("mode", ["optimizer", "full"])
+def test_the_compiled_step_gathers_what_is_split(mnist, mode):
+    (x, y), _ = mnist
+    trainer = keras_dp.ShardedTrainer(convnet(), devices=devices(4), state_sharding=mode)
+    batch = (x[:64], y[:64])
+    trainer.build(batch)
+    hlo = trainer.compiled_train_step(trainer.init_state(), trainer.shard(batch)).as_text()
+    gathered = re.findall(r"= (f32\[[\d,]+\])\S* all-gather", hlo)
+    # The conv kernels (6x6x24x32 is split along 32) come back whole after the update.
+    assert any(shape.startswith("f32[6,6,24,32") for shape in gathered), gathered
+    if mode == "full":  # and before the forward pass: more gathers than "optimizer"
+        assert len(gathered) > 3
+
+
+def test_a_checkpoint_of_full_on_4_devices_resumes_replicated_on_2(mnist, tmp_path):
+    (x, y), _ = mnist
+    x, y = x[:256], y[:256]
+    options = dict(batch_size=64, shuffle=True, verbose=0)
+    unbroken = mlp()
+    keras_dp.fit_sharded(unbroken, x, y, epochs=2, devices=devices(2), **options)
+    first = mlp()
+    keras_dp.fit_sharded(first, x, y, epochs=1, devices=devices(4), state_sharding="full",
+                         checkpoint_dir=tmp_path / "ckpt", **options)
+    resumed = mlp(seed=1)  # other initial weights: the checkpoint replaces them
+    history = keras_dp.fit_sharded(resumed, x, y, epochs=2, devices=devices(2),
+                                   checkpoint_dir=tmp_path / "ckpt", **options)
+    assert history.epoch == [1]
+    for a, b in zip(weights(unbroken), weights(resumed)):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5 * max(np.abs(a).max(), 1e-6))
+
+
+def test_memory_plan_reads_the_compiled_programs_own_analysis(mnist):
+    (x, y), _ = mnist
+    plans = {mode: keras_dp.memory_plan(convnet(), x[:4], y[:4], batch_size=256,
+                                        devices=devices(4), state_sharding=mode)
+             for mode in ("replicated", "optimizer", "full")}
+    replicated, optimizer, full = plans.values()
+    assert replicated.optimizer == 2 * replicated.weights + 8  # Adam: 2 slots + step, lr
+    assert optimizer.optimizer < replicated.optimizer / 2 and optimizer.weights == replicated.weights
+    assert full.weights < replicated.weights / 2
+    assert full.arguments < optimizer.arguments < replicated.arguments
+    assert replicated.peak >= replicated.arguments and replicated.temporaries > 0
+    assert replicated.capacity is None and replicated.fits()  # CPU reports no capacity
+    assert "peak" in str(replicated)
+
+
+def test_an_unknown_mode_names_the_valid_ones():
+    with pytest.raises(ValueError, match="one of 'replicated', 'optimizer', 'full'.*'zero3'"):
+        keras_dp.ShardedTrainer(mlp(), state_sharding="zero3")
+
+
+def test_the_cli_refuses_state_sharding_with_an_ensemble(capsys):
+    from keras_dp import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--ensemble", "2", "--state-sharding", "full"])
+    assert "an ensemble already keeps each member" in capsys.readouterr().err
