@@ -6,6 +6,8 @@ devices, and checks first that the labels fit the model's output, so that
 a mistake fails with a message instead of deep inside a traced step.
 """
 
+import contextlib
+
 import jax
 import keras
 import numpy as np
@@ -98,6 +100,37 @@ def build(model, batch, for_training=True):
         _mark_built(model)
     if for_training:
         _compat.symbolic_build(model, batch)
+
+
+@contextlib.contextmanager
+def explain_jit_failures(model):
+    """Name the `supports_jit=False` layers when a compiled step fails to trace.
+
+    Keras's `model.fit` runs a model with such a layer un-jitted; keras_dp
+    always compiles its sharded step. Most such layers (RandomRotation,
+    RandomTranslation, RandomZoom) trace fine; one that cannot (RandomCrop
+    slices at traced offsets) fails here with the layer's name and the fix,
+    instead of a trace error from deep inside JAX.
+    """
+    try:
+        yield
+    except (FloatingPointError, KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as error:
+        layers = [layer for layer in _compat.all_layers(model)
+                  if not getattr(layer, "supports_jit", True)]
+        if not layers:
+            raise
+        names = ", ".join(f"{layer.name} ({type(layer).__name__})" for layer in layers)
+        raise ValueError(
+            f"keras_dp compiles every step with jax.jit, and this model has layers "
+            f"that set supports_jit=False: {names}. Keras's own model.fit runs such "
+            "a model un-jitted; here the compiled step failed to trace: "
+            f"{type(error).__name__}: {str(error).splitlines()[0]} Do that "
+            "augmentation in the input pipeline instead (tf.data, or a "
+            "keras.utils.PyDataset), or use a layer that compiles (for a crop: "
+            "keras.layers.CenterCrop, or crop in the input pipeline)."
+        ) from None
 
 
 def _trace(model, x):

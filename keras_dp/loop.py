@@ -17,6 +17,7 @@ import dataclasses
 import itertools
 
 from keras_dp import _compat
+from keras_dp import build as build_lib
 from keras_dp import callbacks as callbacks_lib
 from keras_dp import checkpoint as checkpoint_lib
 from keras_dp import inflight
@@ -161,11 +162,12 @@ def train_call(run, steps, device_batch, throttle, index):
     trainer, live = run.trainer, run.live
     if live.needs_read():  # a callback changed the model
         live.read(trainer.init_state())
-    if steps == 1:
-        state, logs = trainer._train_step(live.state, device_batch)
-        finite = 0  # if this step's loss is not finite, it is the first bad one
-    else:
-        state, logs, finite = trainer._train_steps(live.state, device_batch)
+    with build_lib.explain_jit_failures(trainer.model):
+        if steps == 1:
+            state, logs = trainer._train_step(live.state, device_batch)
+            finite = 0  # if this step's loss is not finite, it is the first bad one
+        else:
+            state, logs, finite = trainer._train_steps(live.state, device_batch)
     live.stepped(state)
     throttle.add((index, finite, logs))
     return logs

@@ -251,3 +251,42 @@ def test_validation_keeps_the_test_steps_non_trainable_state_as_model_fit(data):
     got = keras_dp.fit_sharded(lstm(), x[:, ..., 0], y, devices=devices(2), **options).history
     for key in ("loss", "val_loss"):
         np.testing.assert_allclose(got[key], expected[key], rtol=1e-5)
+
+
+def _augmented(layer):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((28, 28, 1)), keras.layers.Rescaling(1 / 255.0), layer,
+        keras.layers.Conv2D(4, 3, activation="relu"), keras.layers.GlobalAveragePooling2D(),
+        keras.layers.Dense(10)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def test_layers_that_turn_off_jit_train_as_keras_run_jitted(data):
+    """RandomRotation sets supports_jit=False: Keras's fit runs it un-jitted, keras_dp jitted."""
+    x, y = data[0][:96], data[1][:96]
+    options = dict(batch_size=32, epochs=1, shuffle=False, verbose=0)
+    layer = lambda: keras.layers.RandomRotation(0.1, seed=3)  # noqa: E731
+    eager = _augmented(layer())
+    assert not eager.jit_compile  # Keras turns jit off for this model
+    eager_history = eager.fit(x, y, **options).history
+    jitted = _augmented(layer())
+    jitted._jit_compile = True  # what keras_dp does: compile the step anyway
+    jitted_history = jitted.fit(x, y, **options).history
+    ours = _augmented(layer())
+    history = keras_dp.fit_sharded(ours, x, y, devices=devices(1), **options).history
+    assert history["loss"] == jitted_history["loss"]  # bitwise: the same compiled step
+    assert_weights_close(ours, jitted, rtol=0, atol=1e-7)
+    # Un-jitted Keras differs by float rounding only (XLA orders the arithmetic).
+    np.testing.assert_allclose(history["loss"], eager_history["loss"], rtol=1e-5)
+    for a, b in zip(weights(eager), weights(ours)):
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-4 * np.abs(a).max())
+
+
+def test_a_layer_that_cannot_compile_is_named_with_the_fix(data):
+    x, y = data[0][:64], data[1][:64]
+    with pytest.raises(ValueError, match="supports_jit=False: random_crop.*RandomCrop.*input pipeline"):
+        keras_dp.fit_sharded(_augmented(keras.layers.RandomCrop(24, 24, seed=1)), x, y,
+                             batch_size=32, verbose=0, devices=devices(2))
