@@ -29,8 +29,9 @@ def fit_sharded(model, x=None, y=None, *, epochs=1, batch_size=None,
             verbose, shuffle, class_weight, initial_epoch, steps_per_epoch,
             validation_freq: as in `model.fit` (see `ShardedTrainer.fit`);
             `batch_size` is the global batch, any size.
-        steps_per_execution: optimizer steps per compiled call (default:
-            the model's, from `compile`); the result equals single steps.
+        steps_per_execution: steps per compiled call in training and
+            validation (default: the model's, from `compile`); the result
+            equals single steps.
         optimizer, loss, metrics: override what the model was compiled with.
         mesh, devices: where to train (default: all of JAX's devices).
         seed: seed of the per-epoch shuffle order; the same seed, data and

@@ -8,13 +8,17 @@ in progress is held by a `keras_dp.state.LiveModel`, so that a callback, an
 exception or an interrupt always finds the Keras model current.
 
 Every function takes the `ShardedTrainer` whose parts it runs: its `model`,
-`placement`, compiled steps (`_train_step`, `_train_steps`, `_test_step`),
-`steps_per_execution` and `steps_in_flight`.
+`placement`, compiled steps (`_train_step`, `_train_steps`, `_test_step`,
+`_test_steps`, `_predict_step`, `_predict_steps`), `steps_per_execution` and
+`steps_in_flight`.
 """
 
 import contextlib
 import dataclasses
 import itertools
+
+import jax
+import numpy as np
 
 from keras_dp import _compat
 from keras_dp import callbacks as callbacks_lib
@@ -202,6 +206,10 @@ def save_and_exit(run, position):
 def evaluate(trainer, weights, batches, callbacks):
     """Score `batches` with `weights` (`(trainable, non_trainable)`).
 
+    Runs `steps_per_execution` test steps per compiled call over stacked
+    batches of one row count, and the rest (a partial batch, the last
+    fewer than K) one by one, as `fit` does; callbacks see each call.
+
     Returns:
         `(logs, non_trainable, metrics)`: the final logs as python floats in
         Keras's order, and the non-trainable and metric values the last test
@@ -210,17 +218,48 @@ def evaluate(trainer, weights, batches, callbacks):
     trainable, non_trainable = weights
     metrics = fresh_metrics(trainer.model, trainer.mesh)
     throttle = inflight.Throttle(trainer.steps_in_flight)
-    logs = None
+    logs, index = None, 0
     callbacks.on_test_begin()
-    placed = trainer.placement.batches(batches.epoch(0), batches.peek())
+    placed = trainer.placement.steps(
+        batches.epoch(0), trainer.steps_per_execution, batches.peek())
     with contextlib.closing(placed):
-        for index, device_batch in enumerate(placed):
+        for steps, device_batch in placed:
             callbacks.on_test_batch_begin(index)
-            non_trainable, metrics, logs = trainer._test_step(
+            test_step = trainer._test_step if steps == 1 else trainer._test_steps
+            non_trainable, metrics, logs = test_step(
                 (trainable, non_trainable), metrics, device_batch)
             throttle.add(logs)
-            callbacks.on_test_batch_end(index, logs)
+            index += steps
+            callbacks.on_test_batch_end(index - 1, logs)
     throttle.drain()
     logs = callbacks_lib.to_python(logs, trainer.model)
     callbacks.on_test_end(logs)
     return logs, non_trainable, metrics
+
+
+def predict(trainer, weights, batches, callbacks):
+    """The model's outputs for every row of `batches`, in order, as numpy.
+
+    `steps_per_execution` predict steps per compiled call, as `evaluate`
+    runs them; `on_predict_batch_end` gets each call's outputs (K batches'
+    rows, concatenated), as under `model.predict`. Each call's outputs are
+    copied to the host before the next is dispatched.
+    """
+    placement, outputs, index = trainer.placement, [], 0
+    callbacks.on_predict_begin()
+    inputs = (batch[0] for batch in batches.epoch(0))
+    placed = placement.steps(inputs, trainer.steps_per_execution, batches.peek()[0])
+    with contextlib.closing(placed):
+        for steps, x_device in placed:
+            callbacks.on_predict_batch_begin(index)
+            if steps == 1:
+                output = jax.tree.map(lambda out: placement.local_rows(out, x_device),
+                                      trainer._predict_step(weights, x_device))
+            else:
+                output = jax.tree.map(lambda out: placement.stacked_local_rows(out, x_device),
+                                      trainer._predict_steps(weights, x_device))
+            outputs.append(output)
+            index += steps
+            callbacks.on_predict_batch_end(index - 1, {"outputs": output})
+    callbacks.on_predict_end()
+    return jax.tree.map(lambda *parts: np.concatenate(parts), *outputs)

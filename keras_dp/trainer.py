@@ -15,7 +15,6 @@ at the end of fit, and whenever `fit` exits by an exception or an interrupt.
 
 import jax
 import keras
-import numpy as np
 
 from keras_dp import _compat
 from keras_dp import build as build_lib
@@ -47,12 +46,13 @@ class ShardedTrainer:
         devices: the devices to train on (default: all of JAX's devices).
             Use either `mesh` or `devices`.
         seed: seed of the per-epoch shuffle of array data.
-        steps_per_execution: optimizer steps per compiled call (default:
-            the model's `steps_per_execution` from `compile`, else 1). K
-            batches of equal size are stacked and sent at once, and one
-            program runs K steps, each exactly a single step; batches left
-            over at an epoch's end run one by one. Callbacks and the
-            progress bar are called once per call, as in `model.fit`.
+        steps_per_execution: steps per compiled call (default: the
+            model's `steps_per_execution` from `compile`, else 1), in
+            `fit`, its validation, `evaluate` and `predict`. K batches of
+            equal size are stacked and sent at once, and one program runs K
+            steps, each exactly a single step; batches left over at an
+            epoch's end run one by one. Callbacks and the progress bar are
+            called once per call, as in `model.fit`.
         unroll: how many of the K steps to unroll per loop iteration of
             the compiled scan (default: all of them on CPU, where XLA runs
             a rolled loop of this kind slower; 1 elsewhere).
@@ -103,7 +103,9 @@ class ShardedTrainer:
         self._train_step = steps_lib.make_train_step(model, self.mesh)
         self._train_steps = steps_lib.make_multi_train_step(model, self.mesh, unroll)
         self._test_step = steps_lib.make_test_step(model, self.mesh)
+        self._test_steps = steps_lib.make_multi_test_step(model, self.mesh, unroll)
         self._predict_step = steps_lib.make_predict_step(model, self.mesh)
+        self._predict_steps = steps_lib.make_multi_predict_step(model, self.mesh, unroll)
 
     @property
     def num_devices(self):
@@ -313,20 +315,7 @@ class ShardedTrainer:
         batches = self._batches(x, None, None, batch_size, False)
         self.build(batches.peek(), for_training=False)
         callbacks = callbacks_lib.callback_list(callbacks, self.model, verbose, steps=batches.steps)
-        weights = model_weights(self.model, self.mesh)
-        outputs = []
-        callbacks.on_predict_begin()
-        inputs = (batch[0] for batch in batches.epoch(0))
-        for index, x_device in enumerate(self.placement.batches(inputs, batches.peek()[0])):
-            callbacks.on_predict_batch_begin(index)
-            output = jax.tree.map(
-                lambda out: self.placement.local_rows(out, x_device),
-                self._predict_step(weights, x_device),
-            )
-            outputs.append(output)
-            callbacks.on_predict_batch_end(index, {"outputs": output})
-        callbacks.on_predict_end()
-        return jax.tree.map(lambda *parts: np.concatenate(parts), *outputs)
+        return loop.predict(self, model_weights(self.model, self.mesh), batches, callbacks)
 
     def _batches(self, x, y, sample_weight, batch_size, shuffle, class_weight=None):
         if batch_size is not None:
