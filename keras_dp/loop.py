@@ -36,6 +36,7 @@ class FitRun:
     batches: object
     live: LiveModel
     callbacks: object
+    feed: object = None
     checkpoints: object = None
     preemption: object = None
 
@@ -45,20 +46,51 @@ class FitRun:
         return self.trainer.model
 
 
+class HostFeed:
+    """The epochs of a fit from host batches: placed on the devices batch by batch.
+
+    `epoch` yields `(steps, DeviceBatch)` (`placement.steps`: K-step stacks
+    and single batches, looked ahead); `call` runs the trainer's compiled
+    steps. `keras_dp.resident.ResidentFeed` is the other feed.
+    """
+
+    def __init__(self, trainer, batches):
+        self._trainer, self._batches = trainer, batches
+
+    def epoch(self, epoch, skip):
+        """Yield `(steps, DeviceBatch)` for epoch `epoch` after its first `skip` steps."""
+        host_batches = itertools.islice(self._batches.epoch(epoch), skip, None)
+        return self._trainer.placement.steps(
+            host_batches, self._trainer.steps_per_execution, self._batches.peek())
+
+    def call(self, state, steps, device_batch):
+        """Run one compiled call: `(state, logs, finite)`.
+
+        `finite` counts a K-step call's steps with a finite loss; 0 for one
+        step (if its loss is not finite, it is the first bad one).
+        """
+        if steps == 1:
+            state, logs = self._trainer._train_step(state, device_batch)
+            return state, logs, 0
+        return self._trainer._train_steps(state, device_batch)
+
+
 def fit(trainer, batches, val, callbacks, *, epochs, resume, validation_freq,
-        checkpoints=None):
+        checkpoints=None, feed=None):
     """Train from `resume` to epoch `epochs - 1`; return the model's History.
 
     `resume` (a `checkpoint.Position`) is the epoch to start at and how many
     of its steps a restored checkpoint has done already; a
     `keras.callbacks.BackupAndRestore` that restores a backup in
-    `on_train_begin` moves the start, as under `model.fit`. Whatever ends the
+    `on_train_begin` moves the start, as under `model.fit`. `feed` brings
+    the batches to the steps (default: a `HostFeed`). Whatever ends the
     loop, the model holds the state of the last completed step when this
     returns or raises.
     """
     model = trainer.model
     model.stop_training = False
-    run = FitRun(trainer, batches, LiveModel(model), callbacks, checkpoints)
+    feed = feed or HostFeed(trainer, batches)
+    run = FitRun(trainer, batches, LiveModel(model), callbacks, feed, checkpoints)
     epoch_logs, finished = {}, False
     callbacks.on_train_begin()
     start = _compat.take_initial_epoch(model) or resume.epoch
@@ -135,11 +167,8 @@ def train_batches(run, epoch, skip):
         FloatingPointError: a step's loss was NaN or Inf (unless a callback
             such as `TerminateOnNaN` stopped training instead).
     """
-    trainer = run.trainer
-    throttle = inflight.Throttle(trainer.steps_in_flight)
-    host_batches = itertools.islice(run.batches.epoch(epoch), skip, None)
-    placed = trainer.placement.steps(
-        host_batches, trainer.steps_per_execution, run.batches.peek())
+    throttle = inflight.Throttle(run.trainer.steps_in_flight)
+    placed = run.feed.epoch(epoch, skip)
     index, logs = skip, None
     # Closing it on a break (stop_training) stops the look-ahead thread now.
     with contextlib.closing(placed):
@@ -164,11 +193,7 @@ def train_call(run, steps, device_batch, throttle, index):
     trainer, live = run.trainer, run.live
     if live.needs_read():  # a callback changed the model
         live.read(trainer.init_state())
-    if steps == 1:
-        state, logs = trainer._train_step(live.state, device_batch)
-        finite = 0  # if this step's loss is not finite, it is the first bad one
-    else:
-        state, logs, finite = trainer._train_steps(live.state, device_batch)
+    state, logs, finite = run.feed.call(live.state, steps, device_batch)
     live.stepped(state)
     throttle.add((index, finite, logs))
     return logs

@@ -25,6 +25,7 @@ from keras_dp import loop
 from keras_dp import mesh as mesh_lib
 from keras_dp import pipeline
 from keras_dp import placement as placement_lib
+from keras_dp import resident
 from keras_dp import steps as steps_lib
 from keras_dp.state import TrainState
 from keras_dp.state import model_weights
@@ -63,6 +64,12 @@ class ShardedTrainer:
             before the next is dispatched. Defaults to 1 on CPU (several
             queued cross-device all-reduces can deadlock XLA:CPU's thread
             pool) and 2 elsewhere.
+        data_on_device: keep array training data on the devices during
+            `fit` and gather each step's rows there, bitwise the same
+            training without a host-to-device copy per batch (see
+            `keras_dp.resident`): `"auto"` (default; `None` too) when the
+            data is arrays on one process and fits, with a warning when it
+            does not fit; `True` or raise; `False` never.
 
     Raises:
         TypeError: `model` is not a `keras.Model`.
@@ -72,7 +79,7 @@ class ShardedTrainer:
 
     def __init__(self, model, optimizer=None, loss=None, metrics=None, mesh=None,
                  devices=None, seed=0, steps_per_execution=None, unroll=None,
-                 prefetch=2, steps_in_flight=None):
+                 prefetch=2, steps_in_flight=None, data_on_device="auto"):
         if not isinstance(model, keras.Model):
             raise TypeError(
                 "keras_dp trains a keras.Model. Received an object of type "
@@ -90,6 +97,7 @@ class ShardedTrainer:
         self.steps_in_flight = _steps_in_flight(steps_in_flight, on_cpu)
         self.steps_per_execution = _steps_per_execution(model, steps_per_execution)
         self.placement = placement_lib.make_placement(self.mesh, prefetch)
+        self.data_on_device = resident.check_option(data_on_device, self.placement.multiprocess)
         if self.placement.multiprocess and self.steps_per_execution > 1:
             raise ValueError(
                 "`steps_per_execution` > 1 is not supported across "
@@ -106,6 +114,7 @@ class ShardedTrainer:
         self._test_steps = steps_lib.make_multi_test_step(model, self.mesh, unroll)
         self._predict_step = steps_lib.make_predict_step(model, self.mesh)
         self._predict_steps = steps_lib.make_multi_predict_step(model, self.mesh, unroll)
+        self._resident_step, self._resident_steps = resident.make_steps(model, self.mesh, unroll)
 
     @property
     def num_devices(self):
@@ -283,6 +292,7 @@ class ShardedTrainer:
         return loop.fit(
             self, batches, val, callbacks, epochs=epochs, resume=resume,
             validation_freq=validation_freq, checkpoints=checkpoints,
+            feed=resident.make_feed(self, batches),
         )
 
     def evaluate(self, x=None, y=None, *, batch_size=None, verbose="auto",

@@ -8,15 +8,20 @@ import keras_dp
 from conftest import BatchEnds, devices, mlp
 
 
-def test_the_multi_step_program_compiles_once_and_callbacks_see_each_call(mnist):
+@pytest.mark.parametrize("on_device, programs", [
+    (False, ("_train_step", "_train_steps")), (True, ("_resident_step", "_resident_steps"))])
+def test_the_multi_step_program_compiles_once_and_callbacks_see_each_call(
+        mnist, on_device, programs):
     (x, y), _ = mnist
     record = BatchEnds()
-    trainer = keras_dp.ShardedTrainer(mlp(), devices=devices(2), steps_per_execution=4)
+    trainer = keras_dp.ShardedTrainer(mlp(), devices=devices(2), steps_per_execution=4,
+                                      data_on_device=on_device)
     trainer.fit(x[:600], y[:600], batch_size=64, epochs=2, verbose=0, callbacks=[record])
     # 9 full batches and one of 24 rows: calls of 4, 4, then 1 and 1 alone.
     assert record.ends == [3, 7, 8, 9] * 2
-    assert trainer._train_steps._cache_size() == 1
-    assert trainer._train_step._cache_size() == 2  # 64 rows and 24 rows
+    single, multi = (getattr(trainer, name) for name in programs)
+    assert multi._cache_size() == 1
+    assert single._cache_size() == 2  # 64 rows and 24 rows
 
 
 def test_steps_per_execution_comes_from_compile_and_scan_unrolls_on_cpu():
