@@ -34,7 +34,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 SHARED_DATA = HERE.parents[1] / "shared" / "data"
 QUICK = {"batch_sizes": [32], "ks": [1, 2], "reps": 2, "samples": 128}
 SYSTEM_KINDS = ("keras_dp", "keras", "guide", "bound")  # the default set
-OPT_IN_KINDS = ("rolled", "unrolled")  # keras_dp with its scan (un)rolled
+OPT_IN_KINDS = ("rolled", "unrolled", "host")  # keras_dp: scan (un)rolled, host-fed data
 FULL = {"batch_sizes": [64, 256], "ks": [1, 4, 16], "reps": 3, "samples": 6400}
 
 
@@ -59,7 +59,7 @@ def parse_args(argv=None):
     parser.add_argument("--systems", type=_system_list, default=None,
                         help="comma-separated subset of: keras_dp, keras, guide, bound (the "
                              "default), rolled, unrolled (keras_dp's scan with unroll=1 "
-                             "or unroll=K)")
+                             "or unroll=K), host (keras_dp with data_on_device=False)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny smoke run: batch 32, K in 1,2, 2 reps of 128 rows")
     parser.add_argument("--seed", type=int, default=0)
@@ -240,7 +240,8 @@ def build_systems(args, batch, devices, notes):
     kinds = {"keras_dp": (systems.KerasDP, args.ks), "keras": (systems.KerasDataParallel, args.ks),
              "guide": (systems.GuideLoop, [1]), "bound": (systems.ComputeBound, [1]),
              "rolled": (systems.KerasDPRolled, args.ks),
-             "unrolled": (systems.KerasDPUnrolled, args.ks)}
+             "unrolled": (systems.KerasDPUnrolled, args.ks),
+             "host": (systems.KerasDPHost, args.ks)}
     built = []
     for kind in wanted:
         cls, ks = kinds[kind]

@@ -53,6 +53,7 @@ if args.paper:
     raise SystemExit(0)
 
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
+os.environ.setdefault("KERAS_BACKEND", "jax")
 
 import jax  # noqa: E402
 import keras  # noqa: E402

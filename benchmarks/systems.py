@@ -18,6 +18,9 @@ first call compiles:
   (`unroll=1`) or fully unrolled (`unroll=K`), to measure what the
   trainer's per-backend default (unrolled on CPU, rolled elsewhere) buys
   (opt-in: `--systems keras_dp,rolled,unrolled`).
+- `KerasDPHost`: keras_dp with `data_on_device=False`, every batch copied
+  from the host, to measure what device-resident data (`keras_dp.resident`,
+  the default for arrays that fit) buys (opt-in: `--systems keras_dp,host`).
 - `ComputeBound`: keras_dp's compiled train step over batches already on the
   devices: no host input, no callbacks, no Python data pipeline.
 
@@ -53,6 +56,7 @@ GUIDE = "guide jit loop"
 BOUND = "compute bound"
 ROLLED = "keras_dp rolled scan"
 UNROLLED = "keras_dp unrolled scan"
+HOST = "keras_dp host-fed"
 
 
 class Unsupported(Exception):
@@ -88,12 +92,13 @@ class KerasDP:
 
     name = KERAS_DP
     unroll = None  # the trainer's default: unrolled on CPU, rolled elsewhere
+    data_on_device = "auto"  # the default: resident arrays when they fit
 
     def __init__(self, batch, k, devices, seed):
         self.batch, self.k = batch, k
         self.trainer = keras_dp.ShardedTrainer(
             compiled_convnet(seed), devices=devices, steps_per_execution=k,
-            unroll=self.unroll,
+            unroll=self.unroll, data_on_device=self.data_on_device,
         )
 
     def prepare(self, x, y):
@@ -135,6 +140,13 @@ class KerasDPUnrolled(KerasDP):
             raise Unsupported("K=1 has no scan to unroll")
         self.unroll = k
         super().__init__(batch, k, devices, seed)
+
+
+class KerasDPHost(KerasDP):
+    """keras_dp with every batch copied from the host (`data_on_device=False`)."""
+
+    name = HOST
+    data_on_device = False
 
 
 class _WaitEachCall(keras.callbacks.Callback):

@@ -9,7 +9,7 @@ def fit_sharded(model, x=None, y=None, *, epochs=1, batch_size=None,
                 sample_weight=None, initial_epoch=0, steps_per_epoch=None,
                 validation_freq=1, steps_per_execution=None, optimizer=None,
                 loss=None, metrics=None, mesh=None, devices=None, seed=0,
-                checkpoint_dir=None, state_sharding="replicated"):
+                checkpoint_dir=None, state_sharding="replicated", data_on_device="auto"):
     """Train `model` with synchronous data parallelism and return its History.
 
     Each global batch is split by rows over the devices, every device holds
@@ -29,8 +29,9 @@ def fit_sharded(model, x=None, y=None, *, epochs=1, batch_size=None,
             verbose, shuffle, class_weight, initial_epoch, steps_per_epoch,
             validation_freq: as in `model.fit` (see `ShardedTrainer.fit`);
             `batch_size` is the global batch, any size.
-        steps_per_execution: optimizer steps per compiled call (default:
-            the model's, from `compile`); the result equals single steps.
+        steps_per_execution: steps per compiled call in training and
+            validation (default: the model's, from `compile`); the result
+            equals single steps.
         optimizer, loss, metrics: override what the model was compiled with.
         mesh, devices: where to train (default: all of JAX's devices).
         seed: seed of the per-epoch shuffle order; the same seed, data and
@@ -42,6 +43,9 @@ def fit_sharded(model, x=None, y=None, *, epochs=1, batch_size=None,
             keep a full copy of the state on every device, or split the
             optimizer state, or the whole state, over the devices
             (`keras_dp.layout`); the steps computed are the same.
+        data_on_device: keep array data on the devices and gather each
+            step's rows there (`"auto"`, the default: when it fits; `True`;
+            `False`); see `ShardedTrainer` and `keras_dp.resident`.
 
     Returns:
         A `keras.callbacks.History`, as `model.fit` returns.
@@ -61,6 +65,7 @@ def fit_sharded(model, x=None, y=None, *, epochs=1, batch_size=None,
         model, optimizer=optimizer, loss=loss, metrics=metrics, mesh=mesh,
         devices=devices, seed=seed, steps_per_execution=steps_per_execution,
         state_sharding=state_sharding,
+        data_on_device=data_on_device,
     )
     return trainer.fit(
         x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,

@@ -60,3 +60,17 @@ def failure_message(epoch, step, loss):
         "clip gradients (for example optimizer clipnorm=1.0); add "
         "keras.callbacks.TerminateOnNaN() to stop without an error."
     )
+
+
+def bound(steps_in_flight, on_cpu):
+    """The bound on unfinished steps: the argument, else 1 on CPU and 2 elsewhere."""
+    if steps_in_flight is None:
+        return 1 if on_cpu else 2
+    if isinstance(steps_in_flight, bool) or not isinstance(steps_in_flight, int) \
+            or steps_in_flight < 1:
+        raise ValueError(
+            "`steps_in_flight` is how many dispatched steps may be unfinished "
+            "at once, an int of at least 1 (None: 1 on CPU, 2 elsewhere). "
+            f"Received: steps_in_flight={steps_in_flight!r}."
+        )
+    return steps_in_flight

@@ -8,13 +8,17 @@ in progress is held by a `keras_dp.state.LiveModel`, so that a callback, an
 exception or an interrupt always finds the Keras model current.
 
 Every function takes the `ShardedTrainer` whose parts it runs: its `model`,
-`placement`, compiled steps (`_train_step`, `_train_steps`, `_test_step`),
-`steps_per_execution` and `steps_in_flight`.
+`placement`, compiled steps (`_train_step`, `_train_steps`, `_test_step`,
+`_test_steps`, `_predict_step`, `_predict_steps`), `steps_per_execution` and
+`steps_in_flight`.
 """
 
 import contextlib
 import dataclasses
 import itertools
+
+import jax
+import numpy as np
 
 from keras_dp import _compat
 from keras_dp import build as build_lib
@@ -33,6 +37,7 @@ class FitRun:
     batches: object
     live: LiveModel
     callbacks: object
+    feed: object = None
     checkpoints: object = None
     preemption: object = None
 
@@ -42,20 +47,51 @@ class FitRun:
         return self.trainer.model
 
 
+class HostFeed:
+    """The epochs of a fit from host batches: placed on the devices batch by batch.
+
+    `epoch` yields `(steps, DeviceBatch)` (`placement.steps`: K-step stacks
+    and single batches, looked ahead); `call` runs the trainer's compiled
+    steps. `keras_dp.resident.ResidentFeed` is the other feed.
+    """
+
+    def __init__(self, trainer, batches):
+        self._trainer, self._batches = trainer, batches
+
+    def epoch(self, epoch, skip):
+        """Yield `(steps, DeviceBatch)` for epoch `epoch` after its first `skip` steps."""
+        host_batches = itertools.islice(self._batches.epoch(epoch), skip, None)
+        return self._trainer.placement.steps(
+            host_batches, self._trainer.steps_per_execution, self._batches.peek())
+
+    def call(self, state, steps, device_batch):
+        """Run one compiled call: `(state, logs, finite)`.
+
+        `finite` counts a K-step call's steps with a finite loss; 0 for one
+        step (if its loss is not finite, it is the first bad one).
+        """
+        if steps == 1:
+            state, logs = self._trainer._train_step(state, device_batch)
+            return state, logs, 0
+        return self._trainer._train_steps(state, device_batch)
+
+
 def fit(trainer, batches, val, callbacks, *, epochs, resume, validation_freq,
-        checkpoints=None):
+        checkpoints=None, feed=None):
     """Train from `resume` to epoch `epochs - 1`; return the model's History.
 
     `resume` (a `checkpoint.Position`) is the epoch to start at and how many
     of its steps a restored checkpoint has done already; a
     `keras.callbacks.BackupAndRestore` that restores a backup in
-    `on_train_begin` moves the start, as under `model.fit`. Whatever ends the
+    `on_train_begin` moves the start, as under `model.fit`. `feed` brings
+    the batches to the steps (default: a `HostFeed`). Whatever ends the
     loop, the model holds the state of the last completed step when this
     returns or raises.
     """
     model = trainer.model
     model.stop_training = False
-    run = FitRun(trainer, batches, LiveModel(model), callbacks, checkpoints)
+    feed = feed or HostFeed(trainer, batches)
+    run = FitRun(trainer, batches, LiveModel(model), callbacks, feed, checkpoints)
     epoch_logs, finished = {}, False
     callbacks.on_train_begin()
     start = _compat.take_initial_epoch(model) or resume.epoch
@@ -133,11 +169,8 @@ def train_batches(run, epoch, skip):
         FloatingPointError: a step's loss was NaN or Inf (unless a callback
             such as `TerminateOnNaN` stopped training instead).
     """
-    trainer = run.trainer
-    throttle = inflight.Throttle(trainer.steps_in_flight)
-    host_batches = itertools.islice(run.batches.epoch(epoch), skip, None)
-    placed = trainer.placement.steps(
-        host_batches, trainer.steps_per_execution, run.batches.peek())
+    throttle = inflight.Throttle(run.trainer.steps_in_flight)
+    placed = run.feed.epoch(epoch, skip)
     index, logs = skip, None
     # Closing it on a break (stop_training) stops the look-ahead thread now.
     with contextlib.closing(placed):
@@ -163,11 +196,7 @@ def train_call(run, steps, device_batch, throttle, index):
     if live.needs_read():  # a callback changed the model
         live.read(trainer.init_state())
     with build_lib.explain_jit_failures(trainer.model):
-        if steps == 1:
-            state, logs = trainer._train_step(live.state, device_batch)
-            finite = 0  # if this step's loss is not finite, it is the first bad one
-        else:
-            state, logs, finite = trainer._train_steps(live.state, device_batch)
+        state, logs, finite = run.feed.call(live.state, steps, device_batch)
     live.stepped(state)
     throttle.add((index, finite, logs))
     return logs
@@ -205,6 +234,10 @@ def save_and_exit(run, position):
 def evaluate(trainer, weights, batches, callbacks):
     """Score `batches` with `weights` (`(trainable, non_trainable)`).
 
+    Runs `steps_per_execution` test steps per compiled call over stacked
+    batches of one row count, and the rest (a partial batch, the last
+    fewer than K) one by one, as `fit` does; callbacks see each call.
+
     Returns:
         `(logs, non_trainable, metrics)`: the final logs as python floats in
         Keras's order, and the non-trainable and metric values the last test
@@ -213,17 +246,48 @@ def evaluate(trainer, weights, batches, callbacks):
     trainable, non_trainable = weights
     metrics = fresh_metrics(trainer.model, trainer.mesh, trainer.state_layout().metrics)
     throttle = inflight.Throttle(trainer.steps_in_flight)
-    logs = None
+    logs, index = None, 0
     callbacks.on_test_begin()
-    placed = trainer.placement.batches(batches.epoch(0), batches.peek())
+    placed = trainer.placement.steps(
+        batches.epoch(0), trainer.steps_per_execution, batches.peek())
     with contextlib.closing(placed):
-        for index, device_batch in enumerate(placed):
+        for steps, device_batch in placed:
             callbacks.on_test_batch_begin(index)
-            non_trainable, metrics, logs = trainer._test_step(
+            test_step = trainer._test_step if steps == 1 else trainer._test_steps
+            non_trainable, metrics, logs = test_step(
                 (trainable, non_trainable), metrics, device_batch)
             throttle.add(logs)
-            callbacks.on_test_batch_end(index, logs)
+            index += steps
+            callbacks.on_test_batch_end(index - 1, logs)
     throttle.drain()
     logs = callbacks_lib.to_python(logs, trainer.model)
     callbacks.on_test_end(logs)
     return logs, non_trainable, metrics
+
+
+def predict(trainer, weights, batches, callbacks):
+    """The model's outputs for every row of `batches`, in order, as numpy.
+
+    `steps_per_execution` predict steps per compiled call, as `evaluate`
+    runs them; `on_predict_batch_end` gets each call's outputs (K batches'
+    rows, concatenated), as under `model.predict`. Each call's outputs are
+    copied to the host before the next is dispatched.
+    """
+    placement, outputs, index = trainer.placement, [], 0
+    callbacks.on_predict_begin()
+    inputs = (batch[0] for batch in batches.epoch(0))
+    placed = placement.steps(inputs, trainer.steps_per_execution, batches.peek()[0])
+    with contextlib.closing(placed):
+        for steps, x_device in placed:
+            callbacks.on_predict_batch_begin(index)
+            if steps == 1:
+                output = jax.tree.map(lambda out: placement.local_rows(out, x_device),
+                                      trainer._predict_step(weights, x_device))
+            else:
+                output = jax.tree.map(lambda out: placement.stacked_local_rows(out, x_device),
+                                      trainer._predict_steps(weights, x_device))
+            outputs.append(output)
+            index += steps
+            callbacks.on_predict_batch_end(index - 1, {"outputs": output})
+    callbacks.on_predict_end()
+    return jax.tree.map(lambda *parts: np.concatenate(parts), *outputs)

@@ -131,6 +131,15 @@ def _bytes_per_device(variable, sharding):
         sharding.mesh)
 
 
+def batch_of(batch, batch_size):
+    """`batch`'s rows repeated or cut to `batch_size` rows (only shapes matter here)."""
+    rows = pipeline.batch_rows(batch)
+    if rows == batch_size:
+        return jax.tree.map(np.asarray, batch)
+    return jax.tree.map(
+        lambda a: np.resize(np.asarray(a), (batch_size,) + np.shape(a)[1:]), batch)
+
+
 def _abstract_batch(batch, mesh):
     """The `DeviceBatch` `placement.to_device` would make, as abstract arrays."""
     rows = pipeline.batch_rows(batch)

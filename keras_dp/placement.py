@@ -113,6 +113,15 @@ class Placement:
         """This process's real rows of a batch-sharded output, as numpy."""
         return np.asarray(output)[: batch.rows]
 
+    def stacked_local_rows(self, output, batch):
+        """The real rows of a `[K, padded_rows, ...]` output, step after step.
+
+        For the outputs of a stacked `DeviceBatch` (one process only: across
+        processes every call is a single step).
+        """
+        rows = np.asarray(output)[:, : batch.rows]
+        return rows.reshape((-1,) + rows.shape[2:])
+
     def _place_group(self, group):
         if len(group) == 1:
             return 1, self.shard(group[0])

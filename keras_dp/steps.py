@@ -48,7 +48,7 @@ def make_train_step(model, mesh, state_sharding="replicated"):
         mesh: the `"batch"` mesh.
         state_sharding: `"replicated"`, `"optimizer"` or `"full"`.
     """
-    return jax.jit(_train_step(model, mesh, state_sharding), donate_argnums=0)
+    return jax.jit(sharded_train_step(model, mesh, state_sharding), donate_argnums=0)
 
 
 def make_multi_train_step(model, mesh, unroll=1, state_sharding="replicated"):
@@ -65,25 +65,40 @@ def make_multi_train_step(model, mesh, unroll=1, state_sharding="replicated"):
     The third output counts the steps whose loss was finite (K unless one
     failed; see `make_train_step` for what a non-finite loss does).
     """
-    step = _train_step(model, mesh, state_sharding)
+    step = sharded_train_step(model, mesh, state_sharding)
 
     def train_steps(state, batches):
-        def body(state, data):
-            return step(state, placement.DeviceBatch(data, batches.rows, batches.blocks))
-
-        state, logs = jax.lax.scan(body, state, batches.data, unroll=unroll)
-        if "loss" in logs:
-            finite = jnp.sum(jnp.isfinite(logs["loss"]))
-        else:  # nothing to check: every step counts as finite
-            finite = jax.tree.leaves(batches.data)[0].shape[0]
-        logs = jax.tree.map(lambda values: values[-1], logs)
+        state, logs, finite = scan_train_steps(step, state, batches, unroll)
         return state, logs, _replicated(jnp.asarray(finite), mesh)
 
     return jax.jit(train_steps, donate_argnums=0)
 
 
-def _train_step(model, mesh, state_sharding):
-    """The sharded step shared by the single- and multi-step programs."""
+def scan_train_steps(step, state, batches, unroll):
+    """Inside a compiled program: `step` scanned over a stack, `(state, logs, finite)`.
+
+    `batches` is any pytree whose leaves have a leading axis of K (a stacked
+    `DeviceBatch`, or what a caller's `step` turns into one); `step(state,
+    batch)` is a `sharded_train_step`. Returns the last state, the logs of
+    the last step, and the number of steps whose loss was finite.
+    """
+    state, logs = jax.lax.scan(step, state, batches, unroll=unroll)
+    if "loss" in logs:
+        finite = jnp.sum(jnp.isfinite(logs["loss"]))
+    else:  # nothing to check: every step counts as finite
+        finite = jax.tree.leaves(batches)[0].shape[0]
+    return state, jax.tree.map(lambda values: values[-1], logs), finite
+
+
+def sharded_train_step(model, mesh, state_sharding="replicated"):
+    """The unjitted `step(state, batch) -> (state, logs)` every train program runs.
+
+    `batch` is a `DeviceBatch`; the step cuts it to its real rows, runs
+    `model_train_step` on them, keeps the old weights if the loss is not
+    finite (see `make_train_step`), and lays the new state out as
+    `state_sharding` says. Shared by the single- and multi-step programs and
+    by `keras_dp.resident`'s.
+    """
     step = model_train_step(model, lambda grads: layout.constrain(
         grads, layout.gradient_shardings(grads, mesh, state_sharding)))
 
@@ -176,6 +191,39 @@ def make_test_step(model, mesh, state_sharding="replicated"):
     `model.evaluate` calls it: `model.test_step((trainable, non_trainable,
     metrics), data)`.
     """
+    return jax.jit(_test_step(model, mesh, state_sharding), donate_argnums=1)
+
+
+def make_multi_test_step(model, mesh, unroll=1, state_sharding="replicated"):
+    """Return the jitted `test_steps(weights, metrics, batches) -> (non_trainable, metrics, logs)`.
+
+    K test steps in one program, each exactly the step of `make_test_step`:
+    a `lax.scan` over a stacked `DeviceBatch` (as in `make_multi_train_step`)
+    carrying the non-trainable values and the metrics; the trainable
+    weights are read, never donated. The logs are those after the last step.
+    """
+    step = _test_step(model, mesh, state_sharding)
+
+    def test_steps(weights, metrics, batches):
+        trainable, non_trainable = weights
+
+        def body(carry, batch):
+            non_trainable, metrics, logs = step((trainable, carry[0]), carry[1], batch)
+            return (non_trainable, metrics), logs
+
+        (non_trainable, metrics), logs = jax.lax.scan(
+            body, (non_trainable, metrics), batches, unroll=unroll)
+        return non_trainable, metrics, jax.tree.map(lambda values: values[-1], logs)
+
+    return jax.jit(test_steps, donate_argnums=1)
+
+
+def _test_step(model, mesh, state_sharding):
+    """The unjitted sharded test step shared by the single- and multi-step programs.
+
+    The non-trainable values and metrics come back laid out as
+    `state_sharding` says, the logs replicated.
+    """
     custom = _compat.custom_step(model, "test_step")
 
     def test_step(weights, metrics, batch):
@@ -195,7 +243,7 @@ def make_test_step(model, mesh, state_sharding="replicated"):
             metrics, layout.group_shardings(metrics, mesh, state_sharding, "metrics"))
         return non_trainable, metrics, _replicated(logs, mesh)
 
-    return jax.jit(test_step, donate_argnums=1)
+    return test_step
 
 
 def make_predict_step(model, mesh):
@@ -207,7 +255,29 @@ def make_predict_step(model, mesh):
     or past each process block's real rows) are zeros (the model never sees
     the padding).
     """
+    return jax.jit(_predict_step(model, mesh))
 
+
+def make_multi_predict_step(model, mesh, unroll=1):
+    """Return the jitted `predict_steps(weights, batches) -> y_pred`.
+
+    K predict steps in one program over a stacked `DeviceBatch`, each
+    exactly the step of `make_predict_step`: every output has shape
+    `[K, padded_rows, ...]`, sharded `PartitionSpec(None, "batch")` like the
+    input, step k's rows at index k.
+    """
+    step = _predict_step(model, mesh)
+
+    def predict_steps(weights, batches):
+        _, outputs = jax.lax.scan(
+            lambda carry, batch: (carry, step(weights, batch)), None, batches, unroll=unroll)
+        return outputs
+
+    return jax.jit(predict_steps, out_shardings=mesh_lib.stacked_batch_sharded(mesh))
+
+
+def _predict_step(model, mesh):
+    """The unjitted sharded predict step shared by the single- and multi-step programs."""
     custom = _compat.custom_step(model, "predict_step")
 
     def predict_step(weights, batch):
@@ -224,7 +294,7 @@ def make_predict_step(model, mesh):
             y_pred,
         )
 
-    return jax.jit(predict_step)
+    return predict_step
 
 
 def _keras_data(batch):

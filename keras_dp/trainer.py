@@ -15,19 +15,20 @@ at the end of fit, and whenever `fit` exits by an exception or an interrupt.
 
 import jax
 import keras
-import numpy as np
 
 from keras_dp import _compat
 from keras_dp import build as build_lib
 from keras_dp import callbacks as callbacks_lib
 from keras_dp import checkpoint as checkpoint_lib
 from keras_dp import describe as describe_lib
+from keras_dp import inflight
 from keras_dp import layout
 from keras_dp import loop
 from keras_dp import memory as memory_lib
 from keras_dp import mesh as mesh_lib
 from keras_dp import pipeline
 from keras_dp import placement as placement_lib
+from keras_dp import resident
 from keras_dp import steps as steps_lib
 from keras_dp.state import TrainState
 from keras_dp.state import model_weights
@@ -49,12 +50,13 @@ class ShardedTrainer:
         devices: the devices to train on (default: all of JAX's devices).
             Use either `mesh` or `devices`.
         seed: seed of the per-epoch shuffle of array data.
-        steps_per_execution: optimizer steps per compiled call (default:
-            the model's `steps_per_execution` from `compile`, else 1). K
-            batches of equal size are stacked and sent at once, and one
-            program runs K steps, each exactly a single step; batches left
-            over at an epoch's end run one by one. Callbacks and the
-            progress bar are called once per call, as in `model.fit`.
+        steps_per_execution: steps per compiled call (default: the
+            model's `steps_per_execution` from `compile`, else 1), in
+            `fit`, its validation, `evaluate` and `predict`. K batches of
+            equal size are stacked and sent at once, and one program runs K
+            steps, each exactly a single step; batches left over at an
+            epoch's end run one by one. Callbacks and the progress bar are
+            called once per call, as in `model.fit`.
         unroll: how many of the K steps to unroll per loop iteration of
             the compiled scan (default: all of them on CPU, where XLA runs
             a rolled loop of this kind slower; 1 elsewhere).
@@ -71,6 +73,12 @@ class ShardedTrainer:
             devices, gradients reduce-scattered, ZeRO-1/2) or `"full"`
             (weights split too, gathered where a layer needs them, FSDP).
             Every mode computes the same steps.
+        data_on_device: keep array training data on the devices during
+            `fit` and gather each step's rows there, bitwise the same
+            training without a host-to-device copy per batch (see
+            `keras_dp.resident`): `"auto"` (default; `None` too) when the
+            data is arrays on one process and fits, with a warning when it
+            does not fit; `True` or raise; `False` never.
 
     Raises:
         TypeError: `model` is not a `keras.Model`.
@@ -80,7 +88,8 @@ class ShardedTrainer:
 
     def __init__(self, model, optimizer=None, loss=None, metrics=None, mesh=None,
                  devices=None, seed=0, steps_per_execution=None, unroll=None,
-                 prefetch=2, steps_in_flight=None, state_sharding="replicated"):
+                 prefetch=2, steps_in_flight=None, state_sharding="replicated",
+                 data_on_device="auto"):
         if not isinstance(model, keras.Model):
             raise TypeError(
                 "keras_dp trains a keras.Model. Received an object of type "
@@ -96,9 +105,10 @@ class ShardedTrainer:
         self.state_sharding = layout.check_mode(state_sharding, self.mesh)
         self.seed = seed
         on_cpu = self.mesh.devices.flat[0].platform == "cpu"
-        self.steps_in_flight = _steps_in_flight(steps_in_flight, on_cpu)
+        self.steps_in_flight = inflight.bound(steps_in_flight, on_cpu)
         self.steps_per_execution = _steps_per_execution(model, steps_per_execution)
         self.placement = placement_lib.make_placement(self.mesh, prefetch)
+        self.data_on_device = resident.check_option(data_on_device, self.placement.multiprocess)
         if self.placement.multiprocess and self.steps_per_execution > 1:
             raise ValueError(
                 "`steps_per_execution` > 1 is not supported across "
@@ -113,7 +123,11 @@ class ShardedTrainer:
         self._train_step = steps_lib.make_train_step(model, self.mesh, mode)
         self._train_steps = steps_lib.make_multi_train_step(model, self.mesh, unroll, mode)
         self._test_step = steps_lib.make_test_step(model, self.mesh, mode)
+        self._test_steps = steps_lib.make_multi_test_step(model, self.mesh, unroll, mode)
         self._predict_step = steps_lib.make_predict_step(model, self.mesh)
+        self._predict_steps = steps_lib.make_multi_predict_step(model, self.mesh, unroll)
+        self._resident_step, self._resident_steps = resident.make_steps(
+            model, self.mesh, unroll, mode)
 
     @property
     def num_devices(self):
@@ -209,10 +223,7 @@ class ShardedTrainer:
         Returns:
             A `keras_dp.memory.MemoryPlan` (print it for a summary).
         """
-        batch = pipeline.unpack((x, y, sample_weight))
-        rows = pipeline.batch_rows(batch)
-        batch = jax.tree.map(lambda a: np.resize(np.asarray(a), (batch_size,) + np.shape(a)[1:])
-                             if rows != batch_size else np.asarray(a), batch)
+        batch = memory_lib.batch_of(pipeline.unpack((x, y, sample_weight)), batch_size)
         self.build(batch)
         return memory_lib.plan(self, batch)
 
@@ -319,6 +330,7 @@ class ShardedTrainer:
         return loop.fit(
             self, batches, val, callbacks, epochs=epochs, resume=resume,
             validation_freq=validation_freq, checkpoints=checkpoints,
+            feed=resident.make_feed(self, batches),
         )
 
     def evaluate(self, x=None, y=None, *, batch_size=None, verbose="auto",
@@ -354,20 +366,8 @@ class ShardedTrainer:
         shardings = layout.state_shardings(TrainState(
             self.model.trainable_variables, self.model.non_trainable_variables, None, None,
         ), self.mesh, self.state_sharding)
-        weights = model_weights(self.model, self.mesh, shardings)
-        outputs = []
-        callbacks.on_predict_begin()
-        inputs = (batch[0] for batch in batches.epoch(0))
-        for index, x_device in enumerate(self.placement.batches(inputs, batches.peek()[0])):
-            callbacks.on_predict_batch_begin(index)
-            output = jax.tree.map(
-                lambda out: self.placement.local_rows(out, x_device),
-                self._predict_step(weights, x_device),
-            )
-            outputs.append(output)
-            callbacks.on_predict_batch_end(index, {"outputs": output})
-        callbacks.on_predict_end()
-        return jax.tree.map(lambda *parts: np.concatenate(parts), *outputs)
+        return loop.predict(self, model_weights(self.model, self.mesh, shardings), batches,
+                            callbacks)
 
     def _batches(self, x, y, sample_weight, batch_size, shuffle, class_weight=None):
         if batch_size is not None:
@@ -377,20 +377,6 @@ class ShardedTrainer:
             x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
             seed=self.seed, class_weight=class_weight,
         )
-
-
-def _steps_in_flight(steps_in_flight, on_cpu):
-    """The bound on unfinished steps: the argument, else 1 on CPU and 2 elsewhere."""
-    if steps_in_flight is None:
-        return 1 if on_cpu else 2
-    if isinstance(steps_in_flight, bool) or not isinstance(steps_in_flight, int) \
-            or steps_in_flight < 1:
-        raise ValueError(
-            "`steps_in_flight` is how many dispatched steps may be unfinished "
-            "at once, an int of at least 1 (None: 1 on CPU, 2 elsewhere). "
-            f"Received: steps_in_flight={steps_in_flight!r}."
-        )
-    return steps_in_flight
 
 
 def _steps_per_execution(model, steps_per_execution):

@@ -34,6 +34,7 @@ MODULES = [
     "keras_dp.datasets",
     "keras_dp.pipeline",
     "keras_dp.placement",
+    "keras_dp.resident",
     "keras_dp.loop",
     "keras_dp.steps",
     "keras_dp.state",

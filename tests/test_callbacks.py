@@ -159,7 +159,7 @@ def test_reduce_lr_on_plateau_and_a_mid_epoch_rate_change_without_recompile(data
     # With rate 0 from batch 4 on, SGD leaves the weights where batch 3 left them.
     for left, right in zip(freeze.after_3, weights(model), strict=True):
         np.testing.assert_array_equal(left, right)
-    assert trainer._train_step._cache_size() == 1
+    assert trainer._resident_step._cache_size() == 1  # the arrays train on the devices
 
 
 def test_model_checkpoint_weights_and_best_full_model(data, tmp_path):

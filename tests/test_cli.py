@@ -67,3 +67,12 @@ def test_main_job_on_full_mnist_reaches_094(tmp_path):
     print(result.stdout)
     accuracy = float(re.search(r"Test: loss [\d.]+  accuracy ([\d.]+)", result.stdout).group(1))
     assert accuracy >= 0.94
+
+
+def test_data_on_device_is_auto_true_or_false(capsys):
+    parser = cli.build_parser()
+    assert parser.parse_args(["train"]).data_on_device == "auto"
+    assert parser.parse_args(["train", "--data-on-device", "false"]).data_on_device == "false"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["train", "--data-on-device", "yes"])
+    assert "invalid choice: 'yes'" in capsys.readouterr().err

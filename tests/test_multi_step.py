@@ -1,20 +1,27 @@
-"""steps_per_execution: K optimizer steps in one compiled call, exactly."""
+"""steps_per_execution: K steps in one compiled call, exactly, in fit, evaluate and predict."""
 
+import keras
+import numpy as np
 import pytest
 
 import keras_dp
 from conftest import BatchEnds, devices, mlp
 
 
-def test_the_multi_step_program_compiles_once_and_callbacks_see_each_call(mnist):
+@pytest.mark.parametrize("on_device, programs", [
+    (False, ("_train_step", "_train_steps")), (True, ("_resident_step", "_resident_steps"))])
+def test_the_multi_step_program_compiles_once_and_callbacks_see_each_call(
+        mnist, on_device, programs):
     (x, y), _ = mnist
     record = BatchEnds()
-    trainer = keras_dp.ShardedTrainer(mlp(), devices=devices(2), steps_per_execution=4)
+    trainer = keras_dp.ShardedTrainer(mlp(), devices=devices(2), steps_per_execution=4,
+                                      data_on_device=on_device)
     trainer.fit(x[:600], y[:600], batch_size=64, epochs=2, verbose=0, callbacks=[record])
     # 9 full batches and one of 24 rows: calls of 4, 4, then 1 and 1 alone.
     assert record.ends == [3, 7, 8, 9] * 2
-    assert trainer._train_steps._cache_size() == 1
-    assert trainer._train_step._cache_size() == 2  # 64 rows and 24 rows
+    single, multi = (getattr(trainer, name) for name in programs)
+    assert multi._cache_size() == 1
+    assert single._cache_size() == 2  # 64 rows and 24 rows
 
 
 def test_steps_per_execution_comes_from_compile_and_scan_unrolls_on_cpu():
@@ -24,3 +31,43 @@ def test_steps_per_execution_comes_from_compile_and_scan_unrolls_on_cpu():
     assert trainer.steps_per_execution == 8
     with pytest.raises(ValueError, match="`steps_per_execution` must be at least 1"):
         keras_dp.ShardedTrainer(mlp(), steps_per_execution=0)
+
+
+class EvaluateAndPredictEnds(keras.callbacks.Callback):
+    """Records the batch index of every test and predict batch end, and each call's rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.test, self.predict = [], []
+
+    def on_test_batch_end(self, batch, logs=None):
+        self.test.append(batch)
+
+    def on_predict_batch_end(self, batch, logs=None):
+        self.predict.append((batch, len(logs["outputs"])))
+
+
+def test_evaluate_predict_and_validation_run_k_steps_per_call_exactly(mnist):
+    # 700 rows at batch 64 on 3 devices: 10 full batches (three calls of 3,
+    # then 1 alone) and a 60-row batch, run alone; bitwise equal to K=1.
+    (x, y), (x_test, y_test) = mnist
+    x_val, y_val = x_test[:700], y_test[:700]
+    results, records = {}, {}
+    for k in (1, 3):
+        trainer = keras_dp.ShardedTrainer(mlp(seed=3, dropout=0.5), devices=devices(3),
+                                          steps_per_execution=k)
+        history = trainer.fit(x[:320], y[:320], batch_size=64, verbose=0,
+                              validation_data=(x_val, y_val))
+        records[k] = EvaluateAndPredictEnds()
+        scores = trainer.evaluate(x_val, y_val, batch_size=64, verbose=0, callbacks=[records[k]])
+        outputs = trainer.predict(x_val, batch_size=64, verbose=0, callbacks=[records[k]])
+        results[k] = (history.history, scores, outputs)
+    assert results[3][0] == results[1][0]  # validation logs, bitwise
+    assert results[3][1] == results[1][1]
+    np.testing.assert_array_equal(results[3][2], results[1][2])
+    assert results[3][2].shape == (700, 10)
+    assert records[3].test == [2, 5, 8, 9, 10]
+    assert records[3].predict == [(2, 192), (5, 192), (8, 192), (9, 64), (10, 60)]
+    assert records[1].test == list(range(11))
+    assert trainer._test_steps._cache_size() == 1
+    assert trainer._predict_steps._cache_size() == 1

@@ -62,6 +62,10 @@ def build_parser():
                             "(default: %(default)s)")
     train.add_argument("--verbose", type=int, default=1, choices=[0, 1, 2],
                        help="Keras progress output: 0 none, 1 bar, 2 a line per epoch")
+    train.add_argument("--data-on-device", default="auto", choices=["auto", "true", "false"],
+                       help="keep the training arrays on the devices and gather each "
+                            "step's rows there (without --ensemble): auto (when they fit), true, "
+                            "or false (copy every batch from the host) (default: %(default)s)")
     _add_launch_parser(commands)
     return parser
 

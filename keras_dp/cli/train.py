@@ -22,7 +22,9 @@ def train(args):
     model = keras_dp.models.compile_classifier(
         keras_dp.models.MODELS[args.model](), learning_rate=args.learning_rate
     )
-    trainer = keras_dp.ShardedTrainer(model, seed=args.seed, state_sharding=args.state_sharding)
+    data_on_device = {"auto": "auto", "true": True, "false": False}[args.data_on_device]
+    trainer = keras_dp.ShardedTrainer(model, seed=args.seed, data_on_device=data_on_device,
+                                      state_sharding=args.state_sharding)
     print(f"keras_dp {keras_dp.__version__} | jax {jax.__version__} | keras {keras.__version__}")
     print(f"Data: {source}: {len(x_train)} training and {len(x_test)} test images")
     local_batch = args.batch_size

@@ -37,16 +37,27 @@ class ArrayBatches:
         """The first batch, without consuming anything."""
         return next(iter(self.epoch(0)))
 
+    @property
+    def arrays(self):
+        """`(x, y, sample_weight)` as numpy arrays, class weights applied."""
+        return self._arrays
+
+    def order(self, epoch):
+        """The row ids in epoch `epoch`'s order: a permutation, or `None` unshuffled.
+
+        The permutation is `np.random.default_rng([seed, epoch])`'s, so it
+        depends only on the seed and the epoch (`keras_dp.resident` sends
+        the same one to the devices).
+        """
+        if not self._shuffle:
+            return None
+        return np.random.default_rng([self._seed, epoch]).permutation(self.num_samples)
+
     def epoch(self, epoch):
         """Yield this epoch's host batches; every row exactly once."""
-        order = None
-        if self._shuffle:
-            order = np.random.default_rng([self._seed, epoch]).permutation(
-                self.num_samples
-            )
+        order = self.order(epoch)
         for start in range(0, self.num_samples, self.batch_size):
             rows = slice(start, start + self.batch_size)
             if order is not None:
                 rows = order[rows]
             yield jax.tree.map(lambda array: array[rows], self._arrays)
-

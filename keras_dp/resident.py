@@ -1,0 +1,248 @@
+"""Device-resident array data: placed on the mesh once, each step's rows gathered there.
+
+With array data (`pipeline.ArrayBatches`) on one process, `fit` can put the
+arrays `(x, y, sample_weight)` on the devices once and feed every epoch
+without copying a batch from the host: per epoch only the epoch's row order
+(the permutation `ArrayBatches.order` gives, `n` int32s) and the first
+position of each call (one int32, or K) go to the devices, and the compiled
+step takes its rows from the resident arrays with `jnp.take`. The gathered
+batch is padded exactly as `placement.to_device` pads a host batch (the
+last real row repeated) and cut to its real rows by the same step, so
+training is bitwise the host path's, partial last batch, K-step calls,
+class and sample weights included.
+
+The arrays are *replicated*: every device holds all of them. Gathering rows
+in a shuffled order from arrays split over `"batch"` would move rows between
+devices at every step (an all-gather or an all-to-all inside the step);
+from a full copy each device gathers its own share of the batch with no
+communication. The price is memory: the whole dataset on every device,
+which is what `fits` checks. The arrays are an argument of the compiled
+step, so it compiles once per dataset shape (and row count per step).
+
+`data_on_device` (on `ShardedTrainer` and `fit_sharded`) chooses:
+`"auto"` (the default; `None` means the same) is resident when the data is
+arrays on one process without `steps_per_epoch` and fits, and otherwise
+the host path, with a warning when only the size stood in the way; `True`
+insists (a `ValueError` naming why not); `False` is the host path.
+"""
+
+import dataclasses
+import itertools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from keras_dp import mesh as mesh_lib
+from keras_dp import pipeline
+from keras_dp import placement
+from keras_dp import steps as steps_lib
+
+# Where the device reports its memory: the data may take at most this
+# fraction of what is free on every device (the rest is for the model, the
+# optimizer, activations and XLA's scratch space).
+MEMORY_FRACTION = 0.5
+# XLA:CPU reports no memory limit; its devices are host RAM, and each
+# simulated device holds its own copy, so the copies together may take at
+# most this much.
+CPU_CAP_BYTES = 1 << 30
+
+
+def check_option(data_on_device, multiprocess=False):
+    """`data_on_device` normalised: `"auto"`, `True` or `False` (`None` is `"auto"`).
+
+    Raises:
+        ValueError: any other value, or `True` on a mesh across processes.
+    """
+    if data_on_device is None or data_on_device == "auto":
+        return "auto"
+    if data_on_device is True and multiprocess:
+        raise ValueError(
+            "data_on_device=True keeps the whole dataset on every device, "
+            "but this mesh spans processes and each holds only its share. "
+            "Pass data_on_device='auto' or False."
+        )
+    if data_on_device is True or data_on_device is False:
+        return data_on_device
+    raise ValueError(
+        "`data_on_device` is 'auto' (the default, also None), True or False. "
+        f"Received: data_on_device={data_on_device!r}."
+    )
+
+
+def data_bytes(arrays):
+    """The bytes of a tree of numpy arrays."""
+    return sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(arrays))
+
+
+def fits(nbytes, mesh):
+    """Whether `nbytes` of data, replicated, fits on `mesh`: `(fits, why not)`.
+
+    On devices that report `memory_stats()["bytes_limit"]`, the data must
+    take at most `MEMORY_FRACTION` of every device's free memory; on those
+    that do not (XLA:CPU), its copies together at most `CPU_CAP_BYTES`.
+    """
+    devices = list(mesh.devices.flat)
+    stats = [device.memory_stats() or {} for device in devices]
+    if all("bytes_limit" in stat for stat in stats):
+        free = min(stat["bytes_limit"] - stat.get("bytes_in_use", 0) for stat in stats)
+        limit = int(MEMORY_FRACTION * free)
+        why = f"{MEMORY_FRACTION:.0%} of the {free:,} bytes free on a device"
+        return nbytes <= limit, f"{nbytes:,} bytes of data exceed {limit:,}, {why}"
+    total = nbytes * len(devices)
+    return total <= CPU_CAP_BYTES, (
+        f"{len(devices)} copies of {nbytes:,} bytes of data exceed the "
+        f"{CPU_CAP_BYTES:,} bytes keras_dp.resident.CPU_CAP_BYTES allows where "
+        "the device reports no memory limit"
+    )
+
+
+def make_feed(trainer, batches):
+    """The `ResidentFeed` for this fit, or `None` for the host path.
+
+    Decides by `trainer.data_on_device` (see the module doc).
+
+    Raises:
+        ValueError: `data_on_device=True` with data that cannot be resident:
+            a dataset or iterable, `steps_per_epoch`, a mesh spanning
+            processes, or arrays that do not fit.
+    """
+    choice = trainer.data_on_device
+    if choice is False:
+        return None
+    why_not = _ineligible(trainer, batches)
+    if why_not is None:
+        fit, why_not = fits(data_bytes(batches.arrays), trainer.mesh)
+        if fit:
+            return ResidentFeed(trainer, batches)
+        if choice == "auto":
+            warnings.warn(
+                f"data_on_device='auto': {why_not}; feeding batches from the "
+                "host instead. Pass data_on_device=False to choose that "
+                "without this warning.", stacklevel=3)
+            return None
+    if choice is True:
+        raise ValueError(
+            f"data_on_device=True cannot keep this data on the devices: "
+            f"{why_not}. Pass data_on_device='auto' (resident when it can "
+            "be, else the host path) or False."
+        )
+    return None
+
+
+def _ineligible(trainer, batches):
+    """Why `batches` cannot be resident on `trainer`'s mesh, or `None`."""
+    if trainer.multiprocess:
+        return ("the mesh spans processes, and each process holds only its "
+                "share of the data")
+    if isinstance(batches, pipeline.StepsPerEpoch):
+        return ("`steps_per_epoch` draws epochs from a continuing stream; "
+                "leave it unset for array data")
+    if not isinstance(batches, pipeline.ArrayBatches):
+        return ("the data is a dataset or iterable, read batch by batch; "
+                "pass numpy arrays (x, y) instead")
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """Which rows of the resident arrays a call gathers: `order[start:start + rows]`.
+
+    Attributes:
+        order: the epoch's row ids in order (int32, replicated).
+        start: the position in `order` of the call's first row: a scalar
+            for one step, `[K]` for K steps (int32, replicated).
+        rows: rows per step, static (as `DeviceBatch.rows`).
+    """
+
+    order: object
+    start: object
+    rows: int
+
+
+jax.tree_util.register_dataclass(Rows, data_fields=["order", "start"], meta_fields=["rows"])
+
+
+class ResidentFeed:
+    """The epochs of a fit on resident arrays, for `keras_dp.loop`.
+
+    Places `batches.arrays` on the mesh, replicated, when made; `epoch`
+    yields `(steps, Rows)` in the grouping `placement.steps` gives host
+    batches, and `call` runs the trainer's resident programs.
+    """
+
+    def __init__(self, trainer, batches):
+        self._trainer, self._batches = trainer, batches
+        self._arrays = jax.device_put(batches.arrays, mesh_lib.replicated(trainer.mesh))
+
+    def epoch(self, epoch, skip):
+        """Yield `(steps, Rows)` for epoch `epoch`'s calls after its first `skip` steps.
+
+        The order and every call's start go to the devices in one transfer
+        here, before the first step: none happens between steps.
+        """
+        size, total = self._batches.batch_size, self._batches.num_samples
+        positions = (np.arange(start, min(start + size, total))
+                     for start in range(0, total, size))
+        groups = list(pipeline.group_steps(itertools.islice(positions, skip, None),
+                                           self._trainer.steps_per_execution))
+        order = self._batches.order(epoch)
+        order = np.arange(total) if order is None else order
+        starts = [np.int32(group[0][0]) if len(group) == 1
+                  else np.asarray([part[0] for part in group], np.int32) for group in groups]
+        order, starts = jax.device_put((order.astype(np.int32), starts),
+                                       mesh_lib.replicated(self._trainer.mesh))
+        for group, start in zip(groups, starts):
+            yield len(group), Rows(order, start, len(group[0]))
+
+    def call(self, state, steps, rows):
+        """Run one compiled call: `(state, logs, finite)` as `loop.train_call` wants."""
+        if steps == 1:
+            state, logs = self._trainer._resident_step(state, self._arrays, rows)
+            return state, logs, 0
+        return self._trainer._resident_steps(state, self._arrays, rows)
+
+
+def make_steps(model, mesh, unroll=1, state_sharding="replicated"):
+    """Return the jitted resident programs `(train_step, train_steps)`.
+
+    `train_step(state, arrays, rows) -> (state, logs)` and
+    `train_steps(state, arrays, rows) -> (state, logs, finite)` are
+    `steps.make_train_step` and `steps.make_multi_train_step` on the batch
+    `gather` takes from `arrays`; `state` is donated, `arrays` only read.
+    """
+    step = steps_lib.sharded_train_step(model, mesh, state_sharding)
+
+    def train_step(state, arrays, rows):
+        return step(state, gather(arrays, rows.order, rows.start, rows.rows, mesh))
+
+    def train_steps(state, arrays, rows):
+        def one(state, start):
+            return step(state, gather(arrays, rows.order, start, rows.rows, mesh))
+
+        state, logs, finite = steps_lib.scan_train_steps(one, state, rows.start, unroll)
+        return state, logs, jax.lax.with_sharding_constraint(
+            jnp.asarray(finite), mesh_lib.replicated(mesh))
+
+    # The step lays the state out (`state_sharding`) and replicates the logs.
+    return (jax.jit(train_step, donate_argnums=0), jax.jit(train_steps, donate_argnums=0))
+
+
+def gather(arrays, order, start, rows, mesh):
+    """Inside a compiled step: the `DeviceBatch` of rows `order[start:start + rows]`.
+
+    Padded to a multiple of the device count with copies of the last row,
+    as `placement.to_device` pads a host batch, and split over `"batch"`:
+    each device gathers its share from its full copy of `arrays`.
+    """
+    padded = rows + -rows % mesh_lib.num_devices(mesh)
+    sharding = mesh_lib.batch_sharded(mesh)
+    positions = start + jnp.minimum(jnp.arange(padded), rows - 1)
+    ids = jax.lax.with_sharding_constraint(jnp.take(order, positions, mode="clip"), sharding)
+    data = jax.tree.map(
+        lambda array: jax.lax.with_sharding_constraint(
+            jnp.take(array, ids, axis=0, mode="clip"), sharding),
+        arrays,
+    )
+    return placement.DeviceBatch(data, rows)

@@ -1,0 +1,103 @@
+"""Device-resident data (`keras_dp.resident`): bitwise the host path, and its refusals."""
+
+import warnings
+
+import numpy as np
+import pytest
+
+import keras_dp
+from keras_dp import placement
+from keras_dp import resident
+from conftest import devices, mlp, weights
+
+
+def count_host_batches(monkeypatch):
+    """Count the host batches `placement` puts on the devices."""
+    placed = []
+    for name in ("to_device", "to_device_stacked"):
+        original = getattr(placement, name)
+
+        def counted(*args, _original=original, **kwargs):
+            placed.append(1)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(placement, name, counted)
+    return placed
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_resident_training_equals_host_fed_training_bitwise(mnist, monkeypatch, k):
+    # 230 shuffled rows at batch 32 on 3 devices: 7 full batches and a
+    # partial one of 6 (with K=4: a call of 4, then 3 and the partial batch
+    # alone), Dropout's seed state, class weights, two epochs.
+    (x, y), _ = mnist
+    placed = count_host_batches(monkeypatch)
+    results = {}
+    for on_device in (False, True):
+        model = mlp(seed=5, dropout=0.5)
+        trainer = keras_dp.ShardedTrainer(model, devices=devices(3), steps_per_execution=k,
+                                          data_on_device=on_device)
+        placed.clear()
+        history = trainer.fit(x[:230], y[:230], batch_size=32, epochs=2, verbose=0,
+                              class_weight={0: 2.0, 3: 0.5})
+        results[on_device] = (history.history, weights(model), len(placed))
+    assert results[True][2] == 0 and results[False][2] > 0  # no batch copied from the host
+    assert results[True][0] == results[False][0]
+    for host, on_device in zip(results[False][1], results[True][1], strict=True):
+        np.testing.assert_array_equal(host, on_device)
+
+
+def test_auto_is_resident_when_the_data_fits_and_warns_when_it_does_not(mnist, monkeypatch):
+    (x, y), _ = mnist
+    trainer = keras_dp.ShardedTrainer(mlp(), devices=devices(2))
+    assert trainer.data_on_device == "auto"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        trainer.fit(x[:128], y[:128], batch_size=64, verbose=0)
+    assert trainer._resident_step._cache_size() == 1
+    monkeypatch.setattr(resident, "CPU_CAP_BYTES", 1000)
+    placed = count_host_batches(monkeypatch)
+    with pytest.warns(UserWarning, match="exceed the 1,000 bytes.*from the host instead"):
+        trainer.fit(x[:128], y[:128], batch_size=64, verbose=0)
+    assert len(placed) == 2
+    # Datasets take the host path under "auto", without a word.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        trainer.fit([(x[:64], y[:64])], verbose=0)
+
+
+def test_data_on_device_true_refuses_what_it_cannot_keep(mnist, monkeypatch):
+    (x, y), _ = mnist
+    trainer = keras_dp.ShardedTrainer(mlp(), devices=devices(2), data_on_device=True)
+    with pytest.raises(ValueError, match="dataset or iterable.*pass numpy arrays"):
+        trainer.fit([(x[:64], y[:64])], verbose=0)
+    with pytest.raises(ValueError, match="`steps_per_epoch`.*leave it unset"):
+        trainer.fit(x[:128], y[:128], batch_size=64, steps_per_epoch=3, verbose=0)
+    monkeypatch.setattr(resident, "CPU_CAP_BYTES", 1000)
+    with pytest.raises(ValueError, match="exceed.*Pass data_on_device='auto'.*or False"):
+        trainer.fit(x[:128], y[:128], batch_size=64, verbose=0)
+    with pytest.raises(ValueError, match="'auto' \\(the default, also None\\), True or False"):
+        keras_dp.ShardedTrainer(mlp(), devices=devices(2), data_on_device="yes")
+    monkeypatch.setattr(placement.Placement, "multiprocess", True)
+    with pytest.raises(ValueError, match="spans processes.*Pass data_on_device='auto' or False"):
+        keras_dp.ShardedTrainer(mlp(), devices=devices(2), data_on_device=True)
+
+
+def test_fits_compares_against_the_devices_memory_where_reported():
+    class Device:
+        def __init__(self, stats):
+            self.stats = stats
+
+        def memory_stats(self):
+            return self.stats
+
+    class Mesh:
+        devices = np.asarray([Device({"bytes_limit": 1000, "bytes_in_use": 200}),
+                              Device({"bytes_limit": 1000, "bytes_in_use": 0})])
+
+    assert resident.fits(400, Mesh())[0]
+    fit, why = resident.fits(401, Mesh())
+    assert not fit and "401 bytes of data exceed 400, 50% of the 800 bytes free" in why
+    Mesh.devices = np.asarray([Device(None), Device(None)])
+    assert resident.fits(resident.CPU_CAP_BYTES // 2, Mesh())[0]
+    assert not resident.fits(resident.CPU_CAP_BYTES // 2 + 1, Mesh())[0]
