@@ -5,9 +5,12 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_bench_quick_times_every_system(tmp_path):
     out = tmp_path / "results.json"
     subprocess.run(
@@ -23,6 +26,7 @@ def test_bench_quick_times_every_system(tmp_path):
     assert report["machine"]["devices"] == 2
 
 
+@pytest.mark.slow
 def test_resnet18_model_flops_match_a_count_by_hand():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import resnet

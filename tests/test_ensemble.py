@@ -279,6 +279,7 @@ def test_member_shuffle_needs_shuffled_arrays_and_scoring_needs_labels(mnist):
         trainer.evaluate(x[:64])
 
 
+@pytest.mark.slow
 def test_cli_prints_each_member_and_the_ensemble_and_saves_the_model(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "keras_dp", "train", "--ensemble", "4", "--cpu-devices", "2",

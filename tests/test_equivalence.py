@@ -11,11 +11,13 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from conftest import NO_GRADIENT
 
 SCRIPT = pathlib.Path(__file__).parent / "scripts" / "equivalence.py"
 
 
+@pytest.mark.slow  # test_exact's one-epoch float64 check (1e-12) runs in every suite
 def test_four_devices_equal_one_device_for_20_steps_in_float64():
     result = subprocess.run(
         [sys.executable, str(SCRIPT), "--float64", "--steps", "20", "--devices", "4"],

@@ -130,6 +130,7 @@ def test_a_subclassed_model_built_from_the_first_batch(data):
     assert_falls(fit(model, *data, batch_size=BATCH))
 
 
+@pytest.mark.slow
 def test_a_keras_applications_model(data):
     x, y = data
     rgb = np.repeat(np.pad(x[:128], ((0, 0), (2, 2), (2, 2), (0, 0))), 3, axis=-1)
