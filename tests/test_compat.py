@@ -113,3 +113,31 @@ def test_cpu_device_environment_replaces_the_count_and_keeps_other_flags():
     copy = _compat.cpu_device_environment(2)  # a copy of os.environ, edited
     assert copy["XLA_FLAGS"].endswith("--xla_force_host_platform_device_count=2")
     assert dict(os.environ) == before
+
+
+def test_custom_step_tells_an_override_from_kerass_own():
+    model, _, _ = _compiled_mlp()
+    assert not _compat.custom_step(model, "train_step")
+
+    class Custom(keras.Sequential):
+        def train_step(self, state, data):
+            return {}, state
+
+    assert _compat.custom_step(Custom([keras.layers.Dense(1)]), "train_step")
+    model.test_step = lambda state, data: ({}, state)  # set on the instance
+    assert _compat.custom_step(model, "test_step")
+
+
+def test_has_call_is_false_only_for_models_without_one():
+    class NoCall(keras.Model):
+        pass
+
+    model, _, _ = _compiled_mlp()
+    assert _compat.has_call(model) and not _compat.has_call(NoCall())
+
+
+def test_metric_names_expand_compiled_metrics_in_kerass_order():
+    model, _, _ = _compiled_mlp()
+    x, y = np.ones((4, 3), "float32"), np.zeros((4, 2), "float32")
+    logs = model.evaluate(x, y, verbose=0, return_dict=True)
+    assert _compat.metric_names(model) == ["loss", "mae"] == list(logs)
