@@ -64,6 +64,8 @@ def main(argv=None):
     args = parse_args(argv)
     os.environ.setdefault("KERAS_BACKEND", "jax")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    # Compile times are part of what is measured: no persistent cache.
+    os.environ["KERAS_DP_COMPILATION_CACHE"] = "0"
     os.environ["JAX_PLATFORMS"] = {"gpu": "cuda"}.get(args.platform, args.platform)
     import jax  # noqa: PLC0415  (after JAX_PLATFORMS is set)
     import keras  # noqa: PLC0415

@@ -20,6 +20,7 @@ from keras_dp import _compat
 from keras_dp import build as build_lib
 from keras_dp import callbacks as callbacks_lib
 from keras_dp import checkpoint as checkpoint_lib
+from keras_dp import compilation_cache as compilation_cache_lib
 from keras_dp import describe as describe_lib
 from keras_dp import inflight
 from keras_dp import layout
@@ -79,6 +80,12 @@ class ShardedTrainer:
             `keras_dp.resident`): `"auto"` (default; `None` too) when the
             data is arrays on one process and fits, with a warning when it
             does not fit; `True` or raise; `False` never.
+        compilation_cache: JAX's persistent compilation cache, so that a
+            rerun loads its compiled steps from disk: `True` (default) sets
+            a per-user directory unless `KERAS_DP_COMPILATION_CACHE=0` or
+            JAX has one already; a path uses that; `False` leaves JAX's
+            setting alone (see `keras_dp.compilation_cache`). The directory
+            in use is `compilation_cache_dir`.
 
     Raises:
         TypeError: `model` is not a `keras.Model`.
@@ -89,7 +96,7 @@ class ShardedTrainer:
     def __init__(self, model, optimizer=None, loss=None, metrics=None, mesh=None,
                  devices=None, seed=0, steps_per_execution=None, unroll=None,
                  prefetch=2, steps_in_flight=None, state_sharding="replicated",
-                 data_on_device="auto"):
+                 data_on_device="auto", compilation_cache=True):
         if not isinstance(model, keras.Model):
             raise TypeError(
                 "keras_dp trains a keras.Model. Received an object of type "
@@ -98,6 +105,7 @@ class ShardedTrainer:
                 "outputs)."
             )
         mesh_lib.check_keras_distribution()
+        self.compilation_cache_dir = compilation_cache_lib.enable(compilation_cache)
         build_lib.compile_model(model, optimizer, loss, metrics)
         self.model = model
         self._checked = []  # (data signature, loss and optimizer) `build` has checked

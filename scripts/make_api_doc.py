@@ -35,6 +35,7 @@ MODULES = [
     "keras_dp.pipeline",
     "keras_dp.placement",
     "keras_dp.resident",
+    "keras_dp.compilation_cache",
     "keras_dp.loop",
     "keras_dp.steps",
     "keras_dp.state",

@@ -1,4 +1,4 @@
-"""Test setup: 8 simulated CPU devices, the shared MNIST, a slow marker.
+"""Test setup: 8 simulated CPU devices, the shared MNIST, a slow marker, no compilation cache.
 
 XLA reads the device count when JAX first starts a backend, so the flag is set
 here, before anything imports JAX.
@@ -12,6 +12,9 @@ os.environ["XLA_FLAGS"] = " ".join(
 ).strip()
 os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# No persistent compilation cache in the user's home: tests that check the
+# cache give it a directory of their own (tests/test_compilation_cache.py).
+os.environ["KERAS_DP_COMPILATION_CACHE"] = "0"
 _SHARED_DATA = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
 if "KERAS_DP_DATA_DIR" not in os.environ and (_SHARED_DATA / "mnist.npz").is_file():
     os.environ["KERAS_DP_DATA_DIR"] = str(_SHARED_DATA)

@@ -1,0 +1,85 @@
+"""JAX's persistent compilation cache (`keras_dp.compilation_cache`): a rerun loads its steps."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from keras_dp import compilation_cache
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# One small fit on 2 devices; prints the cache directory in use and the
+# programs JAX found in (hits) or compiled for (misses) the persistent cache.
+SCRIPT = """
+import json, logging, os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import keras, numpy as np
+import keras_dp
+
+messages = []
+handler = logging.Handler()
+handler.emit = lambda record: messages.append(record.getMessage())
+logger = logging.getLogger("jax._src.compiler")
+logger.setLevel(logging.DEBUG)
+logger.addHandler(handler)
+keras.utils.set_random_seed(0)
+model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+model.compile(optimizer="sgd", loss="mse")
+trainer = keras_dp.ShardedTrainer(model)
+trainer.fit(np.ones((16, 8), "float32"), np.zeros((16, 4), "float32"), batch_size=8, verbose=0)
+named = lambda start: [m.split("'")[1] for m in messages if m.startswith(start)]
+print(json.dumps({"dir": trainer.compilation_cache_dir,
+                  "hits": named("Persistent compilation cache hit"),
+                  "misses": named("PERSISTENT COMPILATION CACHE MISS")}))
+"""
+
+
+def run_fit(tmp_path, **env):
+    environ = {key: value for key, value in os.environ.items()
+               if key not in ("XLA_FLAGS", compilation_cache.ENV, "JAX_COMPILATION_CACHE_DIR")}
+    # Cache every program, however fast it compiles, and keep the real home clean.
+    environ.update(HOME=str(tmp_path / "home"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                   PYTHONPATH=str(ROOT), **env)
+    result = subprocess.run([sys.executable, "-c", SCRIPT], env=environ, capture_output=True,
+                            text=True, timeout=240, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_a_second_process_loads_the_train_step_from_the_per_user_cache(tmp_path):
+    xdg = tmp_path / "xdg"
+    first = run_fit(tmp_path, XDG_CACHE_HOME=str(xdg))
+    cache = xdg / "keras_dp" / "jax"
+    assert first["dir"] == str(cache)
+    assert "jit_train_step" in first["misses"] and "jit_train_step" not in first["hits"]
+    assert any(cache.iterdir())
+    second = run_fit(tmp_path, XDG_CACHE_HOME=str(xdg))
+    assert "jit_train_step" in second["hits"] and "jit_train_step" not in second["misses"]
+
+
+def test_the_environment_variable_turns_the_cache_off(tmp_path):
+    xdg = tmp_path / "xdg"
+    off = run_fit(tmp_path, XDG_CACHE_HOME=str(xdg), **{compilation_cache.ENV: "0"})
+    # JAX still looks programs up (and logs misses), in no directory at all.
+    assert off["dir"] is None and off["hits"] == []
+    assert not (xdg / "keras_dp").exists() and not (tmp_path / "home" / ".cache").exists()
+
+
+def test_the_argument_then_the_environment_then_jax_then_the_default_decide():
+    choose = compilation_cache.choose_dir
+    home = {"XDG_CACHE_HOME": "/xdg"}
+    assert choose(True, home, None) == os.path.join("/xdg", "keras_dp", "jax")
+    assert choose(False, home, None) is None
+    assert choose("/mine", {compilation_cache.ENV: "0"}, "/theirs") == "/mine"
+    assert choose(pathlib.Path("/mine"), {}, None) == "/mine"
+    for off in ("0", "false", "OFF", "no"):
+        assert choose(True, {compilation_cache.ENV: off}, None) is None
+    assert choose(True, {compilation_cache.ENV: "/env"}, None) == "/env"
+    assert choose(True, {compilation_cache.ENV: "/env"}, "/user") is None  # the user's is kept
+    assert choose(True, {}, "/user") is None
+    with pytest.raises(ValueError, match="True .*False .*or a directory. Received: "
+                                         "compilation_cache=3"):
+        choose(3, {}, None)
