@@ -29,6 +29,7 @@ def test_the_split_axis_is_the_largest_that_divides_and_small_variables_stay_who
     assert tuple(layout.variable_sharding((4096, 4), "float32", mesh, split=False).spec) == ()
 
 
+@pytest.mark.slow  # the float64 test below checks the same, stricter
 def test_each_mode_trains_the_same_steps_as_replicated_in_float32(mnist):
     (x, y), _ = mnist
     x, y = x[:150], y[:150]  # batches of 50 rows: 50 does not divide by 4

@@ -30,6 +30,7 @@ def assert_state_close(a, b, rtol=1e-5, atol=1e-6):
             )
 
 
+@pytest.mark.slow  # test_exact checks an epoch in float32 and float64
 def test_four_devices_track_one_device_for_20_steps_in_float32(mnist):
     # The guide's setting (float32, Adam): per-step losses agree to 1e-5.
     # Weights are compared exactly in float64 (test_equivalence.py): in
