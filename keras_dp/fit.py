@@ -10,7 +10,7 @@ def fit_sharded(model, x=None, y=None, *, epochs=1, batch_size=None,
                 validation_freq=1, steps_per_execution=None, optimizer=None,
                 loss=None, metrics=None, mesh=None, devices=None, seed=0,
                 checkpoint_dir=None, state_sharding="replicated", data_on_device="auto",
-                compilation_cache=True):
+                compilation_cache=True, profile_dir=None):
     """Train `model` with synchronous data parallelism and return its History.
 
     Each global batch is split by rows over the devices, every device holds
@@ -44,6 +44,8 @@ def fit_sharded(model, x=None, y=None, *, epochs=1, batch_size=None,
             keep a full copy of the state on every device, or split the
             optimizer state, or the whole state, over the devices
             (`keras_dp.layout`); the steps computed are the same.
+        profile_dir: write a `jax.profiler` trace of a few steps of the
+            first epoch there (see `ShardedTrainer.fit`).
         data_on_device: keep array data on the devices and gather each
             step's rows there (`"auto"`, the default: when it fits; `True`;
             `False`); see `ShardedTrainer` and `keras_dp.resident`.
@@ -78,4 +80,5 @@ def fit_sharded(model, x=None, y=None, *, epochs=1, batch_size=None,
         class_weight=class_weight, sample_weight=sample_weight,
         initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
         validation_freq=validation_freq, checkpoint_dir=checkpoint_dir,
+        profile_dir=profile_dir,
     )

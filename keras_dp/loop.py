@@ -1,11 +1,14 @@
-"""The loops of `fit` and `evaluate`, as short functions, in the order they run.
+"""The loops of `fit`, `evaluate` and `predict`, as short functions, in the order they run.
 
 `fit` runs epochs; each epoch is `start_epoch` (callbacks, the state in),
-`train_batches` (host batches placed on the devices, one compiled call per
-step or per K steps, callbacks around each), `validate`, and the epoch's
-end (`end_epoch`: a checkpoint, a preemption exit). The state of the epoch
-in progress is held by a `keras_dp.state.LiveModel`, so that a callback, an
-exception or an interrupt always finds the Keras model current.
+`train_batches` (batches from a feed: host batches placed on the devices,
+`HostFeed`, or rows gathered from data kept there, `resident.ResidentFeed`;
+one compiled call per step or per K steps, callbacks around each),
+`validate`, and the epoch's end (`end_epoch`: a checkpoint, a preemption
+exit). The state of the epoch in progress is held by a
+`keras_dp.state.LiveModel`, so that a callback, an exception or an
+interrupt always finds the Keras model current. Each epoch's time is split
+by part as it goes (`keras_dp.timing`).
 
 Every function takes the `ShardedTrainer` whose parts it runs: its `model`,
 `placement`, compiled steps (`_train_step`, `_train_steps`, `_test_step`,
@@ -25,6 +28,7 @@ from keras_dp import build as build_lib
 from keras_dp import callbacks as callbacks_lib
 from keras_dp import checkpoint as checkpoint_lib
 from keras_dp import inflight
+from keras_dp import timing
 from keras_dp.state import LiveModel
 from keras_dp.state import fresh_metrics
 
@@ -40,6 +44,8 @@ class FitRun:
     feed: object = None
     checkpoints: object = None
     preemption: object = None
+    profile: object = None  # a `timing.Profile` of the first epoch
+    timer: object = None  # the `timing.EpochTimer` of the epoch in progress
 
     @property
     def model(self):
@@ -77,21 +83,25 @@ class HostFeed:
 
 
 def fit(trainer, batches, val, callbacks, *, epochs, resume, validation_freq,
-        checkpoints=None, feed=None):
+        checkpoints=None, feed=None, profile_dir=None):
     """Train from `resume` to epoch `epochs - 1`; return the model's History.
 
     `resume` (a `checkpoint.Position`) is the epoch to start at and how many
     of its steps a restored checkpoint has done already; a
     `keras.callbacks.BackupAndRestore` that restores a backup in
     `on_train_begin` moves the start, as under `model.fit`. `feed` brings
-    the batches to the steps (default: a `HostFeed`). Whatever ends the
-    loop, the model holds the state of the last completed step when this
-    returns or raises.
+    the batches to the steps (default: a `HostFeed`). Each epoch's
+    `timing.EpochTimer.result()` is appended to `trainer.timings`, emptied
+    first; with `profile_dir`, a few calls of the first epoch are traced
+    there (`timing.Profile`). Whatever ends the loop, the model holds the
+    state of the last completed step when this returns or raises.
     """
     model = trainer.model
     model.stop_training = False
     feed = feed or HostFeed(trainer, batches)
     run = FitRun(trainer, batches, LiveModel(model), callbacks, feed, checkpoints)
+    run.profile = timing.Profile(profile_dir) if profile_dir is not None else None
+    trainer.timings = []
     epoch_logs, finished = {}, False
     callbacks.on_train_begin()
     start = _compat.take_initial_epoch(model) or resume.epoch
@@ -108,6 +118,8 @@ def fit(trainer, batches, val, callbacks, *, epochs, resume, validation_freq,
                     break
             finished = True
     finally:
+        if run.profile is not None:
+            run.profile.close()
         run.live.finish()
         if epochs > 0:
             # Keras's own end of fit: e.g. copy EMA weights into the model.
@@ -125,15 +137,20 @@ def run_epoch(run, epoch, skip, val):
     `skip` steps of the epoch are done already (a restored checkpoint, whose
     metrics hold their running totals).
     """
+    run.timer = timing.EpochTimer(epoch)
     start_epoch(run, epoch, skip)
     logs = train_batches(run, epoch, skip)
     # No logs: a one-shot stream ran dry at the epoch's start (fit stops).
     epoch_logs = {} if logs is None else callbacks_lib.to_python(logs, run.model)
+    run.timer.lap("other_s")
     if val is not None and logs is not None:
         epoch_logs.update(validate(run, val))
+        run.timer.lap("validation_s")
     # Callbacks that look at the model get it synced (`LiveModel`); the
     # state is written back at the end of fit in any case.
     run.callbacks.on_epoch_end(epoch, epoch_logs)
+    run.timer.lap("callbacks_s")
+    run.trainer.timings.append(run.timer.result())
     return epoch_logs
 
 
@@ -148,7 +165,9 @@ def start_epoch(run, epoch, skip):
     trainer, live = run.trainer, run.live
     if not skip:
         run.model.reset_metrics()
+    run.timer.lap("other_s")
     run.callbacks.on_epoch_begin(epoch)
+    run.timer.lap("callbacks_s")
     if trainer.placement.multiprocess:
         live.sync()
         live.read(trainer.init_state())
@@ -157,13 +176,16 @@ def start_epoch(run, epoch, skip):
     elif not skip:
         live.state = live.state._replace(metrics=fresh_metrics(
             run.model, trainer.mesh, trainer.state_layout().metrics))
+    run.timer.lap("other_s")
 
 
 def train_batches(run, epoch, skip):
     """Run the epoch's steps; return the last step's logs (None if no step ran).
 
     Keeps at most `steps_in_flight` calls unfinished, checks each call's
-    loss when it finishes, and stops early on `stop_training`.
+    loss when it finishes, and stops early on `stop_training`. Counts the
+    time waiting for input, in steps and in callbacks (`run.timer`), and
+    starts and stops the profile (`run.profile`).
 
     Raises:
         FloatingPointError: a step's loss was NaN or Inf (unless a callback
@@ -171,20 +193,31 @@ def train_batches(run, epoch, skip):
     """
     throttle = inflight.Throttle(run.trainer.steps_in_flight)
     placed = run.feed.epoch(epoch, skip)
-    index, logs = skip, None
+    index, logs, timer = skip, None, run.timer
     # Closing it on a break (stop_training) stops the look-ahead thread now.
     with contextlib.closing(placed):
-        for steps, device_batch in placed:
+        for calls, (steps, device_batch) in enumerate(placed, 1):
+            timer.lap("input_s")
             if run.preemption is not None and run.preemption.requested:
                 throttle.drain()
                 save_and_exit(run, checkpoint_lib.Position(epoch, index))
             run.callbacks.on_train_batch_begin(index)
+            timer.lap("callbacks_s")
             logs = train_call(run, steps, device_batch, throttle, index)
+            if run.profile is not None:
+                run.profile.after_call(calls, logs)
+            timer.lap("steps_s")
             index += steps
+            timer.samples += steps * device_batch.rows
             run.callbacks.on_train_batch_end(index - 1, logs)
+            timer.lap("callbacks_s")
             if throttle.failure is not None or run.model.stop_training:
                 break
+        timer.lap("input_s")  # the wait that found the epoch's end
     throttle.drain()
+    timer.lap("steps_s")
+    if run.profile is not None:
+        run.profile.close()  # the first epoch only
     if throttle.failure is not None and not run.model.stop_training:
         raise FloatingPointError(inflight.failure_message(epoch, *throttle.failure))
     return logs

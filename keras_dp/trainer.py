@@ -87,6 +87,11 @@ class ShardedTrainer:
             setting alone (see `keras_dp.compilation_cache`). The directory
             in use is `compilation_cache_dir`.
 
+    Attributes:
+        timings: after `fit`, one dict per epoch of where its time went:
+            seconds waiting for input, in compiled steps, in callbacks and
+            in validation, and samples per second (`keras_dp.timing`).
+
     Raises:
         TypeError: `model` is not a `keras.Model`.
         ValueError: the mesh is not a 1-D `"batch"` mesh, or an argument
@@ -112,6 +117,7 @@ class ShardedTrainer:
         self.mesh = mesh_lib.make_mesh(devices, mesh)
         self.state_sharding = layout.check_mode(state_sharding, self.mesh)
         self.seed = seed
+        self.timings = []
         on_cpu = self.mesh.devices.flat[0].platform == "cpu"
         self.steps_in_flight = inflight.bound(steps_in_flight, on_cpu)
         self.steps_per_execution = _steps_per_execution(model, steps_per_execution)
@@ -258,7 +264,7 @@ class ShardedTrainer:
             callbacks=None, validation_split=0.0, validation_data=None,
             shuffle=True, class_weight=None, sample_weight=None,
             initial_epoch=0, steps_per_epoch=None, validation_freq=1,
-            checkpoint_dir=None):
+            checkpoint_dir=None, profile_dir=None):
         """Train for `epochs` epochs, as `model.fit` does, on every device.
 
         Every row is used exactly once per epoch, whatever `batch_size` and
@@ -298,6 +304,9 @@ class ShardedTrainer:
                 process exits with status 143. If the directory holds a
                 checkpoint, training resumes from it (its epoch and step
                 replace `initial_epoch`) and ends as an unbroken run would.
+            profile_dir: write a `jax.profiler` trace of 5 calls of the
+                first epoch there, after its first call (which compiles);
+                TensorBoard's profile plugin reads it.
 
         Returns:
             The `keras.callbacks.History` of the run.
@@ -338,7 +347,7 @@ class ShardedTrainer:
         return loop.fit(
             self, batches, val, callbacks, epochs=epochs, resume=resume,
             validation_freq=validation_freq, checkpoints=checkpoints,
-            feed=resident.make_feed(self, batches),
+            feed=resident.make_feed(self, batches), profile_dir=profile_dir,
         )
 
     def evaluate(self, x=None, y=None, *, batch_size=None, verbose="auto",

@@ -43,6 +43,7 @@ MODULES = [
     "keras_dp.build",
     "keras_dp.callbacks",
     "keras_dp.inflight",
+    "keras_dp.timing",
     "keras_dp.describe",
     "keras_dp.pipeline.batch",
     "keras_dp.pipeline.arrays",

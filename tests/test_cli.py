@@ -20,7 +20,7 @@ def run_cli(*args, timeout=300):
 def test_train_prints_devices_epochs_and_test_accuracy_and_saves(tmp_path):
     result = run_cli(
         "train", "--epochs", "2", "--cpu-devices", "2", "--train-samples", "6400",
-        "--verbose", "0", "--output-dir", str(tmp_path),
+        "--verbose", "0", "--output-dir", str(tmp_path), "--profile", str(tmp_path / "profile"),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
@@ -32,6 +32,10 @@ def test_train_prints_devices_epochs_and_test_accuracy_and_saves(tmp_path):
     assert [e[0] for e in epochs] == ["1", "2"]
     assert float(epochs[1][1]) < float(epochs[0][1])
     assert float(epochs[1][2]) > 0.6
+    times = re.findall(r"epoch (\d) time [\d.]+ s: input [\d.]+ s, steps [\d.]+ s, callbacks "
+                       r"[\d.]+ s, validation [\d.]+ s, other [\d.]+ s; [\d,]+ samples/s", out)
+    assert times == ["1", "2"]
+    assert any((tmp_path / "profile").rglob("*.xplane.pb"))
     # After 200 steps the BatchNorm moving statistics (momentum 0.99) are
     # still far off, so test accuracy is low here, as under model.fit; the
     # full run (a slow test) reaches 0.94.

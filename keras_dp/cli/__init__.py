@@ -62,6 +62,9 @@ def build_parser():
                             "(default: %(default)s)")
     train.add_argument("--verbose", type=int, default=1, choices=[0, 1, 2],
                        help="Keras progress output: 0 none, 1 bar, 2 a line per epoch")
+    train.add_argument("--profile", default=None, metavar="DIR",
+                       help="write a jax.profiler trace of 5 steps of the first epoch "
+                            "(after the first, which compiles) to DIR, for TensorBoard")
     train.add_argument("--data-on-device", default="auto", choices=["auto", "true", "false"],
                        help="keep the training arrays on the devices and gather each "
                             "step's rows there (without --ensemble): auto (when they fit), true, "

@@ -45,7 +45,8 @@ def train(args):
     history = trainer.fit(
         x_train, y_train, batch_size=args.batch_size, epochs=args.epochs,
         verbose=args.verbose, validation_data=(x_test, y_test),
-        callbacks=[EpochReport(samples, args.epochs)] if distributed.is_primary() else [],
+        callbacks=[EpochReport(samples, args.epochs, trainer)] if distributed.is_primary() else [],
+        profile_dir=args.profile,
     )
     test = {name: history.history[f"val_{name}"][-1] for name in ("loss", "accuracy")}
     print(f"Test: loss {test['loss']:.4f}  accuracy {test['accuracy']:.4f}")
@@ -129,16 +130,31 @@ class EpochReport(keras.callbacks.Callback):
 
     Seconds cover training only, from epoch start to the end of its last
     step (scoring the test set comes after); the first epoch's include
-    compiling the train step.
+    compiling the train step. Then, once the epoch is over (at the next
+    epoch's start, or the end of training), where its time went
+    (`trainer.timings`, `keras_dp.timing.describe`).
     """
 
-    def __init__(self, samples, epochs):
+    def __init__(self, samples, epochs, trainer=None):
         super().__init__()
-        self._samples, self._epochs = samples, epochs
+        self._samples, self._epochs, self._trainer = samples, epochs, trainer
         self._start = self._end = None
+        self._described = 0
 
     def on_epoch_begin(self, epoch, logs=None):
+        self._describe_finished_epochs()
         self._start = time.perf_counter()
+
+    def on_train_end(self, logs=None):
+        self._describe_finished_epochs()
+
+    def _describe_finished_epochs(self):
+        from keras_dp import timing
+
+        timings = self._trainer.timings if self._trainer is not None else []
+        for entry in timings[self._described:]:
+            print(f"  {timing.describe(entry)}", flush=True)
+        self._described = len(timings)
 
     def on_train_batch_end(self, batch, logs=None):
         self._end = time.perf_counter()

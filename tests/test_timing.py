@@ -1,0 +1,56 @@
+"""Where an epoch's time goes (`keras_dp.timing`), and the profiler trace."""
+
+import time
+
+import jax
+import keras
+import pytest
+
+import keras_dp
+from keras_dp import timing
+from conftest import devices, mlp
+
+
+class EpochClock(keras.callbacks.Callback):
+    """Each epoch's wall time, from `on_epoch_begin` to `on_epoch_end`."""
+
+    def __init__(self):
+        super().__init__()
+        self.walls = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.start = time.perf_counter()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.walls.append(time.perf_counter() - self.start)
+
+
+def test_the_epoch_breakdown_adds_up_to_the_epochs_wall_time(mnist):
+    (x, y), (x_test, y_test) = mnist
+    trainer = keras_dp.ShardedTrainer(mlp(), devices=devices(2), data_on_device=False)
+    clock = EpochClock()
+    trainer.fit(x, y, batch_size=32, epochs=2, verbose=0, callbacks=[clock],
+                validation_data=(x_test[:256], y_test[:256]))
+    assert [entry["epoch"] for entry in trainer.timings] == [0, 1]
+    for entry, wall in zip(trainer.timings, clock.walls, strict=True):
+        # Input, steps, callbacks and validation: the epoch's wall time,
+        # measured by a callback, within 5%.
+        parts = sum(entry[part] for part in timing.PARTS)
+        assert parts == pytest.approx(wall, rel=0.05), entry
+        assert entry["wall_s"] == pytest.approx(parts + entry["other_s"])
+        assert entry["steps_s"] > 0 and entry["validation_s"] > 0 and entry["input_s"] > 0
+        assert entry["samples"] == len(x)
+        assert entry["samples_per_s"] == pytest.approx(
+            len(x) / (entry["wall_s"] - entry["validation_s"]))
+
+
+def test_profile_dir_gets_a_trace_of_the_first_epoch(mnist, tmp_path):
+    (x, y), _ = mnist
+    trainer = keras_dp.ShardedTrainer(mlp(), devices=devices(2))
+    trainer.fit(x[:640], y[:640], batch_size=64, verbose=0, profile_dir=tmp_path / "profile")
+    written = [path for path in (tmp_path / "profile").rglob("*") if path.is_file()]
+    assert any(path.name.endswith(".xplane.pb") for path in written)
+    assert all(path.stat().st_size > 0 for path in written)
+    # The trace was stopped: a new one can start.
+    jax.profiler.start_trace(str(tmp_path / "again"))
+    jax.profiler.stop_trace()
