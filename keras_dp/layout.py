@@ -42,23 +42,19 @@ _SPLIT_GROUPS = {
 }
 
 
-def check_mode(state_sharding, mesh):
-    """Return `state_sharding` if it is a mode `mesh` can use.
+def check_mode(state_sharding):
+    """Return `state_sharding` if it is one of `MODES`.
+
+    (A mesh whose axes are not exactly `("batch",)` never gets here:
+    `mesh.make_mesh` refuses it with a message for every mode.)
 
     Raises:
-        ValueError: an unknown mode, or a split mode on a mesh whose axes are
-            not exactly `("batch",)`.
+        ValueError: an unknown mode.
     """
     if state_sharding not in MODES:
         raise ValueError(
             f"`state_sharding` must be one of {', '.join(map(repr, MODES))}. "
             f"Received: state_sharding={state_sharding!r}."
-        )
-    if state_sharding != "replicated" and tuple(mesh.axis_names) != (mesh_lib.BATCH_AXIS,):
-        raise ValueError(
-            f"state_sharding={state_sharding!r} splits the state over the mesh's "
-            f"single {mesh_lib.BATCH_AXIS!r} axis; received a mesh with axes "
-            f"{mesh.axis_names}. Use keras_dp.make_mesh()."
         )
     return state_sharding
 

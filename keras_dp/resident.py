@@ -221,9 +221,7 @@ def make_steps(model, mesh, unroll=1, state_sharding="replicated"):
         def one(state, start):
             return step(state, gather(arrays, rows.order, start, rows.rows, mesh))
 
-        state, logs, finite = steps_lib.scan_train_steps(one, state, rows.start, unroll)
-        return state, logs, jax.lax.with_sharding_constraint(
-            jnp.asarray(finite), mesh_lib.replicated(mesh))
+        return steps_lib.scan_train_steps(one, state, rows.start, unroll, mesh)
 
     # The step lays the state out (`state_sharding`) and replicates the logs.
     return (jax.jit(train_step, donate_argnums=0), jax.jit(train_steps, donate_argnums=0))

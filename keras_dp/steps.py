@@ -68,26 +68,27 @@ def make_multi_train_step(model, mesh, unroll=1, state_sharding="replicated"):
     step = sharded_train_step(model, mesh, state_sharding)
 
     def train_steps(state, batches):
-        state, logs, finite = scan_train_steps(step, state, batches, unroll)
-        return state, logs, _replicated(jnp.asarray(finite), mesh)
+        return scan_train_steps(step, state, batches, unroll, mesh)
 
     return jax.jit(train_steps, donate_argnums=0)
 
 
-def scan_train_steps(step, state, batches, unroll):
+def scan_train_steps(step, state, batches, unroll, mesh):
     """Inside a compiled program: `step` scanned over a stack, `(state, logs, finite)`.
 
     `batches` is any pytree whose leaves have a leading axis of K (a stacked
     `DeviceBatch`, or what a caller's `step` turns into one); `step(state,
     batch)` is a `sharded_train_step`. Returns the last state, the logs of
-    the last step, and the number of steps whose loss was finite.
+    the last step, and the number of steps whose loss was finite
+    (replicated over `mesh`).
     """
     state, logs = jax.lax.scan(step, state, batches, unroll=unroll)
     if "loss" in logs:
         finite = jnp.sum(jnp.isfinite(logs["loss"]))
     else:  # nothing to check: every step counts as finite
         finite = jax.tree.leaves(batches)[0].shape[0]
-    return state, jax.tree.map(lambda values: values[-1], logs), finite
+    last = jax.tree.map(lambda values: values[-1], logs)
+    return state, last, _replicated(jnp.asarray(finite), mesh)
 
 
 def sharded_train_step(model, mesh, state_sharding="replicated"):

@@ -115,7 +115,7 @@ class ShardedTrainer:
         self.model = model
         self._checked = []  # (data signature, loss and optimizer) `build` has checked
         self.mesh = mesh_lib.make_mesh(devices, mesh)
-        self.state_sharding = layout.check_mode(state_sharding, self.mesh)
+        self.state_sharding = layout.check_mode(state_sharding)
         self.seed = seed
         self.timings = []
         on_cpu = self.mesh.devices.flat[0].platform == "cpu"

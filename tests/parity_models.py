@@ -200,6 +200,26 @@ class GAN(keras.Model):
             out = draw()
         return out, put(non_trainable, idx["seed"], [scope.get_current_value(state)])
 
+    @staticmethod
+    def _train_half(loss_fn, optimizer, opt, trained, held, trainable, non_trainable, idx):
+        """One half of the step: `optimizer` updates sub-model `trained` ("d" or "g").
+
+        `loss_fn(trained_tv, trained_ntv, held_tv, held_ntv)` returns the
+        loss and both sub-models' new non-trainable values; the `held`
+        sub-model's weights are read, not updated. Returns the loss, the new
+        optimizer values and the new trainable and non-trainable lists.
+        """
+        t_tv, t_ntv, h_tv, h_ntv = (f"{trained}_tv", f"{trained}_ntv", f"{held}_tv",
+                                    f"{held}_ntv")
+        (loss, (trained_ntv, held_ntv)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            take(trainable, idx[t_tv]), take(non_trainable, idx[t_ntv]),
+            take(trainable, idx[h_tv]), take(non_trainable, idx[h_ntv]),
+        )
+        new_tv, opt = optimizer.stateless_apply(opt, grads, take(trainable, idx[t_tv]))
+        trainable = put(trainable, idx[t_tv], new_tv)
+        non_trainable = put(put(non_trainable, idx[t_ntv], trained_ntv), idx[h_ntv], held_ntv)
+        return loss, opt, trainable, non_trainable
+
     def train_step(self, state, data):
         trainable, non_trainable, optimizer_variables, metrics_variables = state
         # fit(x) gives the bare batch; a dataset of (x,) gives a 1-tuple.
@@ -227,15 +247,8 @@ class GAN(keras.Model):
             )
             return self.loss_fn(labels, predictions), (d_ntv, g_ntv)
 
-        (d_loss, (d_ntv, g_ntv)), d_grads = jax.value_and_grad(d_loss_fn, has_aux=True)(
-            take(trainable, idx["d_tv"]), take(non_trainable, idx["d_ntv"]),
-            take(trainable, idx["g_tv"]), take(non_trainable, idx["g_ntv"]),
-        )
-        d_tv, d_opt = self.d_optimizer.stateless_apply(
-            d_opt, d_grads, take(trainable, idx["d_tv"])
-        )
-        trainable = put(trainable, idx["d_tv"], d_tv)
-        non_trainable = put(put(non_trainable, idx["d_ntv"], d_ntv), idx["g_ntv"], g_ntv)
+        d_loss, d_opt, trainable, non_trainable = self._train_half(
+            d_loss_fn, self.d_optimizer, d_opt, "d", "g", trainable, non_trainable, idx)
 
         # 2. Train the generator to make the discriminator say "real" (0).
         def draw_g():
@@ -251,15 +264,8 @@ class GAN(keras.Model):
             )
             return self.loss_fn(misleading_labels, predictions), (g_ntv, d_ntv)
 
-        (g_loss, (g_ntv, d_ntv)), g_grads = jax.value_and_grad(g_loss_fn, has_aux=True)(
-            take(trainable, idx["g_tv"]), take(non_trainable, idx["g_ntv"]),
-            take(trainable, idx["d_tv"]), take(non_trainable, idx["d_ntv"]),
-        )
-        g_tv, g_opt = self.g_optimizer.stateless_apply(
-            g_opt, g_grads, take(trainable, idx["g_tv"])
-        )
-        trainable = put(trainable, idx["g_tv"], g_tv)
-        non_trainable = put(put(non_trainable, idx["g_ntv"], g_ntv), idx["d_ntv"], d_ntv)
+        g_loss, g_opt, trainable, non_trainable = self._train_half(
+            g_loss_fn, self.g_optimizer, g_opt, "g", "d", trainable, non_trainable, idx)
 
         # 3. Metrics.
         def update():
