@@ -173,8 +173,16 @@ class LiveModel:
 
     def _arrays(self):
         # Metric variables are left out: the trainer resets them itself.
+        return [variable.value for variable in self._compared_variables()]
+
+    def _compared_variables(self):
+        """The variables whose change makes `needs_read` true."""
         variables = TrainState.variables_of(self.model)._replace(metrics=[])
-        return [variable.value for group in variables for variable in group]
+        return [variable for group in variables for variable in group]
+
+    def _write(self, state):
+        """Write `state` into the model (an ensemble writes every member)."""
+        write_back(state, self.model)
 
     def stepped(self, state):
         """Take a step's new state; the model is now behind it."""
@@ -200,6 +208,6 @@ class LiveModel:
         # A step that failed after its state was donated leaves nothing to
         # write; the model then keeps the weights of the last epoch boundary.
         if self.state is not None and is_alive(self.state):
-            write_back(self.state, self.model)
+            self._write(self.state)
             self.synced = True
             self._exchanged = self._arrays()

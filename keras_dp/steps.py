@@ -105,7 +105,7 @@ def sharded_train_step(model, mesh, state_sharding="replicated"):
 
     def train_step(state, batch):
         new_state, logs = step(state, placement.real_rows(batch, mesh))
-        new_state = _keep_if_not_finite(new_state, state, logs)
+        new_state = keep_if_not_finite(new_state, state, logs)
         shardings = layout.state_shardings(new_state, mesh, state_sharding)
         return layout.constrain(new_state, shardings), _replicated(logs, mesh)
 
@@ -116,7 +116,7 @@ def _replicated(tree, mesh):
     return jax.lax.with_sharding_constraint(tree, mesh_lib.replicated(mesh))
 
 
-def _keep_if_not_finite(new_state, state, logs):
+def keep_if_not_finite(new_state, state, logs):
     """`new_state`, with `state`'s weights and optimizer if the loss is not finite."""
     if "loss" not in logs:
         return new_state

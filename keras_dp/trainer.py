@@ -120,7 +120,7 @@ class ShardedTrainer:
         self.timings = []
         on_cpu = self.mesh.devices.flat[0].platform == "cpu"
         self.steps_in_flight = inflight.bound(steps_in_flight, on_cpu)
-        self.steps_per_execution = _steps_per_execution(model, steps_per_execution)
+        self.steps_per_execution = pipeline.steps_per_execution(model, steps_per_execution)
         self.placement = placement_lib.make_placement(self.mesh, prefetch)
         self.data_on_device = resident.check_option(data_on_device, self.placement.multiprocess)
         if self.placement.multiprocess and self.steps_per_execution > 1:
@@ -394,16 +394,4 @@ class ShardedTrainer:
             x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
             seed=self.seed, class_weight=class_weight,
         )
-
-
-def _steps_per_execution(model, steps_per_execution):
-    """The trainer's K: the argument, else the model's from `compile`, else 1."""
-    if steps_per_execution is None:
-        steps_per_execution = getattr(model, "steps_per_execution", None) or 1
-    if int(steps_per_execution) < 1:
-        raise ValueError(
-            "`steps_per_execution` must be at least 1. Received: "
-            f"{steps_per_execution}."
-        )
-    return int(steps_per_execution)
 

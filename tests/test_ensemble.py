@@ -67,7 +67,7 @@ def test_member_i_equals_the_same_model_trained_alone_with_model_fit(mnist, memb
     for i, member in enumerate(result.members):
         reference = alone(3 + i)
         history = reference.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
-        member_losses = [epoch[i] for epoch in result.history["loss"]]
+        member_losses = [epoch[i] for epoch in result.member_history["loss"]]
         np.testing.assert_allclose(member_losses, history.history["loss"], rtol=1e-5)
         assert_same_weights(member, reference, f"member {i}")
     # Different seeds really gave different members.
@@ -115,18 +115,26 @@ def test_the_ensemble_is_at_least_as_accurate_as_its_average_member(trained, mni
     print(message)
     assert ensemble >= np.mean(members), message
     assert min(members) > 0.6, message  # they trained (measured 0.79-0.81 after 3 epochs; the ensemble 0.82)
-    # The last epoch's validation logs are these scores.
-    assert history["val_ensemble_accuracy"][-1] == pytest.approx(ensemble, abs=1e-9)
-    np.testing.assert_allclose(history["val_accuracy"][-1], members, atol=1e-9)
+    # The last epoch's validation logs are these scores: each member's in
+    # member_history, their mean and the ensemble's in the Keras History.
+    members_history = trainer.member_history
+    assert isinstance(history, keras.callbacks.History)
+    assert history.history["val_ensemble_accuracy"][-1] == pytest.approx(ensemble, abs=1e-9)
+    assert members_history["val_ensemble_accuracy"][-1] == pytest.approx(ensemble, abs=1e-9)
+    np.testing.assert_allclose(members_history["val_accuracy"][-1], members, atol=1e-9)
+    assert history.history["val_accuracy"][-1] == pytest.approx(np.mean(members), abs=1e-9)
     # Each member's accuracy and loss are Keras's own for that model. (A
     # row whose top two logits tie to float rounding could flip: 1/1024.)
     for i, member in enumerate(trainer.members):
         keras_scores = member.evaluate(x_test, y_test, verbose=0, return_dict=True)
         assert members[i] == pytest.approx(keras_scores["accuracy"], abs=1 / 1024)
         assert scores["loss"][i] == pytest.approx(keras_scores["loss"], rel=1e-4)
-    # History: one value per member per epoch; the training loss fell.
-    assert [len(epoch) for epoch in history["loss"]] == [4, 4, 4]
-    assert all(a > b for a, b in zip(history["loss"][0], history["loss"][-1]))
+    # One value per member per epoch; the History holds their mean; the
+    # training loss fell.
+    assert [len(epoch) for epoch in members_history["loss"]] == [4, 4, 4]
+    np.testing.assert_allclose(history.history["loss"],
+                               np.mean(members_history["loss"], axis=1), rtol=1e-6)
+    assert all(a > b for a, b in zip(members_history["loss"][0], members_history["loss"][-1]))
 
 
 def test_the_averaging_model_saves_and_loads_as_a_keras_file(trained, mnist, tmp_path):
@@ -298,3 +306,98 @@ def test_cli_prints_each_member_and_the_ensemble_and_saves_the_model(tmp_path):
     assert ensemble and float(ensemble.group(2)) == pytest.approx(np.mean(members), abs=1e-4)
     model = keras.saving.load_model(tmp_path / "convnet_ensemble.keras")
     assert model.output_shape == (None, 10)
+
+
+# -- Keras's fit loop: steps_per_execution, callbacks, History, a NaN guard --------
+
+def small_data(rows=300):
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(rows, 8)).astype("float32"), rng.integers(0, 3, rows)
+
+
+def build_small():
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                              keras.layers.Dense(3)])
+    model.compile(keras.optimizers.Adam(0.01),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model
+
+
+def assert_members_close(ours, theirs, rtol):
+    # Scaled to each variable: float32 rounding of batched and scanned kernels.
+    for a, b in zip(ours.get_weights(), theirs.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=0, atol=rtol * np.abs(b).max())
+
+
+@pytest.mark.parametrize("member_shuffle", [False, True])
+def test_k_steps_per_call_equal_one_step_per_call(member_shuffle):
+    # 300 rows in batches of 32: 9 full batches (two calls of 4, one single)
+    # and a partial batch of 12, run alone.
+    x, y = small_data()
+    runs = [keras_dp.fit_ensemble(build_small, x, y, members=4, batch_size=32, epochs=2,
+                                  member_shuffle=member_shuffle, steps_per_execution=k,
+                                  devices=devices(4), verbose=0)
+            for k in (1, 4)]
+    for one, four in zip(runs[0].members, runs[1].members):
+        assert_members_close(four, one, rtol=1e-5)
+    np.testing.assert_allclose(runs[1].member_history["loss"], runs[0].member_history["loss"],
+                               rtol=1e-5)
+
+
+def test_callbacks_see_the_members_current_weights_and_can_stop_training():
+    x, y = small_data(256)
+    seen = {}
+
+    class Probe(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen[batch] = ([w.copy() for w in self.model.get_weights()], dict(logs))
+            if batch == 2:
+                self.model.stop_training = True
+
+    trainer = keras_dp.EnsembleTrainer(build_small, 2, seed=7, devices=devices(2))
+    history = trainer.fit(x, y, batch_size=64, epochs=3, shuffle=False, callbacks=[Probe()],
+                          verbose=0)
+    assert sorted(seen) == [0, 1, 2] and history.epoch == [0]
+    for i, member in enumerate(trainer.members):
+        keras.utils.set_random_seed(7 + i)
+        one_step = build_small()
+        one_step.train_on_batch(x[:64], y[:64])
+        # The averaging model's weights, read after batch 0, are member i's
+        # (its block of 4 arrays) after one step.
+        for a, b in zip(seen[0][0][i * 4:(i + 1) * 4], one_step.get_weights()):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(b).max())
+        keras.utils.set_random_seed(7 + i)
+        reference = build_small()  # stopped after batch 2: three batches
+        logs = reference.fit(x[:192], y[:192], batch_size=64, shuffle=False, verbose=0)
+        assert_members_close(member, reference, rtol=1e-5)
+        assert trainer.member_history["loss"][0][i] == pytest.approx(
+            logs.history["loss"][0], rel=1e-5)
+    # A batch's logs are the members' means.
+    assert seen[2][1]["loss"] == pytest.approx(np.mean(trainer.member_history["loss"][0]),
+                                               rel=1e-6)
+
+
+def test_a_non_finite_loss_stops_with_the_last_good_weights_or_terminate_on_nan():
+    x, y = small_data(256)
+    x[64 * 2 + 5, 0] = np.nan  # batch 2
+    trainer = keras_dp.EnsembleTrainer(build_small, 2, seed=1, devices=devices(2))
+    with pytest.raises(FloatingPointError, match=r"member 0 at batch 2 .*member 1 at batch 2"):
+        trainer.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
+    for i, member in enumerate(trainer.members):
+        keras.utils.set_random_seed(1 + i)
+        reference = build_small()
+        for step in range(2):
+            reference.train_on_batch(x[64 * step:64 * (step + 1)], y[64 * step:64 * (step + 1)])
+        assert all(np.isfinite(w).all() for w in member.get_weights())
+        assert_members_close(member, reference, rtol=1e-5)
+    # K steps per call: the same batch is named; TerminateOnNaN stops quietly.
+    trainer = keras_dp.EnsembleTrainer(build_small, 2, seed=1, devices=devices(2),
+                                       steps_per_execution=4)
+    with pytest.raises(FloatingPointError, match=r"member 0 at batch 2 "):
+        trainer.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
+    history = trainer.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0,
+                          callbacks=[keras.callbacks.TerminateOnNaN()])
+    # As under model.fit, the epoch whose batch stopped training still ends.
+    assert history.epoch == [0] and np.isnan(history.history["loss"][0])
+    assert all(np.isfinite(w).all() for m in trainer.members for w in m.get_weights())

@@ -29,7 +29,7 @@ def test_steps_per_execution_comes_from_compile_and_scan_unrolls_on_cpu():
     model.compile(optimizer="adam", loss=model.loss, steps_per_execution=8)
     trainer = keras_dp.ShardedTrainer(model, devices=devices(2))
     assert trainer.steps_per_execution == 8
-    with pytest.raises(ValueError, match="`steps_per_execution` must be at least 1"):
+    with pytest.raises(ValueError, match="`steps_per_execution` is the number of steps.*at least 1. Received: steps_per_execution=0"):
         keras_dp.ShardedTrainer(mlp(), steps_per_execution=0)
 
 

@@ -95,7 +95,7 @@ def train_ensemble(args):
         x_train, y_train, batch_size=args.batch_size, epochs=args.epochs,
         verbose=args.verbose, validation_data=(x_test, y_test),
     )
-    test = {name[len("val_"):]: values[-1] for name, values in history.items()
+    test = {name[len("val_"):]: values[-1] for name, values in trainer.member_history.items()
             if name.startswith("val_")}
     for index, (loss, accuracy) in enumerate(zip(test["loss"], test["accuracy"])):
         print(f"Member {index}: test loss {loss:.4f}  accuracy {accuracy:.4f}")

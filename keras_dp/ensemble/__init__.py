@@ -25,18 +25,23 @@ class EnsembleResult(NamedTuple):
         members: the `M` trained Keras models, member `i` at index `i`.
         model: a Keras model of the members that outputs the mean of their
             class probabilities (`EnsembleTrainer.averaging_model`).
-        history: the per-epoch logs (`EnsembleTrainer.fit`).
+        history: the `keras.callbacks.History` of `EnsembleTrainer.fit`:
+            members' means and the ensemble's validation scores per epoch.
+        member_history: each member's own logs per epoch
+            (`EnsembleTrainer.member_history`).
     """
 
     members: list
     model: keras.Model
-    history: dict
+    history: keras.callbacks.History
+    member_history: dict
 
 
-def fit_ensemble(build_model, x=None, y=None, *, members=None, epochs=1,
-                 batch_size=None, validation_data=None, shuffle=True,
-                 member_shuffle=False, sample_weight=None, from_logits=None,
-                 seed=0, mesh=None, devices=None, verbose="auto"):
+def fit_ensemble(build_model, x=None, y=None, *, members=None, batch_size=None,
+                 epochs=1, verbose="auto", callbacks=None, validation_data=None,
+                 shuffle=True, member_shuffle=False, sample_weight=None,
+                 validation_freq=1, steps_per_execution=None, from_logits=None,
+                 seed=0, mesh=None, devices=None):
     """Train an ensemble, one member per device, that averages probabilities.
 
     Member `i` is `build_model()` called right after
@@ -56,19 +61,26 @@ def fit_ensemble(build_model, x=None, y=None, *, members=None, epochs=1,
         members: the ensemble size `M` (default: the device count `D`). Up
             to `D`, member `i` runs on device `i`; a multiple of `D` puts
             `M / D` members on each device.
-        epochs, batch_size, shuffle: as in `model.fit`; each member trains
+        batch_size, epochs, shuffle: as in `model.fit`; each member trains
             on every batch whole.
+        verbose: 0 silent; 1 or "auto" Keras's progress bar, 2 one line
+            per epoch; the logs are the members' means and the ensemble's
+            validation scores.
+        callbacks: Keras callbacks, given the ensemble's averaging model,
+            whose weights are the members' (see `EnsembleTrainer.fit`).
         validation_data: `(x, y[, sample_weight])`, scored after each epoch
-            for every member and for the ensemble.
+            (every `validation_freq`, as in `model.fit`) for every member
+            and for the ensemble.
+        steps_per_execution: training steps per compiled call, as in
+            `fit_sharded`.
         member_shuffle: give each member its own shuffle order.
         from_logits: whether the models output logits (a softmax comes
             before averaging); `None` reads it from the compiled loss.
         seed: seed of the members' initialisations and of the data order.
         mesh, devices: where to train (default: all of JAX's devices).
-        verbose: 0 silent; otherwise one line per epoch.
 
     Returns:
-        `EnsembleResult(members, model, history)`.
+        `EnsembleResult(members, model, history, member_history)`.
 
     Example:
 
@@ -83,11 +95,13 @@ def fit_ensemble(build_model, x=None, y=None, *, members=None, epochs=1,
     """
     trainer = EnsembleTrainer(
         build_model, members, seed=seed, mesh=mesh, devices=devices,
-        from_logits=from_logits,
+        from_logits=from_logits, steps_per_execution=steps_per_execution,
     )
     history = trainer.fit(
-        x, y, batch_size=batch_size, epochs=epochs, shuffle=shuffle,
+        x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
+        callbacks=callbacks, validation_data=validation_data, shuffle=shuffle,
         member_shuffle=member_shuffle, sample_weight=sample_weight,
-        validation_data=validation_data, verbose=verbose,
+        validation_freq=validation_freq,
     )
-    return EnsembleResult(trainer.members, trainer.averaging_model(), history)
+    return EnsembleResult(trainer.members, trainer.averaging_model(), history,
+                          trainer.member_history)

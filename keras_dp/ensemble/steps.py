@@ -13,18 +13,22 @@ absolute) after 16 Adam steps; the guide's convnet's step losses agree to
 """
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from keras_dp import mesh as mesh_lib
 from keras_dp import steps as steps_lib
 
 
-def make_train_step(model, mesh, per_member_batches=False):
-    """Return the jitted `train_step(state, batch) -> (state, logs)`.
+def make_train_step(model, mesh, per_member_batches=False, steps=1):
+    """Return the jitted `train_step(state, batch) -> (state, logs, finite)`.
 
     The per-member step is the one `keras_dp.steps` runs: Keras's
     `model.compute_loss_and_updates`, its gradient, and
     `optimizer.stateless_apply`; the metrics update as under `model.fit`.
+    A member whose loss is not finite keeps its weights and optimizer state
+    from before that step (as `keras_dp.steps.make_train_step` does), so
+    one member's NaN never reaches the others or its own weights.
 
     Args:
         model: member 0, built and compiled; only read while tracing (all
@@ -33,14 +37,43 @@ def make_train_step(model, mesh, per_member_batches=False):
         per_member_batches: `batch` has a leading member axis, split like
             the state (member `i` trains on row `i`); otherwise `batch` is
             replicated and every member trains on all of it.
+        steps: 1, or K for a program that runs K steps (a `lax.scan`) on
+            `batch` stacked on an axis of K after the member axis, if any:
+            `[M, K, rows, ...]` per member, `[K, rows, ...]` replicated.
 
     Returns:
         A function of a stacked `TrainState` (donated) and a batch
-        `(x, y, sample_weight)`, returning the new stacked state and the
-        logs, each metric an `(M,)` array, all split over the member axis.
+        `(x, y, sample_weight)`, returning the new stacked state, the logs
+        after the last step (each metric an `(M,)` array), and an `(M,)`
+        count of each member's steps whose loss was finite; all split over
+        the member axis.
     """
-    member_step = steps_lib.model_train_step(model)
-    return jax.jit(_on_each_device(member_step, mesh, per_member_batches), donate_argnums=0)
+    member_step = _guarded(steps_lib.model_train_step(model))
+
+    def member_steps(state, batch):
+        if steps == 1:
+            state, logs = member_step(state, batch)
+            return state, logs, _finite_count(logs, 1)
+        state, logs = jax.lax.scan(member_step, state, batch)
+        last = jax.tree.map(lambda values: values[-1], logs)
+        return state, last, _finite_count(logs, steps)
+
+    return jax.jit(_on_each_device(member_steps, mesh, per_member_batches), donate_argnums=0)
+
+
+def _guarded(step):
+    def guarded(state, batch):
+        new_state, logs = step(state, batch)
+        return steps_lib.keep_if_not_finite(new_state, state, logs), logs
+
+    return guarded
+
+
+def _finite_count(logs, steps):
+    """How many of the steps behind `logs` had a finite loss (all, with no loss)."""
+    if "loss" not in logs:
+        return jnp.asarray(steps, "int32")
+    return jnp.sum(jnp.isfinite(logs["loss"])).astype("int32")
 
 
 def make_predict_step(model, mesh, from_logits):

@@ -4,13 +4,13 @@ import jax
 import numpy as np
 
 from keras_dp import build as build_lib
-from keras_dp import inflight
+from keras_dp import callbacks as callbacks_lib
 from keras_dp import mesh as mesh_lib
 from keras_dp import pipeline
+from keras_dp.ensemble import loop as ensemble_loop
 from keras_dp.ensemble import members as members_lib
 from keras_dp.ensemble import steps as ensemble_steps
 from keras_dp.ensemble.scores import classification_scores
-from keras_dp.state import is_alive
 
 
 class EnsembleTrainer:
@@ -28,6 +28,16 @@ class EnsembleTrainer:
         from_logits: whether the members output logits, whose softmax over
             the last axis is then taken before averaging; `None` reads it
             from the compiled loss (`keras_dp.ensemble.members.read_from_logits`).
+        steps_per_execution: training steps per compiled call (default:
+            the members' `steps_per_execution` from `compile`, else 1), as
+            `ShardedTrainer` runs them: K batches of one row count per
+            call, the rest one by one.
+
+    Attributes:
+        member_history: after `fit`, each member's own logs per epoch:
+            `{name: [[M floats] per epoch]}` for every training metric and
+            `val_loss` / `val_accuracy`, and one float per epoch for
+            `val_ensemble_loss` / `val_ensemble_accuracy`.
 
     Raises:
         TypeError: `build_model` is neither callable nor a `keras.Model`, or
@@ -38,17 +48,19 @@ class EnsembleTrainer:
     """
 
     def __init__(self, build_model, members=None, *, seed=0, mesh=None,
-                 devices=None, from_logits=None):
+                 devices=None, from_logits=None, steps_per_execution=None):
         count, self.mesh = members_lib.member_mesh(members, mesh, devices)
         self.seed = seed
         self.members = members_lib.make_members(build_model, count, seed)
         self.from_logits = members_lib.read_from_logits(self.members[0], from_logits)
-        # XLA:CPU can deadlock with several steps queued (`keras_dp.inflight`).
-        self.steps_in_flight = 1 if self.mesh.devices.flat[0].platform == "cpu" else 2
+        self.steps_per_execution = pipeline.steps_per_execution(
+            self.members[0], steps_per_execution)
+        self.member_history = {}
         self._train_steps = {}
         self._predict_step = ensemble_steps.make_predict_step(
             self.members[0], self.mesh, self.from_logits)
         self._x_example = None
+        self._averaging = None
 
     @property
     def members_per_device(self):
@@ -89,8 +101,7 @@ class EnsembleTrainer:
 
     def stack(self, batches):
         """Put one host batch per member on the mesh, each on its member's device."""
-        stacked = jax.tree.map(lambda *a: np.stack(a), *map(pipeline.unpack, batches))
-        return jax.device_put(stacked, members_lib.member_sharded(self.mesh))
+        return jax.device_put(_stack(batches), members_lib.member_sharded(self.mesh))
 
     def train_step(self, state, batch, *, per_member=False):
         """Run one compiled step of every member: `(state, logs)`.
@@ -102,12 +113,14 @@ class EnsembleTrainer:
 
         Returns:
             The new state, and logs mapping each metric to an `(M,)` array.
+            A member whose loss is not finite keeps its previous weights.
         """
-        return self._step(per_member)(state, batch)
+        state, logs, _ = self._step(per_member, 1)(state, batch)
+        return state, logs
 
     def compiled_train_step(self, state, batch, *, per_member=False):
         """The train step compiled for these arguments (`.as_text()` is HLO)."""
-        return self._step(per_member).lower(state, batch).compile()
+        return self._step(per_member, 1).lower(state, batch).compile()
 
     def write_back(self, state):
         """Copy member `i`'s row of the stacked `state` into member `i`'s model."""
@@ -119,51 +132,41 @@ class EnsembleTrainer:
 
     # -- Training, scoring, predicting ---------------------------------------
 
-    def fit(self, x=None, y=None, *, batch_size=None, epochs=1, shuffle=True,
-            member_shuffle=False, sample_weight=None, validation_data=None,
-            verbose="auto"):
+    def fit(self, x=None, y=None, *, batch_size=None, epochs=1, verbose="auto",
+            callbacks=None, validation_data=None, shuffle=True, member_shuffle=False,
+            sample_weight=None, validation_freq=1):
         """Train every member for `epochs` epochs (see `fit_ensemble`).
 
-        The members' Keras models are updated after every epoch and when
-        `fit` returns or stops by an exception.
+        As `model.fit` runs: Keras callbacks (given the averaging model,
+        whose weights are the members'; see `keras_dp.ensemble.loop`), a
+        progress bar unless `verbose=0`, and `stop_training`. The members'
+        Keras models hold the state of their last completed step whenever a
+        callback looks, when `fit` returns, and when it stops by an
+        exception.
 
         Returns:
-            The history, a dict of per-epoch lists: each training metric of
-            the compiled models (`loss`, `accuracy`, ...) and `val_loss`,
-            `val_accuracy` hold a list of `M` floats per epoch, one per
-            member (the training ones as `model.fit` logs them; the
-            validation ones as `evaluate` scores them); `val_ensemble_loss`
-            and `val_ensemble_accuracy` one float per epoch.
+            A `keras.callbacks.History` of floats per epoch: each training
+            metric of the compiled models (`loss`, `accuracy`, ...) as the
+            members' mean, `val_loss` and `val_accuracy` likewise, and
+            `val_ensemble_loss`, `val_ensemble_accuracy` of the ensemble.
+            Each member's own values are in `member_history`.
 
         Raises:
             ValueError: `member_shuffle` without shuffled array data.
+            FloatingPointError: a member's loss became NaN or Inf.
         """
+        callbacks_lib.check_validation_freq(validation_freq)
         sources = self._sources(x, y, sample_weight, batch_size, shuffle, member_shuffle)
         self.build(sources[0].peek())
         val = None
         if validation_data is not None:
             val = self._batches(validation_data, None, None, batch_size, False, self.seed)
             self.build(val.peek())  # bad validation labels fail now, not after epoch 1
-        history = {}
-        live = _Live(self.init_state())
-        try:
-            for epoch in range(epochs):
-                logs = self._fit_epoch(live, sources, epoch)
-                self.write_back(live.state)
-                if val is not None:
-                    weights = (live.state.trainable, live.state.non_trainable)
-                    scores = self._evaluate(weights, val)
-                    logs.update({f"val_{name}": value for name, value in scores.items()})
-                for name, value in logs.items():
-                    history.setdefault(name, []).append(value)
-                if verbose:
-                    print(_epoch_line(epoch, epochs, logs), flush=True)
-        finally:
-            # A step that failed after its state was donated leaves nothing
-            # to write; the models keep the weights of the last whole epoch.
-            if is_alive(live.state):
-                self.write_back(live.state)
-        return history
+        callbacks = callbacks_lib.callback_list(
+            callbacks, self.averaging_model(), verbose, epochs=epochs,
+            steps=sources[0].steps)
+        return ensemble_loop.fit(self, sources, val, callbacks, epochs=epochs,
+                                 validation_freq=validation_freq)
 
     def evaluate(self, x=None, y=None, *, batch_size=None, sample_weight=None):
         """Score each member and the ensemble (`keras_dp.ensemble.scores`).
@@ -198,19 +201,46 @@ class EnsembleTrainer:
         0's (like the data's `x` for subclassed members), the members as
         sub-models sharing their weights with `self.members`, a softmax
         after each when they output logits, and an `Average` layer. It is
-        not compiled, and saves and loads as a `.keras` file.
+        not compiled, and saves and loads as a `.keras` file. Every call
+        returns the same model.
         """
         if self._x_example is None:
             raise ValueError("Fit or build the ensemble before asking for its model.")
-        return members_lib.averaging_model(self.members, self.from_logits, self._x_example)
+        if self._averaging is None:  # one model: the one fit's callbacks saw
+            self._averaging = members_lib.averaging_model(
+                self.members, self.from_logits, self._x_example)
+        return self._averaging
 
     # -- Internals -----------------------------------------------------------
 
-    def _step(self, per_member):
-        if per_member not in self._train_steps:  # member 0 stands for all, to trace
-            self._train_steps[per_member] = ensemble_steps.make_train_step(
-                self.members[0], self.mesh, per_member)
-        return self._train_steps[per_member]
+    def _step(self, per_member, steps):
+        key = (per_member, steps)
+        if key not in self._train_steps:  # member 0 stands for all, to trace
+            self._train_steps[key] = ensemble_steps.make_train_step(
+                self.members[0], self.mesh, per_member, steps)
+        return self._train_steps[key]
+
+    def _calls(self, sources, epoch):
+        """Yield `(steps, batch on the mesh, per_member)` for one epoch.
+
+        Batches of one row count go K to a call; the rest one by one
+        (`pipeline.group_steps`). With one source per member, member `i`'s
+        batches sit on member `i`'s device (`[M, (K,) rows, ...]`);
+        otherwise every device holds them whole (`[(K,) rows, ...]`).
+        """
+        per_member = len(sources) > 1
+        if per_member:
+            items = zip(*(source.epoch(epoch) for source in sources))
+        else:
+            items = (pipeline.unpack(batch) for batch in sources[0].epoch(epoch))
+        for group in pipeline.group_steps(items, self.steps_per_execution):
+            if per_member:  # group: K tuples of M batches
+                by_member = [_stack(list(batches)) if len(group) > 1 else batches[0]
+                             for batches in zip(*group)]
+                yield len(group), self.stack(by_member), True
+            else:
+                batch = _stack(group) if len(group) > 1 else group[0]
+                yield len(group), self.replicate(batch), False
 
     def _weights(self):
         """The models' current `(trainable, non_trainable)`, stacked on the mesh."""
@@ -240,28 +270,6 @@ class EnsembleTrainer:
             for index in range(1, len(self.members))
         ]
 
-    def _fit_epoch(self, live, sources, epoch):
-        """Train one epoch on `live.state`; return the members' logs as floats."""
-        per_member = len(sources) > 1
-        if per_member:
-            batches = map(self.stack, zip(*(source.epoch(epoch) for source in sources)))
-        else:
-            batches = map(self.replicate, sources[0].epoch(epoch))
-        # Keras restarts the running metrics every epoch; so does each member.
-        for model in self.members:
-            model.reset_metrics()
-        fresh = members_lib.stack_state(self.members, self.mesh, groups=("metrics",))
-        live.state = live.state._replace(metrics=fresh.metrics)
-        throttle = inflight.Throttle(self.steps_in_flight)
-        logs = None
-        for batch in batches:
-            live.state, logs = self.train_step(live.state, batch, per_member=per_member)
-            throttle.add(logs)
-        throttle.drain()
-        logs = jax.device_get(logs)
-        names = sorted(logs, key=lambda name: (name != "loss", name))
-        return {name: [float(value) for value in logs[name]] for name in names}
-
     def _predictions(self, weights, batches):
         """Members' probabilities `(M, N, classes)`, with the batches' labels and weights."""
         parts, labels, sample_weights = [], [], []
@@ -289,19 +297,6 @@ class EnsembleTrainer:
         }
 
 
-class _Live:
-    """The state being trained, kept where `fit` can write it back on any exit."""
-
-    def __init__(self, state):
-        self.state = state
-
-
-def _epoch_line(epoch, epochs, logs):
-    """'epoch 1/2: loss <member mean> (<min>-<max>) ... val_ensemble_accuracy <v>'."""
-    parts = [f"epoch {epoch + 1}/{epochs}:"]
-    for name, value in logs.items():
-        if isinstance(value, list):
-            parts.append(f"{name} {np.mean(value):.4f} ({min(value):.4f}-{max(value):.4f})")
-        else:
-            parts.append(f"{name} {value:.4f}")
-    return "  ".join(parts)
+def _stack(batches):
+    """K host batches `(x, y, sample_weight)` as one, stacked on a new axis 0."""
+    return jax.tree.map(lambda *arrays: np.stack(arrays), *map(pipeline.unpack, batches))

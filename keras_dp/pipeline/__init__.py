@@ -22,6 +22,7 @@ from keras_dp.pipeline.iterables import hide_gpus_from_tensorflow
 from keras_dp.pipeline.stream import StepsPerEpoch
 from keras_dp.pipeline.stream import group_steps
 from keras_dp.pipeline.stream import prefetch
+from keras_dp.pipeline.stream import steps_per_execution
 
 __all__ = [
     "ArrayBatches",
@@ -34,6 +35,7 @@ __all__ = [
     "make_batches",
     "prefetch",
     "split_validation",
+    "steps_per_execution",
     "unpack",
 ]
 

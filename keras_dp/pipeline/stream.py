@@ -1,6 +1,7 @@
 """Batches in time: epochs of a fixed length, K-step groups, and the look-ahead."""
 
 import itertools
+import numbers
 import queue
 import threading
 import warnings
@@ -53,6 +54,22 @@ class StepsPerEpoch:
             yield from self._batches.epoch(data_pass)
             if not self._batches.reiterable:
                 return
+
+
+def steps_per_execution(model, value=None):
+    """K, the steps per compiled call: `value`, else the model's from `compile`, else 1.
+
+    Raises:
+        ValueError: `value` is not an int of at least 1.
+    """
+    if value is None:
+        value = getattr(model, "steps_per_execution", None) or 1
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(
+            "`steps_per_execution` is the number of steps each compiled call "
+            f"runs, an int of at least 1. Received: steps_per_execution={value!r}."
+        )
+    return int(value)
 
 
 def group_steps(batches, steps_per_execution):

@@ -1,0 +1,145 @@
+"""The ensemble's `fit` loop: epochs of compiled calls, with Keras's callbacks.
+
+It runs the way `keras_dp.loop` runs one model's `fit`: `on_train_begin`,
+then per epoch `on_epoch_begin`, one compiled call of one or K steps per
+`on_train_batch_begin` / `on_train_batch_end`, validation, `on_epoch_end`,
+and `stop_training` honoured after every call and epoch. The model the
+callbacks see is the ensemble's averaging model, whose weights are the
+members' own; a `MembersLive` keeps them current whenever a callback looks.
+
+Logs are Keras's: one float per name. A training metric is the members'
+mean of what each member's `model.fit` would log; `val_<metric>` is the
+members' mean of their validation scores, and `val_ensemble_loss` /
+`val_ensemble_accuracy` score the averaged probabilities. Each member's own
+values are kept per epoch in `EnsembleTrainer.member_history`.
+"""
+
+import jax
+import keras
+import numpy as np
+
+from keras_dp import callbacks as callbacks_lib
+from keras_dp.ensemble import members as members_lib
+from keras_dp.state import LiveModel
+from keras_dp.state import TrainState
+
+
+class MembersLive(LiveModel):
+    """A `LiveModel` whose state is the members' stacked state.
+
+    `model` is the averaging model the callbacks hold; writing back
+    assigns each member its row, and a callback that changed any member's
+    weights makes the trainer read the members again before the next step.
+    """
+
+    def __init__(self, model, members):
+        self.members = members
+        super().__init__(model)
+
+    def _compared_variables(self):
+        return [variable for member in self.members
+                for group in TrainState.variables_of(member)._replace(metrics=[])
+                for variable in group]
+
+    def _write(self, state):
+        members_lib.write_back_members(state, self.members)
+
+
+def fit(trainer, sources, val, callbacks, *, epochs, validation_freq):
+    """Train `epochs` epochs of `sources` (one per member, or one for all).
+
+    Fills `trainer.member_history` (emptied first) and returns the History
+    of `callbacks`. Whatever ends the loop, every member holds the state of
+    its last completed step when this returns or raises.
+    """
+    model = callbacks.model
+    model.stop_training = False
+    live = MembersLive(model, trainer.members)
+    trainer.member_history = {}
+    callbacks.on_train_begin()
+    logs = {}
+    with live.attached():
+        try:
+            for epoch in range(epochs):
+                callbacks.on_epoch_begin(epoch)
+                start_epoch(trainer, live)
+                member_logs = train_epoch(trainer, live, sources, epoch, callbacks)
+                if val is not None and callbacks_lib.should_validate(epoch, validation_freq):
+                    scores = trainer._evaluate(live.state.weights, val)
+                    member_logs.update({f"val_{name}": v for name, v in scores.items()})
+                for name, value in member_logs.items():
+                    trainer.member_history.setdefault(name, []).append(value)
+                logs = {name: float(np.mean(value)) for name, value in member_logs.items()}
+                callbacks.on_epoch_end(epoch, logs)
+                if model.stop_training:
+                    break
+        finally:
+            live.finish()
+    callbacks.on_train_end(logs)
+    return _history(callbacks)
+
+
+def start_epoch(trainer, live):
+    """Reset every member's metrics, as Keras does each epoch, and bring the state in."""
+    for member in trainer.members:
+        member.reset_metrics()
+    if live.needs_read():  # the first epoch, or a callback changed a member
+        live.read(trainer.init_state())
+    else:
+        fresh = members_lib.stack_state(trainer.members, trainer.mesh, groups=("metrics",))
+        live.state = live.state._replace(metrics=fresh.metrics)
+
+
+def train_epoch(trainer, live, sources, epoch, callbacks):
+    """Run one epoch's calls; return each member's last logs, `{name: [M floats]}`.
+
+    Each call's logs are read to the host before the next call is
+    dispatched (the progress bar and callbacks get floats), so one call is
+    in flight at a time, as XLA:CPU needs.
+
+    Raises:
+        FloatingPointError: a member's loss was NaN or Inf (unless a
+            callback such as `TerminateOnNaN` stopped training instead).
+    """
+    index, member_logs = 0, {}
+    for steps, batch, per_member in trainer._calls(sources, epoch):
+        callbacks.on_train_batch_begin(index)
+        if live.needs_read():  # a callback changed a member
+            live.read(trainer.init_state())
+        state, logs, finite = trainer._step(per_member, steps)(live.state, batch)
+        live.stepped(state)
+        finite = jax.device_get(finite)
+        member_logs = {name: np.asarray(values).tolist() for name, values in
+                       callbacks_lib.to_python(logs, trainer.members[0]).items()}
+        failed = [(member, index + int(count)) for member, count in enumerate(finite)
+                  if count < steps]
+        index += steps
+        callbacks.on_train_batch_end(
+            index - 1, {name: float(np.mean(v)) for name, v in member_logs.items()})
+        if failed and not callbacks.model.stop_training:
+            raise FloatingPointError(failure_message(epoch, failed, member_logs["loss"]))
+        if callbacks.model.stop_training:
+            break
+    return member_logs
+
+
+def failure_message(epoch, failed, losses):
+    """The error for members whose loss stopped being finite, `failed`: `[(member, batch)]`."""
+    which = ", ".join(f"member {member} at batch {batch} (loss {losses[member]})"
+                      for member, batch in failed)
+    return (
+        f"The loss stopped being finite in epoch {epoch + 1}: {which}, batches "
+        "counted from 0 within the epoch, as callbacks count. Training "
+        "stopped. Each of those members holds its weights from before that "
+        "batch; every other member holds its weights after the last batch "
+        "that ran. Check the batch for NaN or Inf inputs or labels, lower the "
+        "learning rate, or clip gradients (for example optimizer "
+        "clipnorm=1.0); add keras.callbacks.TerminateOnNaN() to stop without "
+        "an error."
+    )
+
+
+def _history(callbacks):
+    """The `keras.callbacks.History` of `callbacks` (`callbacks_lib.callback_list` adds one)."""
+    return next(callback for callback in callbacks.callbacks
+                if isinstance(callback, keras.callbacks.History))
