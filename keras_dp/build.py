@@ -56,6 +56,44 @@ def require_compiled(model, what):
     )
 
 
+def check_model(model):
+    """Raise a `TypeError` naming the fix unless `model` is a `keras.Model`."""
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            "keras_dp trains a keras.Model. Received an object of type "
+            f"{type(model).__module__}.{type(model).__qualname__}. Wrap "
+            "layers in keras.Sequential([...]) or keras.Model(inputs, "
+            "outputs)."
+        )
+
+
+class Builder:
+    """`build` for one model, skipping data it has already checked.
+
+    Tracing the model symbolically costs a fit call as much as several
+    steps of a small model, so a batch whose signature was already checked
+    against the same loss and optimizer is not traced again. The loss and
+    optimizer objects are kept and compared by identity (a recompile
+    replaces them; an id() could be reused by a new object after the old
+    one is freed).
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self._checked = []  # (data signature, (loss, optimizer))
+
+    def build(self, batch, for_training=True):
+        """`build(self.model, batch, for_training)` unless already done for this data."""
+        key = (signature(batch), for_training)
+        parts = (_compat.compiled_loss(self.model), getattr(self.model, "optimizer", None))
+        checked = any(key == seen and all(a is b for a, b in zip(parts, objects))
+                      for seen, objects in self._checked)
+        if checked and is_built(self.model, for_training):
+            return
+        build(self.model, batch, for_training)
+        self._checked.append((key, parts))
+
+
 def is_built(model, for_training=True):
     """Whether every layer is built, and for training the optimizer, loss and metrics."""
     if not all(layer.built for layer in _compat.all_layers(model)):

@@ -14,9 +14,7 @@ at the end of fit, and whenever `fit` exits by an exception or an interrupt.
 """
 
 import jax
-import keras
 
-from keras_dp import _compat
 from keras_dp import build as build_lib
 from keras_dp import callbacks as callbacks_lib
 from keras_dp import checkpoint as checkpoint_lib
@@ -102,18 +100,12 @@ class ShardedTrainer:
                  devices=None, seed=0, steps_per_execution=None, unroll=None,
                  prefetch=2, steps_in_flight=None, state_sharding="replicated",
                  data_on_device="auto", compilation_cache=True):
-        if not isinstance(model, keras.Model):
-            raise TypeError(
-                "keras_dp trains a keras.Model. Received an object of type "
-                f"{type(model).__module__}.{type(model).__qualname__}. Wrap "
-                "layers in keras.Sequential([...]) or keras.Model(inputs, "
-                "outputs)."
-            )
+        build_lib.check_model(model)
         mesh_lib.check_keras_distribution()
         self.compilation_cache_dir = compilation_cache_lib.enable(compilation_cache)
         build_lib.compile_model(model, optimizer, loss, metrics)
         self.model = model
-        self._checked = []  # (data signature, loss and optimizer) `build` has checked
+        self._builder = build_lib.Builder(model)
         self.mesh = mesh_lib.make_mesh(devices, mesh)
         self.state_sharding = layout.check_mode(state_sharding)
         self.seed = seed
@@ -169,20 +161,7 @@ class ShardedTrainer:
             ValueError: the model cannot be built on `x`, or the labels do
                 not fit its output.
         """
-        batch = pipeline.unpack(batch)
-        # Tracing the model symbolically costs a fit call as much as several
-        # steps of a small model: skip it for data already checked against
-        # this model, loss and optimizer. The objects themselves are kept
-        # and compared by identity (a recompile replaces them; an id() could
-        # be reused by a new object after the old one is freed).
-        key = (build_lib.signature(batch), for_training)
-        parts = (_compat.compiled_loss(self.model), getattr(self.model, "optimizer", None))
-        checked = any(key == seen and all(a is b for a, b in zip(parts, objects))
-                      for seen, objects in self._checked)
-        if checked and build_lib.is_built(self.model, for_training):
-            return
-        build_lib.build(self.model, batch, for_training)
-        self._checked.append((key, parts))
+        self._builder.build(pipeline.unpack(batch), for_training)
 
     def init_state(self):
         """Return the model's current variables as a `TrainState` on the mesh.
@@ -318,14 +297,8 @@ class ShardedTrainer:
                 `keras.callbacks.TerminateOnNaN` stops training instead.
         """
         if validation_split:
-            if validation_data is not None:
-                raise ValueError(
-                    "Pass either `validation_data` or `validation_split`, not "
-                    "both: keras_dp would not know which to score."
-                )
             (x, y, sample_weight), validation_data = pipeline.split_validation(
-                x, y, sample_weight, validation_split
-            )
+                x, y, sample_weight, validation_split, validation_data)
         build_lib.require_compiled(self.model, "fit")
         batches = self._batches(x, y, sample_weight, batch_size, shuffle, class_weight)
         if steps_per_epoch is not None:

@@ -83,7 +83,7 @@ def make_batches(x, y=None, sample_weight=None, *, batch_size=None, shuffle=Fals
     return IterableBatches(x, class_weight=class_weight)
 
 
-def split_validation(x, y, sample_weight, validation_split):
+def split_validation(x, y, sample_weight, validation_split, validation_data=None):
     """Split off the last `validation_split` of array data, as `model.fit` does.
 
     The split is taken before any shuffling, so the validation rows are the
@@ -93,9 +93,15 @@ def split_validation(x, y, sample_weight, validation_split):
         `((x, y, sample_weight), (x_val, y_val, sample_weight_val))`.
 
     Raises:
-        ValueError: a fraction outside (0, 1), data that is not arrays, or
-            a split that leaves either part without rows.
+        ValueError: `validation_data` given too, a fraction outside (0, 1),
+            data that is not arrays, or a split that leaves either part
+            without rows.
     """
+    if validation_data is not None:
+        raise ValueError(
+            "Pass either `validation_data` or `validation_split`, not "
+            "both: keras_dp would not know which to score."
+        )
     if not 0 < validation_split < 1:
         raise ValueError(
             "`validation_split` is the fraction of rows held out, between 0 "
