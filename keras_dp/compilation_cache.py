@@ -70,11 +70,22 @@ def choose_dir(compilation_cache, environ, current):
     return setting or default_dir(environ)
 
 
-def enable(compilation_cache=True):
+def enable(compilation_cache=True, min_compile_time_s=None):
     """Point JAX's persistent compilation cache at keras_dp's choice; return the directory in use.
 
     See the module doc for the choice. Returns `jax_compilation_cache_dir`
-    after the call (`None`: no persistent cache).
+    after the call (`None`: no persistent cache). Call it before building
+    a model to have the model's initializers cached too (as `keras-dp
+    train` does); a trainer calls it again, which changes nothing then.
+
+    Args:
+        compilation_cache: `True`, `False` or a directory, as for
+            `ShardedTrainer`.
+        min_compile_time_s: if given and a cache is in use, cache programs
+            that took at least this long to compile
+            (`jax_persistent_cache_min_compile_time_secs`, 1 s by default).
+            Random initializers of a model's weights compile for a fraction
+            of a second each on CPU, below JAX's default.
     """
     current = jax.config.jax_compilation_cache_dir
     path = choose_dir(compilation_cache, os.environ, current)
@@ -85,4 +96,6 @@ def enable(compilation_cache=True):
 
             jax_cache.reset_cache()
         jax.config.update("jax_compilation_cache_dir", path)
+    if min_compile_time_s is not None and jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_time_s)
     return jax.config.jax_compilation_cache_dir

@@ -16,7 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = """
 import json, logging, os
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-import keras, numpy as np
+import jax, keras, numpy as np
 import keras_dp
 
 messages = []
@@ -25,15 +25,21 @@ handler.emit = lambda record: messages.append(record.getMessage())
 logger = logging.getLogger("jax._src.compiler")
 logger.setLevel(logging.DEBUG)
 logger.addHandler(handler)
+if os.environ.get("EARLY"):  # as `keras-dp train` does
+    import keras_dp.compilation_cache
+    keras_dp.compilation_cache.enable(min_compile_time_s=0)
+    messages.append("EARLY ENABLED")
 keras.utils.set_random_seed(0)
 model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
 model.compile(optimizer="sgd", loss="mse")
 trainer = keras_dp.ShardedTrainer(model)
 trainer.fit(np.ones((16, 8), "float32"), np.zeros((16, 4), "float32"), batch_size=8, verbose=0)
 named = lambda start: [m.split("'")[1] for m in messages if m.startswith(start)]
+before = messages[:messages.index("EARLY ENABLED") + 1] if "EARLY ENABLED" in messages else []
 print(json.dumps({"dir": trainer.compilation_cache_dir,
                   "hits": named("Persistent compilation cache hit"),
-                  "misses": named("PERSISTENT COMPILATION CACHE MISS")}))
+                  "misses": named("PERSISTENT COMPILATION CACHE MISS"),
+                  "min_compile_time": jax.config.jax_persistent_cache_min_compile_time_secs}))
 """
 
 
@@ -42,7 +48,8 @@ def run_fit(tmp_path, **env):
                if key not in ("XLA_FLAGS", compilation_cache.ENV, "JAX_COMPILATION_CACHE_DIR")}
     # Cache every program, however fast it compiles, and keep the real home clean.
     environ.update(HOME=str(tmp_path / "home"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                   PYTHONPATH=str(ROOT), **env)
+                   PYTHONPATH=str(ROOT))
+    environ.update(env)
     result = subprocess.run([sys.executable, "-c", SCRIPT], env=environ, capture_output=True,
                             text=True, timeout=240, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -58,6 +65,19 @@ def test_a_second_process_loads_the_train_step_from_the_per_user_cache(tmp_path)
     assert any(cache.iterdir())
     second = run_fit(tmp_path, XDG_CACHE_HOME=str(xdg))
     assert "jit_train_step" in second["hits"] and "jit_train_step" not in second["misses"]
+
+
+def test_enabled_before_the_model_the_cache_holds_its_initializers_too(tmp_path):
+    # The argument's threshold (0 s) replaces the environment's (here 60 s,
+    # which would cache nothing).
+    xdg = tmp_path / "xdg"
+    slow = dict(XDG_CACHE_HOME=str(xdg), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="60")
+    first = run_fit(tmp_path, EARLY="1", **slow)
+    assert first["min_compile_time"] == 0
+    second = run_fit(tmp_path, EARLY="1", **slow)
+    assert "jit_train_step" in second["hits"]
+    initializers = [name for name in second["hits"] if name != "jit_train_step"]
+    assert initializers, second
 
 
 def test_the_environment_variable_turns_the_cache_off(tmp_path):

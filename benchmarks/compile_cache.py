@@ -1,0 +1,105 @@
+"""Time to the first step, with and without a warm persistent compilation cache.
+
+Each run is a fresh Python process that imports keras_dp, builds the convnet
+and calls `fit_sharded` on MNIST-shaped data with a callback that stops
+training after the first step. The time measured runs from just before the
+process is started to the end of that first step (interpreter start,
+imports, building, tracing, compiling or loading from the cache, the step):
+what a user waits for when rerunning a script. Cold runs get a new, empty
+cache directory each; warm runs share one that a first run filled.
+
+    python benchmarks/compile_cache.py --devices 2 --runs 3
+
+Prints one JSON line per run and a summary with the medians and their ratio.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+CHILD = r"""
+import sys, time
+import numpy as np
+import keras_dp
+import keras
+
+cache, batch_size, early = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "early"
+if early:  # as `keras-dp train` does: before the model's initializers compile
+    keras_dp.compilation_cache.enable(cache, min_compile_time_s=0.1)
+rng = np.random.default_rng(0)
+x = rng.random((4 * batch_size, 28, 28, 1), dtype=np.float32)
+y = rng.integers(0, 10, 4 * batch_size)
+model = keras_dp.models.compile_classifier(keras_dp.models.convnet())
+
+
+class FirstStep(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        float(logs["loss"])  # the step has finished
+        print("FIRST_STEP_END", time.time(), flush=True)
+        self.model.stop_training = True
+
+
+keras_dp.fit_sharded(model, x, y, batch_size=batch_size, epochs=1, verbose=0,
+                     callbacks=[FirstStep()], compilation_cache=cache,
+                     data_on_device=False)
+"""
+
+
+def run_once(cache_dir, devices, batch_size, early):
+    """Seconds from starting a process to the end of its first step."""
+    env = dict(os.environ, KERAS_BACKEND="jax",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    start = time.time()
+    result = subprocess.run([sys.executable, "-c", CHILD, cache_dir, str(batch_size),
+                             "early" if early else "trainer"],
+                            capture_output=True, text=True, env=env, timeout=600)
+    if result.returncode != 0:
+        raise RuntimeError(f"the timed process failed:\n{result.stderr[-3000:]}")
+    line = next(line for line in result.stdout.splitlines() if line.startswith("FIRST_STEP_END"))
+    return float(line.split()[1]) - start
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=64)
+    args = parser.parse_args()
+    for early in (False, True):
+        summarise(early, *measure(args, early))
+
+
+def measure(args, early):
+    """`(args, cache_entries, {"cold": [s], "warm": [s]})` for one way of enabling the cache."""
+    times = {"cold": [], "warm": []}
+    with tempfile.TemporaryDirectory() as root:
+        warm_dir = os.path.join(root, "warm")
+        run_once(warm_dir, args.devices, args.batch_size, early)  # fills the warm cache
+        entries = len(os.listdir(warm_dir))
+        for index in range(args.runs):  # interleaved, so load drifts hit both
+            cold_dir = os.path.join(root, f"cold{index}")
+            for kind, path in (("cold", cold_dir), ("warm", warm_dir)):
+                seconds = run_once(path, args.devices, args.batch_size, early)
+                times[kind].append(seconds)
+                print(json.dumps({"enabled": "early" if early else "by the trainer",
+                                  "kind": kind, "run": index, "seconds": round(seconds, 3)}),
+                      flush=True)
+    return args, entries, times
+
+
+def summarise(early, args, entries, times):
+    cold, warm = (statistics.median(times[kind]) for kind in ("cold", "warm"))
+    print(json.dumps({
+        "enabled": "before building the model" if early else "by the trainer",
+        "devices": args.devices, "batch_size": args.batch_size, "runs": args.runs,
+        "cache_entries": entries, "cold_median_s": round(cold, 3),
+        "warm_median_s": round(warm, 3), "cold_over_warm": round(cold / warm, 2),
+    }), flush=True)
+
+if __name__ == "__main__":
+    main()
