@@ -6,7 +6,14 @@ import pathlib
 import subprocess
 import sys
 
+import jax
+import keras
+import numpy as np
 import pytest
+
+import keras_dp
+from conftest import assert_weights_equal
+from conftest import devices
 
 SCRIPTS = pathlib.Path(__file__).parent / "scripts"
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -51,3 +58,58 @@ def test_sigint_at_random_moments_never_loses_a_completed_step():
 def test_sigint_soak(options):
     trials, summary = sigint_trials(*options)
     check_trials(trials, summary, int(options[1]))
+
+
+class FailsAtCall(keras.layers.Layer):
+    """Passes its input through; its host callback raises on training call `at`."""
+
+    def __init__(self, at, **kwargs):
+        super().__init__(**kwargs)
+        self.at, self.calls = at, 0
+
+    def call(self, inputs, training=False):
+        if training:
+            jax.debug.callback(self._count)
+        return inputs
+
+    def _count(self):
+        self.calls += 1
+        if self.calls == self.at:
+            raise RuntimeError("simulated device fault")
+
+
+def small_model(*middle):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"),
+                              *middle, keras.layers.Dense(10)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-2),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+@pytest.fixture
+def synthetic():
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(256, 16)).astype("float32"), rng.integers(0, 10, 256)
+
+
+def test_a_step_failing_at_run_time_leaves_the_model_readable_at_a_completed_step(synthetic):
+    # One device: on XLA:CPU a callback failing on one of several devices
+    # leaves the others waiting at the gradient all-reduce, and XLA aborts
+    # the process (its rendezvous timeout), before Python sees an error.
+    fit = dict(batch_size=32, verbose=0, devices=devices(1), shuffle=False)
+    fails = FailsAtCall(at=11)  # the 3rd step of epoch 2
+    model = small_model(fails)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="simulated device fault") as raised:
+        keras_dp.fit_sharded(model, *synthetic, epochs=3, **fit)
+    assert fails.calls == 11
+    # The failing step had consumed the state of step 10 (donation); the
+    # newest state left is the one written back at epoch 1's end (History
+    # reads the model there), and the note says so.
+    note = raised.value.__notes__[-1]
+    assert "holds the weights after 8 steps of epoch 1" in note
+    assert "up to 2 steps of epoch 2, are lost" in note
+    one_epoch = small_model(FailsAtCall(at=0))
+    keras_dp.fit_sharded(one_epoch, *synthetic, epochs=1, **fit)
+    assert int(model.optimizer.iterations.numpy()) == 8
+    assert_weights_equal(model, one_epoch)  # readable, and bitwise epoch 1's end
