@@ -113,3 +113,46 @@ def test_a_step_failing_at_run_time_leaves_the_model_readable_at_a_completed_ste
     keras_dp.fit_sharded(one_epoch, *synthetic, epochs=1, **fit)
     assert int(model.optimizer.iterations.numpy()) == 8
     assert_weights_equal(model, one_epoch)  # readable, and bitwise epoch 1's end
+
+
+class Norm(keras.layers.Layer):
+    """Appends each row's Euclidean norm: a finite value whose gradient is NaN at 0."""
+
+    def call(self, inputs):
+        norm = keras.ops.sqrt(keras.ops.sum(inputs * inputs, axis=-1, keepdims=True))
+        return keras.ops.concatenate([inputs, norm], axis=-1)
+
+
+def norm_model():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, use_bias=False),
+                              Norm(), keras.layers.Dense(10)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-2),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+@pytest.mark.parametrize("options", [
+    # Resident data; the next step is dispatched before the host checks
+    # this one (one device: queued all-reduces can deadlock XLA:CPU).
+    dict(devices=1, steps_per_execution=1, steps_in_flight=2),
+    dict(devices=2, steps_per_execution=3, data_on_device=False),  # in one K-step call
+])
+def test_nan_gradients_with_a_finite_loss_stop_at_their_batch_and_keep_the_weights(
+        synthetic, options):
+    x, y = synthetic
+    x = x.copy()
+    x[5 * 32 + 3] = 0  # batch 5: the norm of a zero row is 0, its gradient NaN
+    options = dict(options, devices=devices(options["devices"]))
+    fit = dict(batch_size=32, verbose=0, shuffle=False)
+    five_steps = norm_model()
+    keras_dp.ShardedTrainer(five_steps, **options).fit(x[:5 * 32], y[:5 * 32], **fit)
+    model = norm_model()
+    with pytest.raises(FloatingPointError, match=(
+            r"became nan at epoch 1, batch 5 \(counted.*loss, or the weight update.*"
+            r"holds the weights after 5 steps of epoch 1")):
+        keras_dp.ShardedTrainer(model, **options).fit(x, y, epochs=2, **fit)
+    assert int(model.optimizer.iterations.numpy()) == 5
+    for left, right in zip(model.get_weights(), five_steps.get_weights(), strict=True):
+        assert np.isfinite(left).all()
+        np.testing.assert_allclose(left, right, rtol=1e-6, atol=1e-7)
