@@ -28,6 +28,7 @@ from keras_dp import build as build_lib
 from keras_dp import callbacks as callbacks_lib
 from keras_dp import checkpoint as checkpoint_lib
 from keras_dp import inflight
+from keras_dp import labels as labels_lib
 from keras_dp import timing
 from keras_dp.state import LiveModel
 from keras_dp.state import fresh_metrics
@@ -101,6 +102,7 @@ def fit(trainer, batches, val, callbacks, *, epochs, resume, validation_freq,
     """
     model = trainer.model
     model.stop_training = False
+    check_labels(model, (batches, "the training data"), (val, "the validation data"))
     feed = feed or HostFeed(trainer, batches)
     run = FitRun(trainer, batches, LiveModel(model), callbacks, feed, checkpoints)
     run.profile = timing.Profile(profile_dir) if profile_dir is not None else None
@@ -139,6 +141,23 @@ def fit(trainer, batches, val, callbacks, *, epochs, resume, validation_freq,
     if finished:
         callbacks.on_train_end(epoch_logs)
     return model.history
+
+
+def check_labels(model, *data):
+    """Check the class-id labels of each `(batches, what)` before any step (`keras_dp.labels`).
+
+    Array labels are checked now, all of them; a dataset's as each batch
+    arrives. Each `Batches` is checked once, whatever calls this again.
+
+    Raises:
+        ValueError: a label that is not a class id of a sparse categorical loss.
+    """
+    data = [(batches, what) for batches, what in data
+            if batches is not None and not batches.labels_checked]
+    if data:
+        check = labels_lib.label_check(model, data[0][0].peek()[0])
+        for batches, what in data:
+            batches.check_labels(check, what)
 
 
 def run_epoch(run, epoch, skip, val):
@@ -290,6 +309,7 @@ def evaluate(trainer, weights, batches, callbacks):
         Keras's order, and the non-trainable and metric values the last test
         step left.
     """
+    check_labels(trainer.model, (batches, "the data"))
     trainable, non_trainable = weights
     metrics = fresh_metrics(trainer.model, trainer.mesh, trainer.state_layout().metrics)
     throttle = inflight.Throttle(trainer.steps_in_flight)

@@ -32,6 +32,15 @@ class StepsPerEpoch:
         """The first batch of the underlying data."""
         return self._batches.peek()
 
+    @property
+    def labels_checked(self):
+        """Whether `check_labels` has run (on the underlying data)."""
+        return self._batches.labels_checked
+
+    def check_labels(self, check, what):
+        """Check the underlying data's labels (see its `check_labels`)."""
+        self._batches.check_labels(check, what)
+
     def epoch(self, epoch):
         """Yield the next `steps` batches of the stream."""
         for _ in range(self.steps):
