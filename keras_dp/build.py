@@ -133,6 +133,13 @@ def explain_jit_failures(model):
         ) from None
 
 
+def first_line(error, limit=300):
+    """The first line of `error`'s message, cut to `limit` characters."""
+    lines = str(error).splitlines() or [""]
+    line = lines[0]
+    return line if len(line) <= limit else line[:limit] + " ..."
+
+
 def _trace(model, x):
     try:
         return _compat.compute_output_spec(model, x, training=False)

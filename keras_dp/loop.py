@@ -261,11 +261,35 @@ def train_call(run, steps, device_batch, throttle, at):
     (epoch, index) = at
     if live.needs_read():  # a callback changed the model
         live.read(trainer.init_state(), at)
-    with build_lib.explain_jit_failures(trainer.model):
-        logs, finite = live.advance(
-            lambda state: run.feed.call(state, steps, device_batch), (epoch, index + steps))
+    try:
+        with build_lib.explain_jit_failures(trainer.model):
+            logs, finite = live.advance(
+                lambda state: run.feed.call(state, steps, device_batch), (epoch, index + steps))
+    except Exception as error:
+        changed = _changed_shapes(run, steps, device_batch)
+        if changed is None:
+            raise
+        raise ValueError(
+            f"Batch {index} of epoch {epoch + 1} (counted from 0 within the epoch) "
+            f"has arrays of shapes {changed[1]} after the row dimension, where the "
+            f"first batch had {changed[0]}, and the model cannot take them: "
+            f"{type(error).__name__}: {build_lib.first_line(error)} Give every "
+            "batch the shapes the model was built for (with keras.Input, only "
+            "dimensions given as None may vary)."
+        ) from None
     throttle.add((index, finite, logs))
     return logs
+
+
+def _changed_shapes(run, steps, device_batch):
+    """`(first batch's, this call's)` shapes past the rows, or None if they agree."""
+    data = getattr(device_batch, "data", None)  # resident rows have one shape
+    if data is None:
+        return None
+    axes = 2 if steps > 1 else 1  # a K-step call's arrays are stacked
+    now = [tuple(array.shape[axes:]) for array in jax.tree.leaves(data)]
+    first = [tuple(np.shape(array)[1:]) for array in jax.tree.leaves(run.batches.peek())]
+    return None if now == first else (first, now)
 
 
 def validate(run, val):

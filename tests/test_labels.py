@@ -57,7 +57,7 @@ def test_a_bad_dataset_label_is_named_with_its_batch_as_it_arrives(data):
     batches = [(x[i:i + 32], y[i:i + 32]) for i in range(0, ROWS, 32)]
     model, ends = classifier(), BatchEnds()
     with pytest.raises(ValueError, match=(
-            r"A label of batch 2 of epoch 0 of the training data.*y\[7\] = 10 \(row 7\)")):
+            r"A label of batch 2 of epoch 1 of the training data.*y\[7\] = 10 \(row 7\)")):
         fit(model, batches, callbacks=[ends])
     assert ends.ends == [0, 1]  # the batches before it trained
 

@@ -59,7 +59,7 @@ class IterableBatches:
         The first batch, read already, is checked now.
         """
         self._label_check = None if check is None else (
-            lambda y, index, epoch: check(y, f"batch {index} of epoch {epoch} of {what}"))
+            lambda y, index, epoch: check(y, f"batch {index} of epoch {epoch + 1} of {what}"))
         self.labels_checked = True
         if self._label_check is not None and self._first is not None:
             self._label_check(self._first[1], 0, 0)
