@@ -41,6 +41,23 @@ def label_check(model, x):
     return check
 
 
+def check_data(model, *data):
+    """Check the class-id labels of each `(batches, what)` (`pipeline` Batches) before any step.
+
+    Array labels are checked now, all of them; a dataset's as each batch
+    arrives. Each `Batches` is checked once, whatever calls this again.
+
+    Raises:
+        ValueError: a label that is not a class id of a sparse categorical loss.
+    """
+    data = [(batches, what) for batches, what in data
+            if batches is not None and not batches.labels_checked]
+    if data:
+        check = label_check(model, data[0][0].peek()[0])
+        for batches, what in data:
+            batches.check_labels(check, what)
+
+
 def _is_slot(value):
     return value is None or isinstance(value, tuple)
 

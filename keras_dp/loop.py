@@ -102,7 +102,7 @@ def fit(trainer, batches, val, callbacks, *, epochs, resume, validation_freq,
     """
     model = trainer.model
     model.stop_training = False
-    check_labels(model, (batches, "the training data"), (val, "the validation data"))
+    labels_lib.check_data(model, (batches, "the training data"), (val, "the validation data"))
     feed = feed or HostFeed(trainer, batches)
     run = FitRun(trainer, batches, LiveModel(model), callbacks, feed, checkpoints)
     run.profile = timing.Profile(profile_dir) if profile_dir is not None else None
@@ -141,23 +141,6 @@ def fit(trainer, batches, val, callbacks, *, epochs, resume, validation_freq,
     if finished:
         callbacks.on_train_end(epoch_logs)
     return model.history
-
-
-def check_labels(model, *data):
-    """Check the class-id labels of each `(batches, what)` before any step (`keras_dp.labels`).
-
-    Array labels are checked now, all of them; a dataset's as each batch
-    arrives. Each `Batches` is checked once, whatever calls this again.
-
-    Raises:
-        ValueError: a label that is not a class id of a sparse categorical loss.
-    """
-    data = [(batches, what) for batches, what in data
-            if batches is not None and not batches.labels_checked]
-    if data:
-        check = labels_lib.label_check(model, data[0][0].peek()[0])
-        for batches, what in data:
-            batches.check_labels(check, what)
 
 
 def run_epoch(run, epoch, skip, val):
@@ -261,35 +244,12 @@ def train_call(run, steps, device_batch, throttle, at):
     (epoch, index) = at
     if live.needs_read():  # a callback changed the model
         live.read(trainer.init_state(), at)
-    try:
-        with build_lib.explain_jit_failures(trainer.model):
-            logs, finite = live.advance(
-                lambda state: run.feed.call(state, steps, device_batch), (epoch, index + steps))
-    except Exception as error:
-        changed = _changed_shapes(run, steps, device_batch)
-        if changed is None:
-            raise
-        raise ValueError(
-            f"Batch {index} of epoch {epoch + 1} (counted from 0 within the epoch) "
-            f"has arrays of shapes {changed[1]} after the row dimension, where the "
-            f"first batch had {changed[0]}, and the model cannot take them: "
-            f"{type(error).__name__}: {build_lib.first_line(error)} Give every "
-            "batch the shapes the model was built for (with keras.Input, only "
-            "dimensions given as None may vary)."
-        ) from None
+    with build_lib.explain_shape_change(run.batches.peek(), steps, device_batch, at), \
+            build_lib.explain_jit_failures(trainer.model):
+        logs, finite = live.advance(
+            lambda state: run.feed.call(state, steps, device_batch), (epoch, index + steps))
     throttle.add((index, finite, logs))
     return logs
-
-
-def _changed_shapes(run, steps, device_batch):
-    """`(first batch's, this call's)` shapes past the rows, or None if they agree."""
-    data = getattr(device_batch, "data", None)  # resident rows have one shape
-    if data is None:
-        return None
-    axes = 2 if steps > 1 else 1  # a K-step call's arrays are stacked
-    now = [tuple(array.shape[axes:]) for array in jax.tree.leaves(data)]
-    first = [tuple(np.shape(array)[1:]) for array in jax.tree.leaves(run.batches.peek())]
-    return None if now == first else (first, now)
 
 
 def validate(run, val):
@@ -333,7 +293,7 @@ def evaluate(trainer, weights, batches, callbacks):
         Keras's order, and the non-trainable and metric values the last test
         step left.
     """
-    check_labels(trainer.model, (batches, "the data"))
+    labels_lib.check_data(trainer.model, (batches, "the data"))
     trainable, non_trainable = weights
     metrics = fresh_metrics(trainer.model, trainer.mesh, trainer.state_layout().metrics)
     throttle = inflight.Throttle(trainer.steps_in_flight)

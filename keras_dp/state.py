@@ -165,7 +165,7 @@ class LiveModel:
             _compat.unshadow_state_sync(self.model)
 
     def read(self, state, position):
-        """Take `state`, just read from the model (which stands at `position`), as the live state."""
+        """Take `state`, just read from the model (which is at `position`), as the live state."""
         self.state, self.synced, self.touched = state, True, False
         self.position = self.model_position = position
         self._exchanged = self._arrays()
@@ -207,7 +207,7 @@ class LiveModel:
         return rest
 
     def stepped(self, state, position=None):
-        """Take a step's new state (at `position`, default: where it was); the model is now behind it."""
+        """Take a step's new state (at `position`, default: unchanged); the model is behind it."""
         self.state, self.synced = state, False
         if position is not None:
             self.position = position

@@ -51,7 +51,7 @@ def short_list(items, limit=6):
 
 
 def check_not_ragged(x):
-    """Raise a `ValueError` with the fix if `x`, a list beside labels, holds sequences of several lengths.
+    """Raise a `ValueError` with the fix if `x`, a list beside `y`, is items of several lengths.
 
     Such a list is read as the model's inputs, which must all have one row
     per sample; a list of samples of different lengths (tokenised text)
