@@ -171,6 +171,51 @@ def explain_jit_failures(model):
         ) from None
 
 
+@contextlib.contextmanager
+def explain_shape_change(first, steps, device_batch, at):
+    """Name the batch when a compiled call fails on shapes that differ from the first batch's.
+
+    `first` is the first host batch, `device_batch` the call's (K stacked
+    for `steps` > 1), `at` its `(epoch, index)`. The model's own check
+    decides: batches of other shapes that it takes (a `None` length) train.
+    """
+    try:
+        yield
+    except jax.errors.JaxRuntimeError:
+        raise  # the step ran: not a matter of shapes
+    except Exception as error:
+        changed = _changed_shapes(first, steps, device_batch)
+        if changed is None:
+            raise
+        epoch, index = at
+        raise ValueError(
+            f"Batch {index} of epoch {epoch + 1} (counted from 0 within the epoch) "
+            f"has arrays of shapes {changed[1]} after the row dimension, where the "
+            f"first batch had {changed[0]}, and the model cannot take them: "
+            f"{type(error).__name__}: {first_line(error)} Give every batch the "
+            "shapes the model was built for (with keras.Input, only dimensions "
+            "given as None may vary)."
+        ) from None
+
+
+def _changed_shapes(first, steps, device_batch):
+    """`(first batch's, this call's)` shapes past the rows, or None if they agree."""
+    data = getattr(device_batch, "data", None)  # resident rows have one shape
+    if data is None:
+        return None
+    axes = 2 if steps > 1 else 1  # a K-step call's arrays are stacked
+    now = [tuple(array.shape[axes:]) for array in jax.tree.leaves(data)]
+    before = [tuple(np.shape(array)[1:]) for array in jax.tree.leaves(first)]
+    return None if now == before else (before, now)
+
+
+def first_line(error, limit=300):
+    """The first line of `error`'s message, cut to `limit` characters."""
+    lines = str(error).splitlines() or [""]
+    line = lines[0]
+    return line if len(line) <= limit else line[:limit] + " ..."
+
+
 def _trace(model, x):
     try:
         return _compat.compute_output_spec(model, x, training=False)

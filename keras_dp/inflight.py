@@ -4,7 +4,8 @@ JAX dispatches a step and returns at once. On XLA:CPU, several queued steps
 with cross-device all-reduces can deadlock its thread pool (measured: about
 half of the runs with 2 or 8 simulated devices hung), so the trainer keeps
 at most 1 step in flight there, 2 elsewhere. Each step is checked for a
-non-finite loss when it is retired, which costs no extra wait.
+non-finite loss when it is retired, which costs no extra wait (the step
+makes its loss NaN after a non-finite update too: `steps.keep_if_not_finite`).
 """
 
 import collections
@@ -51,14 +52,24 @@ class Throttle:
 
 
 def failure_message(epoch, step, loss):
-    """The error for a non-finite loss at batch `step` of (0-based) `epoch`."""
+    """The error for the first step, batch `step` of (0-based) `epoch`, with non-finite values.
+
+    The compiled step (`steps.keep_if_not_finite`) did not apply that step
+    or any after it in the epoch, so the model holds the weights after
+    `step` steps of the epoch.
+    """
     return (
-        f"The loss became {loss} at epoch {epoch + 1}, batch {step} (counted "
-        "from 0 within the epoch, as callbacks count). Training stopped, and "
-        "the model holds the weights from before that step. Check that "
-        "batch for NaN or Inf inputs or labels, lower the learning rate, or "
-        "clip gradients (for example optimizer clipnorm=1.0); add "
-        "keras.callbacks.TerminateOnNaN() to stop without an error."
+        f"The training values became {loss} at epoch {epoch + 1}, batch {step} "
+        "(counted from 0 within the epoch, as callbacks count): that step's "
+        "loss, or the weight update from its gradients, was NaN or Inf. It "
+        "was not applied, nor any step after it, and training stopped: the "
+        f"model holds the weights after {step} steps of epoch {epoch + 1}. "
+        "Check that batch for NaN or Inf inputs or labels; a finite loss "
+        "with non-finite gradients comes from an op whose gradient is "
+        "infinite at some input (sqrt or log at 0, a division by 0). Else "
+        "lower the learning rate, or clip gradients (for example optimizer "
+        "clipnorm=1.0); add keras.callbacks.TerminateOnNaN() to stop without "
+        "an error."
     )
 
 

@@ -28,6 +28,7 @@ from keras_dp import build as build_lib
 from keras_dp import callbacks as callbacks_lib
 from keras_dp import checkpoint as checkpoint_lib
 from keras_dp import inflight
+from keras_dp import labels as labels_lib
 from keras_dp import timing
 from keras_dp.state import LiveModel
 from keras_dp.state import fresh_metrics
@@ -93,11 +94,15 @@ def fit(trainer, batches, val, callbacks, *, epochs, resume, validation_freq,
     the batches to the steps (default: a `HostFeed`). Each epoch's
     `timing.EpochTimer.result()` is appended to `trainer.timings`, emptied
     first; with `profile_dir`, a few calls of the first epoch are traced
-    there (`timing.Profile`). Whatever ends the loop, the model holds the
-    state of the last completed step when this returns or raises.
+    there (`timing.Profile`). Whatever ends the loop (an exception, Ctrl-C
+    at any moment), the model holds the state of the last completed step
+    when this returns or raises; if that state was lost with a step that
+    failed after consuming it, the model holds the last one written back,
+    and the exception's note says which (`LiveModel.report`).
     """
     model = trainer.model
     model.stop_training = False
+    labels_lib.check_data(model, (batches, "the training data"), (val, "the validation data"))
     feed = feed or HostFeed(trainer, batches)
     run = FitRun(trainer, batches, LiveModel(model), callbacks, feed, checkpoints)
     run.profile = timing.Profile(profile_dir) if profile_dir is not None else None
@@ -116,11 +121,18 @@ def fit(trainer, batches, val, callbacks, *, epochs, resume, validation_freq,
                 end_epoch(run, epoch)
                 if model.stop_training or getattr(batches, "exhausted", False):
                     break
-            finished = True
+        if run.live.lost is not None:  # never silently: a state left unwritten
+            raise RuntimeError(run.live.report())
+        finished = True
+    except BaseException as error:
+        # A FloatingPointError says what the model holds itself; SystemExit
+        # follows a checkpoint's own message.
+        if not isinstance(error, (FloatingPointError, SystemExit)):
+            error.add_note(run.live.report())
+        raise
     finally:
         if run.profile is not None:
             run.profile.close()
-        run.live.finish()
         if epochs > 0:
             # Keras's own end of fit: e.g. copy EMA weights into the model.
             model.optimizer.finalize_variable_values(model.trainable_weights)
@@ -170,9 +182,9 @@ def start_epoch(run, epoch, skip):
     run.timer.lap("callbacks_s")
     if trainer.placement.multiprocess:
         live.sync()
-        live.read(trainer.init_state())
+        live.read(trainer.init_state(), (epoch, skip))
     elif live.needs_read():
-        live.read(trainer.init_state())
+        live.read(trainer.init_state(), (epoch, skip))
     elif not skip:
         live.state = live.state._replace(metrics=fresh_metrics(
             run.model, trainer.mesh, trainer.state_layout().metrics))
@@ -203,7 +215,7 @@ def train_batches(run, epoch, skip):
                 save_and_exit(run, checkpoint_lib.Position(epoch, index))
             run.callbacks.on_train_batch_begin(index)
             timer.lap("callbacks_s")
-            logs = train_call(run, steps, device_batch, throttle, index)
+            logs = train_call(run, steps, device_batch, throttle, (epoch, index))
             if run.profile is not None:
                 run.profile.after_call(calls, logs)
             timer.lap("steps_s")
@@ -223,14 +235,19 @@ def train_batches(run, epoch, skip):
     return logs
 
 
-def train_call(run, steps, device_batch, throttle, index):
-    """Dispatch one compiled call of `steps` steps on the live state; return its logs."""
+def train_call(run, steps, device_batch, throttle, at):
+    """Dispatch one compiled call of `steps` steps at `at` (epoch, index); return its logs.
+
+    The new state is recorded before Ctrl-C can interrupt (`LiveModel.advance`).
+    """
     trainer, live = run.trainer, run.live
+    (epoch, index) = at
     if live.needs_read():  # a callback changed the model
-        live.read(trainer.init_state())
-    with build_lib.explain_jit_failures(trainer.model):
-        state, logs, finite = run.feed.call(live.state, steps, device_batch)
-    live.stepped(state)
+        live.read(trainer.init_state(), at)
+    with build_lib.explain_shape_change(run.batches.peek(), steps, device_batch, at), \
+            build_lib.explain_jit_failures(trainer.model):
+        logs, finite = live.advance(
+            lambda state: run.feed.call(state, steps, device_batch), (epoch, index + steps))
     throttle.add((index, finite, logs))
     return logs
 
@@ -276,6 +293,7 @@ def evaluate(trainer, weights, batches, callbacks):
         Keras's order, and the non-trainable and metric values the last test
         step left.
     """
+    labels_lib.check_data(trainer.model, (batches, "the data"))
     trainable, non_trainable = weights
     metrics = fresh_metrics(trainer.model, trainer.mesh, trainer.state_layout().metrics)
     throttle = inflight.Throttle(trainer.steps_in_flight)

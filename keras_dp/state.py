@@ -15,6 +15,7 @@ from typing import NamedTuple
 import jax
 
 from keras_dp import _compat
+from keras_dp import interrupts
 from keras_dp import mesh as mesh_lib
 
 
@@ -130,6 +131,10 @@ class LiveModel:
     the current weights; `touched` then tells the trainer to read the model
     again before the next step, so that what the callback changed is trained
     on. A step costs no copy unless a callback looks.
+
+    The state and the model are each labelled with their position, `(epoch,
+    steps done in it)`: `position` for the live state, `model_position` for
+    what the model holds (None until the first read).
     """
 
     def __init__(self, model):
@@ -137,20 +142,32 @@ class LiveModel:
         self.state = None
         self.synced = True  # the model holds what `state` holds
         self.touched = False  # a callback has seen the model since the last read
+        self.position = self.model_position = None
+        self.lost = None  # why the live state could not be written back, if so
         self._exchanged = []  # the model's arrays when it last met `state`
+        self._interrupts = interrupts.Deferred()
 
     @contextlib.contextmanager
     def attached(self):
-        """While in this block, Keras's sync hook on the model calls `sync`."""
+        """The span of a fit: the model's sync hook calls `sync`, SIGINT waits for hand-overs.
+
+        Leaving the block, by any exit, writes the state back (`finish`)
+        before SIGINT gets its usual handler again.
+        """
         _compat.shadow_state_sync(self.model, self.sync)
         try:
-            yield self
+            with self._interrupts:
+                try:
+                    yield self
+                finally:
+                    self.finish()
         finally:
             _compat.unshadow_state_sync(self.model)
 
-    def read(self, state):
-        """Take `state`, just read from the model, as the live state."""
+    def read(self, state, position):
+        """Take `state`, just read from the model (which is at `position`), as the live state."""
         self.state, self.synced, self.touched = state, True, False
+        self.position = self.model_position = position
         self._exchanged = self._arrays()
 
     def needs_read(self):
@@ -184,30 +201,70 @@ class LiveModel:
         """Write `state` into the model (an ensemble writes every member)."""
         write_back(state, self.model)
 
-    def stepped(self, state):
-        """Take a step's new state; the model is now behind it."""
+    def advance(self, call, position):
+        """Run `call(state) -> (new_state, *rest)` on the live state; return `rest`.
+
+        `call` donates the live state, so its successor, at `position`, is
+        recorded before a KeyboardInterrupt can be raised: SIGINT is held
+        back from the call until the new state is stored. If `call` raises,
+        the live state stays what it was (deleted if the call donated it).
+        """
+        with self._interrupts.held():
+            new_state, *rest = call(self.state)
+            self.stepped(new_state, position)
+        return rest
+
+    def stepped(self, state, position=None):
+        """Take a step's new state (at `position`, default: unchanged); the model is behind it."""
         self.state, self.synced = state, False
+        if position is not None:
+            self.position = position
 
     def sync(self):
         """Write the live state into the model if it is behind (Keras calls this)."""
         self.touched = True
-        if not self.synced:
-            self.write_back_if_alive()
+        self.finish()
 
     def finish(self):
-        """At the end of fit: write the state into the model if it is behind.
+        """Write the state into the model if it is behind and known good; else say why not.
 
         Never when the model is in step: a callback may have changed it
-        after the last step (ReduceLROnPlateau at the last epoch's end).
+        after the last step (ReduceLROnPlateau at the last epoch's end). A
+        state that was donated to a step that then failed, or that holds a
+        failed step's result, is not written: `lost` says which, and the
+        model keeps what it held (`model_position`).
         """
-        if not self.synced:
-            self.write_back_if_alive()
+        if self.synced:
+            return
+        with self._interrupts.held():
+            self.lost = _unusable(self.state)
+            if self.lost is None:
+                self._write(self.state)
+                self.synced, self.model_position = True, self.position
+                self._exchanged = self._arrays()
 
-    def write_back_if_alive(self):
-        """Write the live state into the model unless it was donated away."""
-        # A step that failed after its state was donated leaves nothing to
-        # write; the model then keeps the weights of the last epoch boundary.
-        if self.state is not None and is_alive(self.state):
-            self._write(self.state)
-            self.synced = True
-            self._exchanged = self._arrays()
+    def report(self):
+        """A sentence for an error that ends fit: which step's weights the model holds."""
+        if self.model_position is None:
+            return "keras_dp: the model holds the weights it had before fit."
+        epoch, steps = self.model_position
+        held = f"the weights after {steps} steps of epoch {epoch + 1}"
+        if self.lost is None or self.position == self.model_position:
+            return f"keras_dp: the model holds {held}, the last step that completed."
+        at_epoch, at_steps = self.position
+        return (
+            f"keras_dp: {self.lost}, so the model holds {held}, the last state "
+            f"written back to it; the steps completed after it, up to {at_steps} "
+            f"steps of epoch {at_epoch + 1}, are lost."
+        )
+
+
+def _unusable(state):
+    """Why `state` cannot be written back (donated, or a failed step's result), or None."""
+    if not is_alive(state):
+        return "the step that failed had consumed its input state (donated to it)"
+    try:
+        jax.block_until_ready(state)
+    except Exception as error:  # noqa: BLE001 - any failure of the step that made it
+        return f"the step that made the state failed ({type(error).__name__})"
+    return None

@@ -37,11 +37,12 @@ def make_train_step(model, mesh, state_sharding="replicated"):
     update, so XLA reduce-scatters them rather than all-reducing.
 
     A step whose running loss (`logs["loss"]`, the mean over the epoch so
-    far) is NaN or Inf keeps the weights, non-trainable state and optimizer
-    it was given and updates only the metrics. The running loss then stays
-    non-finite, so every later step of the epoch keeps them too: however
-    many steps were dispatched before the host notices, the state still
-    holds the last good weights.
+    far) is NaN or Inf, or whose new trainable or optimizer values are (a
+    finite loss with non-finite gradients: `sqrt` at 0), keeps the weights,
+    non-trainable state and optimizer it was given (`keep_if_not_finite`).
+    The running loss then stays non-finite, so every later step of the
+    epoch keeps them too: however many steps were dispatched before the
+    host notices, the state still holds the last good weights.
 
     Args:
         model: a built, compiled Keras model; only read while tracing.
@@ -105,7 +106,7 @@ def sharded_train_step(model, mesh, state_sharding="replicated"):
 
     def train_step(state, batch):
         new_state, logs = step(state, placement.real_rows(batch, mesh))
-        new_state = keep_if_not_finite(new_state, state, logs)
+        new_state, logs = keep_if_not_finite(new_state, state, logs)
         shardings = layout.state_shardings(new_state, mesh, state_sharding)
         return layout.constrain(new_state, shardings), _replicated(logs, mesh)
 
@@ -117,16 +118,44 @@ def _replicated(tree, mesh):
 
 
 def keep_if_not_finite(new_state, state, logs):
-    """`new_state`, with `state`'s weights and optimizer if the loss is not finite."""
+    """Inside a step: `(new_state, logs)`, undone where the step gave non-finite values.
+
+    If the running loss `logs["loss"]` is NaN or Inf, or a new trainable or
+    optimizer value is (the update, checked rather than the gradients: a
+    `LossScaleOptimizer` skips non-finite gradients itself), the weights,
+    non-trainable values and optimizer of `state` are kept. A non-finite
+    update with a finite loss also sets the float metrics and logs to NaN,
+    so that the running loss says so from this step on, as it does after a
+    non-finite loss: the host finds the step from the loss alone, and every
+    later step of the epoch keeps the state too. Steps without a `loss`
+    log are not checked.
+    """
     if "loss" not in logs:
-        return new_state
-    finite = jnp.isfinite(logs["loss"])
+        return new_state, logs
+    update_finite = _all_finite(new_state.trainable + new_state.optimizer)
+    finite = jnp.isfinite(logs["loss"]) & update_finite
     keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+
+    def void(value):
+        return jnp.where(update_finite, value, jnp.nan) if _is_float(value) else value
+
     return new_state._replace(
         trainable=jax.tree.map(keep, new_state.trainable, state.trainable),
         non_trainable=jax.tree.map(keep, new_state.non_trainable, state.non_trainable),
         optimizer=jax.tree.map(keep, new_state.optimizer, state.optimizer),
-    )
+        metrics=jax.tree.map(void, new_state.metrics),
+    ), jax.tree.map(void, logs)
+
+
+def _is_float(value):
+    return jnp.issubdtype(jnp.result_type(value), jnp.floating)
+
+
+def _all_finite(values):
+    """Whether every float value in `values` is finite (one scalar)."""
+    checks = [jnp.all(jnp.isfinite(value)) for value in jax.tree.leaves(values)
+              if _is_float(value)]
+    return jnp.all(jnp.stack(checks)) if checks else jnp.asarray(True)
 
 
 def model_train_step(model, constrain_grads=None):

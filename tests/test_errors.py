@@ -114,3 +114,55 @@ def test_a_recompiled_optimizer_is_built_again_by_the_build_cache(mnist):
     assert not model.optimizer.built
     trainer.build((x[:8], y[:8]))  # same data: the cache must see a new optimizer
     assert model.optimizer.built
+
+
+def test_a_ragged_python_list_is_refused_at_once_with_the_padding_fix():
+    rng = np.random.default_rng(0)
+    x = [list(rng.integers(1, 100, rng.integers(3, 40))) for _ in range(2000)]
+    model = keras.Sequential([keras.layers.Embedding(100, 8),
+                              keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(2)])
+    model.compile("adam", "sparse_categorical_crossentropy")
+    for data in (dict(x=x, y=np.zeros(2000)), dict(x=x, y=np.zeros(2000), validation_split=0.5)):
+        with pytest.raises(ValueError, match=r"list of 2000 items of different lengths "
+                                             r"\(3 to 39\).*keras.utils.pad_sequences") as raised:
+            keras_dp.fit_sharded(model, **data, verbose=0, devices=devices(2))
+        assert len(str(raised.value)) < 400
+
+
+def test_a_long_listing_in_a_message_is_cut_short():
+    arrays = [np.zeros((3,))] * 500 + [np.zeros((4,))]
+    with pytest.raises(ValueError, match=r"same number of rows.*\.\.\. \(501 in all\)") as raised:
+        keras_dp.pipeline.batch_rows(arrays)
+    assert len(str(raised.value)) < 400
+
+
+def dense_batches(shapes):
+    rng = np.random.default_rng(0)
+    return [(rng.normal(size=(16, *shape)).astype("float32"), rng.integers(0, 10, 16))
+            for shape in shapes]
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 2])
+def test_a_batch_whose_shape_changes_mid_stream_is_named(steps_per_execution):
+    model = keras.Sequential([keras.Input((20,)), keras.layers.Dense(10)])
+    model.compile("sgd", "sparse_categorical_crossentropy")
+    batches = dense_batches([(20,)] * 3 + [(18,)])
+    with pytest.raises(ValueError, match=(
+            r"Batch 3 of epoch 1 .*shapes \[\(18,\), \(\)\] after the row dimension, where the "
+            r"first batch had \[\(20,\), \(\)\].*expected axis -1.*keras.Input")):
+        keras_dp.fit_sharded(model, batches, verbose=0, devices=devices(2),
+                             steps_per_execution=steps_per_execution)
+    assert int(model.optimizer.iterations.numpy()) == 3  # the batches before it trained
+
+
+def test_batches_of_several_lengths_train_when_the_model_takes_them():
+    # A sequence model with a None length: batches padded per batch, as
+    # tf.data's padded_batch gives them, with K=2 (stacks of one shape only).
+    model = keras.Sequential([keras.Input((None, 3)), keras.layers.GlobalAveragePooling1D(),
+                              keras.layers.Dense(10)])
+    model.compile("sgd", "sparse_categorical_crossentropy")
+    batches = dense_batches([(5, 3), (5, 3), (7, 3), (7, 3), (7, 3), (5, 3)])
+    history = keras_dp.fit_sharded(model, batches, verbose=0, devices=devices(2),
+                                   steps_per_execution=2)
+    assert int(model.optimizer.iterations.numpy()) == 6
+    assert np.isfinite(history.history["loss"][0])

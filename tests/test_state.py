@@ -46,7 +46,7 @@ def test_the_live_model_is_read_again_only_after_a_callback_changed_it():
     mesh = keras_dp.make_mesh(devices(2))
     live = keras_dp.state.LiveModel(model)
     assert live.needs_read()
-    live.read(keras_dp.TrainState.from_model(model, mesh))
+    live.read(keras_dp.TrainState.from_model(model, mesh), (0, 0))
     assert not live.needs_read()
     live.sync()  # a callback looked: nothing changed
     assert not live.needs_read()

@@ -62,7 +62,7 @@ def fit(trainer, sources, val, callbacks, *, epochs, validation_freq):
         try:
             for epoch in range(epochs):
                 callbacks.on_epoch_begin(epoch)
-                start_epoch(trainer, live)
+                start_epoch(trainer, live, epoch)
                 member_logs = train_epoch(trainer, live, sources, epoch, callbacks)
                 if val is not None and callbacks_lib.should_validate(epoch, validation_freq):
                     scores = trainer._evaluate(live.state.weights, val)
@@ -79,12 +79,12 @@ def fit(trainer, sources, val, callbacks, *, epochs, validation_freq):
     return _history(callbacks)
 
 
-def start_epoch(trainer, live):
+def start_epoch(trainer, live, epoch):
     """Reset every member's metrics, as Keras does each epoch, and bring the state in."""
     for member in trainer.members:
         member.reset_metrics()
     if live.needs_read():  # the first epoch, or a callback changed a member
-        live.read(trainer.init_state())
+        live.read(trainer.init_state(), (epoch, 0))
     else:
         fresh = members_lib.stack_state(trainer.members, trainer.mesh, groups=("metrics",))
         live.state = live.state._replace(metrics=fresh.metrics)
@@ -105,9 +105,9 @@ def train_epoch(trainer, live, sources, epoch, callbacks):
     for steps, batch, per_member in trainer._calls(sources, epoch):
         callbacks.on_train_batch_begin(index)
         if live.needs_read():  # a callback changed a member
-            live.read(trainer.init_state())
-        state, logs, finite = trainer._step(per_member, steps)(live.state, batch)
-        live.stepped(state)
+            live.read(trainer.init_state(), (epoch, index))
+        step = trainer._step(per_member, steps)
+        logs, finite = live.advance(lambda state: step(state, batch), (epoch, index + steps))
         finite = jax.device_get(finite)
         member_logs = {name: np.asarray(values).tolist() for name, values in
                        callbacks_lib.to_python(logs, trainer.members[0]).items()}

@@ -26,9 +26,10 @@ def make_train_step(model, mesh, per_member_batches=False, steps=1):
     The per-member step is the one `keras_dp.steps` runs: Keras's
     `model.compute_loss_and_updates`, its gradient, and
     `optimizer.stateless_apply`; the metrics update as under `model.fit`.
-    A member whose loss is not finite keeps its weights and optimizer state
-    from before that step (as `keras_dp.steps.make_train_step` does), so
-    one member's NaN never reaches the others or its own weights.
+    A member whose loss or update is not finite keeps its weights and
+    optimizer state from before that step (`keras_dp.steps.keep_if_not_finite`,
+    as `fit_sharded` does), so one member's NaN never reaches the others or
+    its own weights.
 
     Args:
         model: member 0, built and compiled; only read while tracing (all
@@ -64,7 +65,7 @@ def make_train_step(model, mesh, per_member_batches=False, steps=1):
 def _guarded(step):
     def guarded(state, batch):
         new_state, logs = step(state, batch)
-        return steps_lib.keep_if_not_finite(new_state, state, logs), logs
+        return steps_lib.keep_if_not_finite(new_state, state, logs)
 
     return guarded
 

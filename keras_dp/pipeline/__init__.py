@@ -15,6 +15,7 @@ import numpy as np
 
 from keras_dp.pipeline.arrays import ArrayBatches
 from keras_dp.pipeline.batch import batch_rows
+from keras_dp.pipeline.batch import check_not_ragged
 from keras_dp.pipeline.batch import class_weight_to_sample_weight
 from keras_dp.pipeline.batch import unpack
 from keras_dp.pipeline.iterables import IterableBatches
@@ -67,6 +68,7 @@ def make_batches(x, y=None, sample_weight=None, *, batch_size=None, shuffle=Fals
     if _is_array_data(x, y):
         if isinstance(x, tuple) and y is None:
             x, y, sample_weight = unpack(x)
+        check_not_ragged(x)
         return ArrayBatches(x, y, sample_weight, batch_size=batch_size,
                             shuffle=shuffle, seed=seed, class_weight=class_weight)
     if y is not None or sample_weight is not None:
@@ -115,6 +117,7 @@ def split_validation(x, y, sample_weight, validation_split, validation_data=None
         )
     if isinstance(x, tuple) and y is None:
         x, y, sample_weight = unpack(x)
+    check_not_ragged(x)
     arrays = jax.tree.map(np.asarray, (x, y, sample_weight))
     total = batch_rows(arrays)
     split = int(np.floor(total * (1 - validation_split)))

@@ -27,6 +27,13 @@ class ArrayBatches:
         if class_weight is not None:
             arrays = apply_class_weight(arrays, class_weight)
         self._arrays, self._shuffle, self._seed = arrays, shuffle, seed
+        self.labels_checked = False
+
+    def check_labels(self, check, what):
+        """Run `check(y, where)` (`keras_dp.labels`; None: nothing) on all labels, once."""
+        if check is not None and not self.labels_checked:
+            check(self._arrays[1], what)
+        self.labels_checked = True
 
     @property
     def steps(self):

@@ -33,13 +33,52 @@ def batch_rows(batch):
         raise ValueError("A batch holds no arrays. Each batch needs at least x.")
     sizes = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in leaves}
     if len(sizes) != 1 or None in sizes:
-        shapes = [np.shape(leaf) for leaf in leaves]
+        shapes = short_list([np.shape(leaf) for leaf in leaves])
         raise ValueError(
             "Every array of a batch must have the same number of rows (its "
             f"first dimension). Received arrays of shapes {shapes}. Check "
             "that x, y and sample_weight have one entry per sample."
         )
     return sizes.pop()
+
+
+def short_list(items, limit=6):
+    """`items` as text, the first `limit` of them and a count of the rest: messages stay short."""
+    items = list(items)
+    if len(items) <= limit:
+        return str(items)
+    return f"[{', '.join(map(str, items[:limit]))}, ... ({len(items)} in all)]"
+
+
+def check_not_ragged(x):
+    """Raise a `ValueError` with the fix if `x`, a list beside `y`, is items of several lengths.
+
+    Such a list is read as the model's inputs, which must all have one row
+    per sample; a list of samples of different lengths (tokenised text)
+    needs padding to one length first.
+    """
+    if not isinstance(x, list) or len(x) < 2:
+        return
+    lengths = {_length(item) for item in x}
+    if len(lengths) < 2:
+        return
+    known = sorted(length for length in lengths if length is not None)
+    span = f"{known[0]} to {known[-1]}" if known else "none"
+    raise ValueError(
+        f"x is a Python list of {len(x)} items of different lengths ({span}"
+        f"{', and scalars' if None in lengths else ''}). Beside y, a list is "
+        "read as the model's inputs, which all need one row per sample. If "
+        "the items are samples (sequences of different lengths), pad them to "
+        "one length first: keras.utils.pad_sequences(x) gives one array of "
+        "shape (samples, longest)."
+    )
+
+
+def _length(item):
+    if isinstance(item, (list, tuple)):
+        return len(item)
+    shape = getattr(item, "shape", None)
+    return shape[0] if shape else None
 
 
 def class_weight_to_sample_weight(y, class_weight):

@@ -38,6 +38,8 @@ class IterableBatches:
         # Known for a PyDataset (its len), so the progress bar has a total.
         self.steps = getattr(self._source, "num_batches", None)
         self.num_samples = None
+        self.labels_checked = False
+        self._label_check = None
 
     def peek(self):
         """The first batch, kept so that a one-shot iterator loses nothing."""
@@ -50,6 +52,17 @@ class IterableBatches:
             if not self.reiterable:
                 self._replay = self._first
         return self._first
+
+    def check_labels(self, check, what):
+        """Run `check(y, where)` (`keras_dp.labels`) on every batch's labels as it arrives.
+
+        The first batch, read already, is checked now.
+        """
+        self._label_check = None if check is None else (
+            lambda y, index, epoch: check(y, f"batch {index} of epoch {epoch + 1} of {what}"))
+        self.labels_checked = True
+        if self._label_check is not None and self._first is not None:
+            self._label_check(self._first[1], 0, 0)
 
     def epoch(self, epoch):
         """Yield this epoch's host batches as `(x, y, sample_weight)`."""
@@ -84,6 +97,8 @@ class IterableBatches:
                 "drop empty batches from the dataset (for tf.data, "
                 "`dataset.filter(lambda x, *rest: tf.shape(x)[0] > 0)`)."
             )
+        if self._label_check is not None:
+            self._label_check(batch[1], index, epoch)
         if self._class_weight is not None:
             batch = apply_class_weight(batch, self._class_weight)
         return batch

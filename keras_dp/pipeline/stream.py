@@ -6,6 +6,9 @@ import queue
 import threading
 import warnings
 
+import jax
+import numpy as np
+
 from keras_dp.pipeline.batch import batch_rows
 
 
@@ -32,6 +35,15 @@ class StepsPerEpoch:
     def peek(self):
         """The first batch of the underlying data."""
         return self._batches.peek()
+
+    @property
+    def labels_checked(self):
+        """Whether `check_labels` has run (on the underlying data)."""
+        return self._batches.labels_checked
+
+    def check_labels(self, check, what):
+        """Check the underlying data's labels (see its `check_labels`)."""
+        self._batches.check_labels(check, what)
 
     def epoch(self, epoch):
         """Yield the next `steps` batches of the stream."""
@@ -73,15 +85,16 @@ def steps_per_execution(model, value=None):
 
 
 def group_steps(batches, steps_per_execution):
-    """Group host batches for execution: lists of K batches of one row count.
+    """Group host batches for execution: lists of K batches of the same shapes.
 
-    A run of fewer than K batches of one row count (an epoch's end, a
-    partial batch) comes out as single-batch lists, for the one-step
-    program: every batch is used, in order, and only two programs compile.
+    A run of fewer than K batches of the same shapes (an epoch's end, a
+    partial batch, a dataset whose batches change shape) comes out as
+    single-batch lists, for the one-step program: every batch is used, in
+    order, and batches of one shape share two programs.
     """
     pending = []
     for batch in batches:
-        if pending and batch_rows(batch) != batch_rows(pending[0]):
+        if pending and _shapes(batch) != _shapes(pending[0]):
             yield from ([single] for single in pending)
             pending = []
         pending.append(batch)
@@ -89,6 +102,11 @@ def group_steps(batches, steps_per_execution):
             yield pending
             pending = []
     yield from ([single] for single in pending)
+
+
+def _shapes(batch):
+    batch_rows(batch)  # the arrays agree on their rows, or a clear error
+    return [np.shape(array) for array in jax.tree.leaves(batch)]
 
 
 def prefetch(items, depth):
