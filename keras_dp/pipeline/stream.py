@@ -55,16 +55,18 @@ class StepsPerEpoch:
                 return
 
 
-def group_steps(batches, steps_per_execution):
+def group_steps(batches, steps_per_execution, key=batch_rows):
     """Group host batches for execution: lists of K batches of one row count.
 
     A run of fewer than K batches of one row count (an epoch's end, a
     partial batch) comes out as single-batch lists, for the one-step
     program: every batch is used, in order, and only two programs compile.
+    `key` is what must be equal within a group (across processes, every
+    process's row counts).
     """
     pending = []
     for batch in batches:
-        if pending and batch_rows(batch) != batch_rows(pending[0]):
+        if pending and key(batch) != key(pending[0]):
             yield from ([single] for single in pending)
             pending = []
         pending.append(batch)
