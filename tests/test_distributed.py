@@ -134,6 +134,7 @@ def test_two_processes_with_k_steps_and_look_ahead_equal_one_process_of_four(
         np.testing.assert_allclose(result["predictions"], result["expected"],
                                    rtol=1e-5, atol=1e-6)
         assert bool(result["refused"])  # a global batch that does not divide by 2
+        assert bool(result["ensemble_refused"])  # up front, saying why
     # describe() shows the whole mesh, process by process, in every process.
     import socket
 

@@ -116,7 +116,17 @@ def extras(trainer, x, y):
         predictions=trainer.predict(x, batch_size=args.batch_size, verbose=0),
         expected=trainer.model.predict(x, verbose=0),
         description=trainer.describe(),
+        ensemble_refused=_ensemble_refused(x, y),
     )
+
+
+def _ensemble_refused(x, y):
+    """Whether fit_ensemble refuses a mesh across processes before training."""
+    try:
+        keras_dp.fit_ensemble(lambda: make_model(args.rows), x, y, epochs=1, verbose=0)
+    except ValueError as error:
+        return "Ensembles train in one process" in str(error)
+    return False
 
 
 def forever():
