@@ -33,6 +33,7 @@ args = parser.parse_args()
 def worker():
     import keras_dp
     from keras_dp import distributed
+    from keras_dp import timing
 
     if distributed.requested_by_environment():
         distributed.initialize()
@@ -54,6 +55,7 @@ def worker():
         print("RESULT " + json.dumps({
             "processes": jax.process_count(), "devices": jax.device_count(),
             "samples_per_s": float(np.median(rates)),
+            "last_epoch": timing.describe(trainer.timings[-1]),
             "exchange_rounds_per_epoch": rounds / (1 + args.epochs),
             "steps_per_epoch": -(-args.samples // args.batch_size),
         }), flush=True)
@@ -83,7 +85,8 @@ def driver():
         print(f"{name}: {statistics.median(rates):,.0f} samples/s (runs: "
               f"{', '.join(f'{rate:,.0f}' for rate in rates)}); host round trips per "
               f"epoch of {runs[0]['steps_per_epoch']} steps: "
-              f"{runs[0]['exchange_rounds_per_epoch']:g}")
+              f"{runs[0]['exchange_rounds_per_epoch']:g}\n  last run's last epoch: "
+              f"{runs[-1]['last_epoch']}")
     ratio = (statistics.median(r["samples_per_s"] for r in results["2 processes x 1 device"])
              / statistics.median(r["samples_per_s"] for r in results["1 process x 2 devices"]))
     print(f"ratio: {ratio:.2f}x; load average {os.getloadavg()[0]:.2f}")

@@ -194,6 +194,7 @@ def test_sigkill_of_one_process_resumes_from_the_last_complete_epoch_bitwise(
                            "--signal", "SIGKILL:1:1:5",
                            env={distributed.HEARTBEAT_ENV: "5"})
     assert codes[1] == -signal.SIGKILL and codes[0] not in (0, 143), logs[0][-3000:]
+    assert "JAX distributed service detected fatal errors" in logs[0]  # said, not hung
     assert checkpoint_steps(checkpoints) == ([0], [])  # epoch 1's end; nothing partial
     code, output = launch(2, 2, *worker("fit", tmp_path / "resumed", "--checkpoint-dir",
                                         str(checkpoints)))
@@ -204,7 +205,9 @@ def test_sigkill_of_one_process_resumes_from_the_last_complete_epoch_bitwise(
         np.testing.assert_array_equal(mine, reference)
 
 
-@pytest.mark.parametrize("victim", [0, 1])
+# Killing process 1 in CI is the SIGKILL test above (heartbeat cut to 5 s);
+# here with the default 20 s, behind --runslow.
+@pytest.mark.parametrize("victim", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_a_killed_process_makes_the_other_fail_within_bounded_time(tmp_path, victim):
     # Killing process 1 leaves process 0 waiting in a collective until the
     # coordinator misses its heartbeats (KERAS_DP_HEARTBEAT_TIMEOUT, 20 s by
