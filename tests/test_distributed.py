@@ -98,7 +98,7 @@ def one_process_of_four():
     """The reference: one process on 4 devices, the same global batches, unshuffled."""
     from many_hosts_data import make_model, rows_of
 
-    rows = 990
+    rows = 798
     x, y = rows_of(np.arange(rows), rows)
     model = make_model(rows)
     keras_dp.fit_sharded(model, x, y, batch_size=64, epochs=3, shuffle=False, verbose=0,
@@ -108,28 +108,28 @@ def one_process_of_four():
 
 def test_two_processes_with_k_steps_and_look_ahead_equal_one_process_of_four(
         unbroken, one_process_of_four):
-    # 990 rows, 64 per step: 15 full steps, then 30 rows on process 0 and
-    # none on process 1, whose share runs out a step early (480 and 510 rows).
+    # 798 rows, 64 per step: 12 full steps, then 30 rows on process 0 and
+    # none on process 1, whose share runs out a step early (414 and 384 rows).
     out, output = unbroken
     first, second = load(out)
-    assert int(first["iterations"]) == int(second["iterations"]) == 3 * 16
+    assert int(first["iterations"]) == int(second["iterations"]) == 3 * 13
     for name in first.files:
         if name not in ("predictions", "expected", "description"):
             np.testing.assert_array_equal(first[name], second[name])  # bitwise, every array
     for mine, reference in zip(weights(first), one_process_of_four):
         np.testing.assert_allclose(mine, reference, rtol=1e-5, atol=1e-6)
-    np.testing.assert_array_equal(first["counts"], np.ones(990))  # every row once, last epoch
+    np.testing.assert_array_equal(first["counts"], np.ones(798))  # every row once, last epoch
     # Host round trips per epoch: one for the epoch's plan of rows, one to
-    # agree whether to read the model; never one per step (it was 17 per
-    # epoch of 16 steps, plus a broadcast of the whole state). A dataset's
-    # counts go 8 steps at a time: 3 rounds for its 16 steps, plus one.
+    # agree whether to read the model; never one per step (it was 14 per
+    # epoch of 13 steps, plus a broadcast of the whole state). A dataset's
+    # counts go 8 steps at a time: 3 rounds for its 13 steps, plus one.
     assert float(first["rounds_per_epoch"]) == 2
     assert float(first["dataset_rounds_per_epoch"]) == 4
     # The same batches as a dataset train bitwise the same weights.
     np.testing.assert_array_equal(
         np.concatenate([np.ravel(w) for w in weights(first)]), first["dataset_weights"])
     # predict in K-step calls returns each process's own rows, in order.
-    assert first["predictions"].shape == (510, 1) and second["predictions"].shape == (480, 1)
+    assert first["predictions"].shape == (414, 1) and second["predictions"].shape == (384, 1)
     for result in (first, second):
         np.testing.assert_allclose(result["predictions"], result["expected"],
                                    rtol=1e-5, atol=1e-6)
@@ -145,7 +145,7 @@ def test_two_processes_with_k_steps_and_look_ahead_equal_one_process_of_four(
         assert re.fullmatch(f"  process {process} on {re.escape(host)}: cpu:\\d+, cpu:\\d+",
                             lines[1 + process]), lines
     # One progress bar, from process 0.
-    assert "[process 0] \x1b[1m16/16" in output and "[process 1] \x1b[1m" not in output
+    assert "[process 0] \x1b[1m13/13" in output and "[process 1] \x1b[1m" not in output
 
 
 def test_four_processes_of_one_device_equal_one_process_of_four(tmp_path, one_process_of_four):
@@ -157,7 +157,7 @@ def test_four_processes_of_one_device_equal_one_process_of_four(tmp_path, one_pr
             np.testing.assert_array_equal(mine, first)
     for mine, reference in zip(weights(results[0]), one_process_of_four):
         np.testing.assert_allclose(mine, reference, rtol=1e-5, atol=1e-6)
-    np.testing.assert_array_equal(results[0]["counts"], np.ones(990))
+    np.testing.assert_array_equal(results[0]["counts"], np.ones(798))
 
 
 def checkpoint_steps(directory):
@@ -186,7 +186,7 @@ def test_sigterm_to_one_process_saves_every_process_at_one_step_and_resumes_bitw
     assert resumed["first"][0] == epoch and resumed["first"][1] >= steps_done
     for mine, reference in zip(weights(resumed), weights(load(unbroken[0])[0])):
         np.testing.assert_array_equal(mine, reference)  # bitwise an unbroken run
-    np.testing.assert_array_equal(resumed["counts"], np.ones(990))
+    np.testing.assert_array_equal(resumed["counts"], np.ones(798))
 
 
 def test_sigkill_of_one_process_resumes_from_the_last_complete_epoch_bitwise(

@@ -26,7 +26,7 @@ import time
 parser = argparse.ArgumentParser()
 parser.add_argument("task", choices=["fit", "forever"])
 parser.add_argument("--out", required=True)
-parser.add_argument("--rows", type=int, default=990)
+parser.add_argument("--rows", type=int, default=798)
 parser.add_argument("--batch-size", type=int, default=64)
 parser.add_argument("--epochs", type=int, default=3)
 parser.add_argument("--steps-per-execution", type=int, default=4)
