@@ -164,3 +164,16 @@ def cpu_device_environment(count, environ=None):
     env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={count}"])
     env["JAX_PLATFORMS"] = "cpu"
     return env
+
+
+def distributed_client():
+    """The client of JAX's coordination service, or None in a single process.
+
+    `jax._src.distributed.global_state.client`, the connection every process
+    opens in `jax.distributed.initialize`; its key-value store
+    (`key_value_set`, `blocking_key_value_get`, `key_value_delete`) carries
+    small host-side values between processes without a device collective.
+    """
+    from jax._src import distributed
+
+    return distributed.global_state.client

@@ -17,6 +17,14 @@ temporary directory that is renamed into place only once complete, so a
 crash or a kill in the middle of a write leaves the previous checkpoint the
 latest one, never a partial one. Orbax is imported only when a checkpoint is
 used.
+
+Across processes, every process takes part in each save and restore
+(orbax's multi-process protocol: process 0 writes the replicated values and
+commits the checkpoint once every process has finished, so a checkpoint is
+complete for all or absent for all), and `checkpoint_dir` must be one
+directory every process sees (a shared filesystem). A SIGTERM that reaches
+any one process makes every process save at the same step boundary and
+exit 143 (`SyncedPreemption`).
 """
 
 import dataclasses
@@ -121,10 +129,13 @@ def open_for_fit(checkpoint_dir, model, seed, multiprocess, initial_epoch,
     that holds a checkpoint, the model is restored from the newest and its
     position replaces `initial_epoch`.
 
+    Across processes (`multiprocess`), every process must call this with
+    the same `checkpoint_dir`, on a filesystem they share; each restores the
+    same newest checkpoint.
+
     Raises:
-        ValueError: `checkpoint_dir` on a mesh spanning processes or with
-            `steps_per_epoch`, or a checkpoint that does not fit (see
-            `Checkpoints.restore`).
+        ValueError: `checkpoint_dir` with `steps_per_epoch`, or a checkpoint
+            that does not fit (see `Checkpoints.restore`).
     """
     start = Position(initial_epoch, 0)
     if checkpoint_dir is None:
@@ -138,12 +149,7 @@ def open_for_fit(checkpoint_dir, model, seed, multiprocess, initial_epoch,
             "steps_per_epoch (an epoch is then one pass over the data), or "
             "drop checkpoint_dir."
         )
-    if multiprocess:
-        raise ValueError(
-            "checkpoint_dir is not supported across processes yet: a "
-            "SIGTERM reaches one host, and the others would wait for "
-            "it. Train in one process to use it."
-        )
+    del multiprocess  # orbax's save and restore take part in every process alike
     checkpoints = Checkpoints(checkpoint_dir)
     return checkpoints, checkpoints.restore(model, seed) or start
 
@@ -175,12 +181,64 @@ class Preemption:
         self.requested = True
 
 
+def preemption(multiprocess):
+    """The SIGTERM watcher of a fit: `Preemption`, or `SyncedPreemption` across processes."""
+    return SyncedPreemption() if multiprocess else Preemption()
+
+
+class SyncedPreemption:
+    """SIGTERM to any process, acted on by every process at the same step boundary.
+
+    JAX's runtime catches SIGTERM in every process that joined it (its
+    preemption notifier, installed by `jax.distributed.initialize`) and
+    tells the coordination service. `requested` asks JAX's
+    `multihost_utils.reached_preemption_sync_point`, which turns true in
+    every process at the same call: one past the furthest any process had
+    reached. So every process must read `requested` at the same points, as
+    the trainer's loop does (before each compiled call and at each epoch's
+    end). No Python handler is installed: it would replace JAX's.
+    """
+
+    def __init__(self):
+        self._calls = 0
+        self._reached = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        return None
+
+    @property
+    def requested(self):
+        """Whether every process stops here (reading it is a sync-point step)."""
+        if not self._reached and _preemption_service_enabled():
+            from jax.experimental import multihost_utils
+
+            self._reached = multihost_utils.reached_preemption_sync_point(self._calls)
+            self._calls += 1
+        return self._reached
+
+
+def _preemption_service_enabled():
+    import jax
+
+    return bool(jax.config.jax_enable_preemption_service)
+
+
 def exit_after_preemption(directory, position):
-    """Say where the run stopped and end the process as SIGTERM would (143)."""
+    """Say where the run stopped and end the process as SIGTERM would (143).
+
+    `directory` is where the checkpoint was saved, or None when there is
+    none (a run across processes without `checkpoint_dir`).
+    """
+    where = f"{position.steps} steps of epoch {position.epoch + 1}"
     print(
         f"keras_dp: SIGTERM received; saved a checkpoint in {directory} after "
-        f"{position.steps} steps of epoch {position.epoch + 1}. Run the same "
-        "fit with the same checkpoint_dir to resume from there.",
+        f"{where}. Run the same fit with the same checkpoint_dir to resume "
+        "from there." if directory is not None else
+        f"keras_dp: SIGTERM received; every process stopped after {where}. "
+        "Nothing was saved: pass checkpoint_dir to fit to resume after a SIGTERM.",
         file=sys.stderr, flush=True,
     )
     raise SystemExit(128 + signal.SIGTERM)

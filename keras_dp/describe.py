@@ -7,25 +7,33 @@ from keras_dp import layout
 from keras_dp import mesh as mesh_lib
 
 
-def describe(mesh, state=None, batch=None):
+def describe(mesh, state=None, batch=None, hosts=None):
     """Describe `mesh`, and how `state` and a device `batch` are placed on it.
 
     Args:
         mesh: the `"batch"` mesh.
         state: an optional `TrainState` on the mesh (any `state_sharding`).
         batch: an optional `DeviceBatch`.
+        hosts: for a mesh across processes, each process's host name, by
+            process index (`keras_dp.distributed.host_names`).
 
     Returns:
-        A multi-line string: the devices; for each state group its array
-        count, size, bytes per device and how many arrays are split; for each batch array its shape, sharding
-        and the rows each device holds.
+        A multi-line string: the devices (across processes, one line per
+        process: its host and devices, for the whole mesh); for each state
+        group its array count, size, bytes per device and how many arrays
+        are split; for each batch array its shape, sharding and the rows
+        each device of this process holds.
     """
     devices = list(mesh.devices.flat)
     lines = [
         f"Mesh: {len(devices)} device(s) along axis {mesh_lib.BATCH_AXIS!r}, "
-        f"platform {devices[0].platform}",
-        "  " + ", ".join(_device_name(device) for device in devices),
+        f"platform {devices[0].platform}"
     ]
+    if mesh_lib.spans_processes(mesh):
+        lines[0] += f", {len({device.process_index for device in devices})} processes"
+        lines.extend(_process_lines(devices, hosts))
+    else:
+        lines.append("  " + ", ".join(_device_name(device) for device in devices))
     if state is not None:
         lines.extend(_state_lines(state))
     if batch is not None:
@@ -43,6 +51,16 @@ def describe(mesh, state=None, batch=None):
             )
             lines.append("    " + " | ".join(_shard_rows(array)))
     return "\n".join(lines)
+
+
+def _process_lines(devices, hosts):
+    """One line per process, in mesh order: its host and its devices."""
+    lines = []
+    for process in dict.fromkeys(device.process_index for device in devices):
+        host = f" on {hosts[process]}" if hosts else ""
+        names = ", ".join(_device_name(d) for d in devices if d.process_index == process)
+        lines.append(f"  process {process}{host}: {names}")
+    return lines
 
 
 def _state_lines(state):

@@ -17,6 +17,7 @@ inside a step.
 import os
 
 import jax
+import numpy as np
 
 from keras_dp import _compat
 
@@ -25,6 +26,7 @@ NUM_PROCESSES_ENV = "KERAS_DP_NUM_PROCESSES"
 PROCESS_ID_ENV = "KERAS_DP_PROCESS_ID"
 HEARTBEAT_ENV = "KERAS_DP_HEARTBEAT_TIMEOUT"
 DEFAULT_HEARTBEAT_TIMEOUT = 20
+_HOST_NAME_BYTES = 64
 
 
 def initialize(coordinator_address=None, num_processes=None, process_id=None, *,
@@ -93,6 +95,23 @@ def barrier(name):
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
+
+
+def host_names():
+    """Every process's host name (`socket.gethostname()`), by process index.
+
+    Every process must call it: one small all-gather through the devices.
+    """
+    import socket
+
+    from jax.experimental import multihost_utils
+
+    name = np.zeros(_HOST_NAME_BYTES, np.uint8)
+    encoded = socket.gethostname().encode()[:_HOST_NAME_BYTES]
+    name[:len(encoded)] = np.frombuffer(encoded, np.uint8)
+    names = np.asarray(multihost_utils.process_allgather(name)).reshape(
+        -1, _HOST_NAME_BYTES)
+    return [bytes(row).rstrip(b"\0").decode(errors="replace") for row in names]
 
 
 def process_share(*arrays):

@@ -29,6 +29,7 @@ from keras_dp import callbacks as callbacks_lib
 from keras_dp import checkpoint as checkpoint_lib
 from keras_dp import inflight
 from keras_dp import labels as labels_lib
+from keras_dp import placement as placement_lib
 from keras_dp import timing
 from keras_dp.state import LiveModel
 from keras_dp.state import fresh_metrics
@@ -69,7 +70,8 @@ class HostFeed:
         """Yield `(steps, DeviceBatch)` for epoch `epoch` after its first `skip` steps."""
         host_batches = itertools.islice(self._batches.epoch(epoch), skip, None)
         return self._trainer.placement.steps(
-            host_batches, self._trainer.steps_per_execution, self._batches.peek())
+            host_batches, self._trainer.steps_per_execution, self._batches.peek(),
+            placement_lib.planned_rows(self._batches, skip))
 
     def call(self, state, steps, device_batch):
         """Run one compiled call: `(state, logs, finite)`.
@@ -111,8 +113,10 @@ def fit(trainer, batches, val, callbacks, *, epochs, resume, validation_freq,
     callbacks.on_train_begin()
     start = _compat.take_initial_epoch(model) or resume.epoch
     try:
-        with run.live.attached(), checkpoint_lib.Preemption() as preemption:
-            run.preemption = preemption if checkpoints is not None else None
+        with run.live.attached(), checkpoint_lib.preemption(trainer.multiprocess) as preemption:
+            # Across processes JAX's runtime takes SIGTERM: act on it, saved or not.
+            run.preemption = (preemption if checkpoints is not None or trainer.multiprocess
+                              else None)
             for epoch in range(start, epochs):
                 validate_now = val is not None and callbacks_lib.should_validate(
                     epoch, validation_freq)
@@ -171,8 +175,10 @@ def start_epoch(run, epoch, skip):
 
     The state stays on the devices from epoch to epoch unless a callback
     changed the model (weights, learning rate) since they met. Across
-    processes every epoch starts from process 0's model, as every process
-    must take part in that broadcast, whatever its callbacks did.
+    processes, reading the model is a broadcast of process 0's in which
+    every process takes part, so they decide together (one host round
+    trip): if any process's callbacks changed its model, every process
+    reads process 0's.
     """
     trainer, live = run.trainer, run.live
     if not skip:
@@ -180,10 +186,12 @@ def start_epoch(run, epoch, skip):
     run.timer.lap("other_s")
     run.callbacks.on_epoch_begin(epoch)
     run.timer.lap("callbacks_s")
+    needs_read = live.needs_read()
     if trainer.placement.multiprocess:
-        live.sync()
-        live.read(trainer.init_state(), (epoch, skip))
-    elif live.needs_read():
+        needs_read = trainer.placement.any_process(needs_read)
+        if needs_read:
+            live.sync()  # process 0's model must hold its latest state
+    if needs_read:
         live.read(trainer.init_state(), (epoch, skip))
     elif not skip:
         live.state = live.state._replace(metrics=fresh_metrics(
@@ -265,20 +273,25 @@ def validate(run, val):
 
 def end_epoch(run, epoch):
     """Save a checkpoint of the finished epoch; exit if SIGTERM asked to."""
-    if run.checkpoints is None:
-        return
-    run.live.sync()
     position = checkpoint_lib.Position(epoch + 1, 0)
-    run.checkpoints.save(run.model, position, run.trainer.seed)
-    if run.preemption.requested:
-        checkpoint_lib.exit_after_preemption(run.checkpoints.directory, position)
+    if run.checkpoints is not None:
+        run.live.sync()
+        run.checkpoints.save(run.model, position, run.trainer.seed)
+    if run.preemption is not None and run.preemption.requested:
+        _exit(run, position)
 
 
 def save_and_exit(run, position):
-    """Write the model's state at `position` and exit with status 143."""
-    run.live.sync()
-    run.checkpoints.save(run.model, position, run.trainer.seed)
-    checkpoint_lib.exit_after_preemption(run.checkpoints.directory, position)
+    """Write the model's state at `position` (with a checkpoint_dir); exit with 143."""
+    if run.checkpoints is not None:
+        run.live.sync()
+        run.checkpoints.save(run.model, position, run.trainer.seed)
+    _exit(run, position)
+
+
+def _exit(run, position):
+    directory = None if run.checkpoints is None else run.checkpoints.directory
+    checkpoint_lib.exit_after_preemption(directory, position)
 
 
 def evaluate(trainer, weights, batches, callbacks):
@@ -300,7 +313,8 @@ def evaluate(trainer, weights, batches, callbacks):
     logs, index = None, 0
     callbacks.on_test_begin()
     placed = trainer.placement.steps(
-        batches.epoch(0), trainer.steps_per_execution, batches.peek())
+        batches.epoch(0), trainer.steps_per_execution, batches.peek(),
+        placement_lib.planned_rows(batches))
     with contextlib.closing(placed):
         for steps, device_batch in placed:
             callbacks.on_test_batch_begin(index)
@@ -327,7 +341,8 @@ def predict(trainer, weights, batches, callbacks):
     placement, outputs, index = trainer.placement, [], 0
     callbacks.on_predict_begin()
     inputs = (batch[0] for batch in batches.epoch(0))
-    placed = placement.steps(inputs, trainer.steps_per_execution, batches.peek()[0])
+    placed = placement.steps(inputs, trainer.steps_per_execution, batches.peek()[0],
+                             placement_lib.planned_rows(batches))
     with contextlib.closing(placed):
         for steps, x_device in placed:
             callbacks.on_predict_batch_begin(index)

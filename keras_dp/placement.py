@@ -10,13 +10,9 @@ XLA's SPMD partitioner masks the missing rows out of every reduction. No row
 is dropped, none is invented, and no model needs a mask.
 
 Across processes, each process holds only its own share of every global
-batch. `MultiProcessPlacement` exchanges the processes' row counts for each
-step (one small all-gather), pads every process's rows to one common block
-length (a multiple of its local device count) and assembles the global batch
-with `jax.make_array_from_process_local_data`: process p's rows form block p,
-in mesh order. `DeviceBatch.blocks` records each block's real rows, and the
-step cuts them out the same way. A process whose share has run out sends a
-block with 0 real rows; the epoch ends when every process is out.
+batch; `keras_dp.global_batches.MultiProcessPlacement` assembles the global
+batches from the shares, one block per process, and `DeviceBatch.blocks`
+records each block's real rows, which the step cuts out the same way.
 
 `make_placement` picks the right one for a mesh, so that the trainer never
 asks how many processes there are.
@@ -28,7 +24,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from keras_dp import distributed
 from keras_dp import mesh as mesh_lib
 from keras_dp import pipeline
 
@@ -64,7 +59,9 @@ jax.tree_util.register_dataclass(
 def make_placement(mesh, prefetch=0):
     """The placement for `mesh`: `MultiProcessPlacement` if it spans processes."""
     if mesh_lib.spans_processes(mesh):
-        return MultiProcessPlacement(mesh)
+        from keras_dp import global_batches  # it builds on this module
+
+        return global_batches.MultiProcessPlacement(mesh, prefetch)
     return Placement(mesh, prefetch)
 
 
@@ -91,23 +88,17 @@ class Placement:
         """One host batch, split by rows over the mesh: a `DeviceBatch`."""
         return to_device(batch, self.mesh)
 
-    def steps(self, host_batches, steps_per_execution, template):
+    def steps(self, host_batches, steps_per_execution, template, rows=None):
         """Yield `(steps, DeviceBatch)` for a training epoch, looked ahead.
 
         Runs of `steps_per_execution` batches of one row count come as one
         stacked `DeviceBatch` (`to_device_stacked`); any other batch alone.
-        `template` is one host batch of this data (see `batches`).
+        `template` is one host batch of this data, and `rows` the row count
+        of each host batch when known up front (see `planned_rows`); both
+        serve the processes' plan across processes only.
         """
         groups = pipeline.group_steps(host_batches, steps_per_execution)
         return pipeline.prefetch(map(self._place_group, groups), self.prefetch)
-
-    def batches(self, host_batches, template):
-        """Yield the `DeviceBatch` of each host batch, looked ahead.
-
-        `template` is one host batch of this data (padding for processes
-        whose share has run out; unused on one process).
-        """
-        return pipeline.prefetch(map(self.shard, host_batches), self.prefetch)
 
     def local_rows(self, output, batch):
         """This process's real rows of a batch-sharded output, as numpy."""
@@ -116,8 +107,7 @@ class Placement:
     def stacked_local_rows(self, output, batch):
         """The real rows of a `[K, padded_rows, ...]` output, step after step.
 
-        For the outputs of a stacked `DeviceBatch` (one process only: across
-        processes every call is a single step).
+        For the outputs of a stacked `DeviceBatch`.
         """
         rows = np.asarray(output)[:, : batch.rows]
         return rows.reshape((-1,) + rows.shape[2:])
@@ -126,49 +116,6 @@ class Placement:
         if len(group) == 1:
             return 1, self.shard(group[0])
         return len(group), to_device_stacked(group, self.mesh)
-
-
-class MultiProcessPlacement(Placement):
-    """Assembles global batches from every process's share (see the module doc).
-
-    Each step's row counts are exchanged with a collective, so every process
-    must place the same number of batches in the same order: no look-ahead
-    thread, and one step per compiled call.
-    """
-
-    multiprocess = True
-
-    def __init__(self, mesh):
-        super().__init__(mesh, prefetch=0)
-        self.order = distributed.block_order(mesh)  # a mesh it can use, or raise
-
-    def local_batch_size(self, batch_size):
-        return distributed.local_batch_size(batch_size, self.mesh)
-
-    def shard(self, batch):
-        counts = exchange_rows(pipeline.batch_rows(batch))
-        return to_global(batch, self.mesh, counts)
-
-    def steps(self, host_batches, steps_per_execution, template):
-        return ((1, batch) for batch in self.batches(host_batches, template))
-
-    def batches(self, host_batches, template):
-        """Yield every step's global batch until every process is out of rows."""
-        iterator = iter(host_batches)
-        while True:
-            batch = next(iterator, None)
-            counts = exchange_rows(0 if batch is None else pipeline.batch_rows(batch))
-            if not counts.any():
-                return
-            yield to_global(batch, self.mesh, counts, template)
-
-    def local_rows(self, output, batch):
-        shards = sorted(output.addressable_shards, key=lambda shard: shard.index[0].start or 0)
-        block = np.concatenate([np.asarray(shard.data) for shard in shards])
-        position = self.order.index(jax.process_index())
-        if batch.blocks is not None:
-            return block[: batch.blocks[position]]
-        return block[: _prefix_share(batch.rows, block.shape[0], position)]
 
 
 def to_device(batch, mesh):
@@ -222,61 +169,18 @@ def pad_rows(batch, size):
     return jax.tree.map(pad, batch)
 
 
-def exchange_rows(rows):
-    """Every process's row count for this step, indexed by process.
+def planned_rows(batches, skip=0):
+    """Each coming host batch's row count, when known before reading: a list, or None.
 
-    One all-gather of a single integer: every process must call it, in the
-    same order relative to the training steps.
+    Known for arrays (`pipeline.ArrayBatches`: full batches, then the
+    remainder); `skip` drops the first steps, as a resumed epoch does.
+    Datasets and fixed-length epochs give None: their batches are counted
+    as they come.
     """
-    from jax.experimental import multihost_utils
-
-    counts = multihost_utils.process_allgather(np.asarray([rows], np.int32))
-    return np.asarray(counts).reshape(-1)
-
-
-def to_global(batch, mesh, counts, template=None):
-    """Assemble the global `DeviceBatch` from this process's host batch.
-
-    Args:
-        batch: this process's host batch (a tree of arrays), or `None` when
-            its share has run out.
-        mesh: a mesh spanning the processes (`distributed.block_order`).
-        counts: every process's real row count, from `exchange_rows`.
-        template: a host batch of this process, to build padding from when
-            `batch` is `None`.
-
-    Returns:
-        A `DeviceBatch` of `process_count * L` rows whose `blocks` are the
-        real rows of each block, in mesh order (`None` when the real rows
-        are a prefix, as on one process).
-    """
-    order = distributed.block_order(mesh)
-    blocks = tuple(int(counts[process]) for process in order)
-    per_process = mesh_lib.num_devices(mesh) // len(order)
-    size = -(-max(blocks) // per_process) * per_process
-    # Out of data: a block of copies of one template row, never read by a step.
-    source = batch if batch is not None else jax.tree.map(lambda array: array[:1], template)
-    local = pad_rows(source, size)
-    sharding = mesh_lib.batch_sharded(mesh)
-    global_data = jax.tree.map(
-        lambda array: jax.make_array_from_process_local_data(
-            sharding, array, (size * len(order),) + array.shape[1:]
-        ),
-        local,
-    )
-    if _is_prefix(blocks, size):
-        return DeviceBatch(global_data, sum(blocks))
-    return DeviceBatch(global_data, sum(blocks), blocks)
-
-
-def _prefix_share(rows, size, position):
-    return int(np.clip(rows - position * size, 0, size))
-
-
-def _is_prefix(blocks, size):
-    """Whether the real rows are exactly the first `sum(blocks)` rows."""
-    total = sum(blocks)
-    return all(real == _prefix_share(total, size, i) for i, real in enumerate(blocks))
+    if not isinstance(batches, pipeline.ArrayBatches):
+        return None
+    total, size = batches.num_samples, batches.batch_size
+    return [min(size, total - start) for start in range(0, total, size)][skip:]
 
 
 # -- Inside a compiled step ---------------------------------------------------

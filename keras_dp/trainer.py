@@ -13,13 +13,13 @@ device state is, and the model is updated from it whenever a callback looks,
 at the end of fit, and whenever `fit` exits by an exception or an interrupt.
 """
 
-import jax
 
 from keras_dp import build as build_lib
 from keras_dp import callbacks as callbacks_lib
 from keras_dp import checkpoint as checkpoint_lib
 from keras_dp import compilation_cache as compilation_cache_lib
 from keras_dp import describe as describe_lib
+from keras_dp import distributed
 from keras_dp import inflight
 from keras_dp import layout
 from keras_dp import loop
@@ -115,14 +115,6 @@ class ShardedTrainer:
         self.steps_per_execution = pipeline.steps_per_execution(model, steps_per_execution)
         self.placement = placement_lib.make_placement(self.mesh, prefetch)
         self.data_on_device = resident.check_option(data_on_device, self.placement.multiprocess)
-        if self.placement.multiprocess and self.steps_per_execution > 1:
-            raise ValueError(
-                "`steps_per_execution` > 1 is not supported across "
-                "processes yet: the processes' row counts are exchanged "
-                "before every step. Received: steps_per_execution="
-                f"{steps_per_execution} on a mesh over "
-                f"{jax.process_count()} processes. Use 1 (the default)."
-            )
         if unroll is None:
             unroll = self.steps_per_execution if on_cpu else 1
         mode = self.state_sharding
@@ -190,7 +182,8 @@ class ShardedTrainer:
 
         Returns a `placement.DeviceBatch`. Across processes, `batch` is this
         process's part of the global batch, and every process must call
-        `shard` for the same step (it exchanges the row counts).
+        `shard` for the same step (it exchanges the row counts: one host
+        round trip; `fit` agrees on a whole epoch's counts at once).
         """
         return self.placement.shard(pipeline.unpack(batch))
 
@@ -227,6 +220,11 @@ class ShardedTrainer:
     def describe(self, batch=None):
         """Describe the mesh, each state group's sharding and a batch's.
 
+        Across processes every process must call it (it reads the state and
+        the host names collectively); each gets the whole mesh, process by
+        process, and the batch rows of its own devices. Print it from
+        process 0 (`keras_dp.distributed.is_primary()`).
+
         Args:
             batch: an optional host batch; its placement is shown per device.
 
@@ -235,7 +233,8 @@ class ShardedTrainer:
         """
         state = self.init_state() if build_lib.is_built(self.model) else None
         device_batch = None if batch is None else self.shard(batch)
-        return describe_lib.describe(self.mesh, state, device_batch)
+        hosts = distributed.host_names() if self.multiprocess else None
+        return describe_lib.describe(self.mesh, state, device_batch, hosts)
 
     # -- The Keras-shaped loops ----------------------------------------------
 

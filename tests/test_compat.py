@@ -103,6 +103,16 @@ def test_jax_backend_started_after_devices_are_listed():
     assert _compat.jax_backend_started() is True
 
 
+def test_distributed_client_is_none_in_a_single_process_and_has_the_store_api():
+    # This test process never joined others; the client class is what
+    # `jax.distributed.initialize` makes, and keras_dp uses these methods.
+    assert _compat.distributed_client() is None
+    from jax._src.lib import _jax
+
+    for method in ("key_value_set", "blocking_key_value_get", "key_value_delete"):
+        assert hasattr(_jax.DistributedRuntimeClient, method)
+
+
 def test_cpu_device_environment_replaces_the_count_and_keeps_other_flags():
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_dump_to=/tmp/x"}
     _compat.cpu_device_environment(3, env)

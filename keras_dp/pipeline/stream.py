@@ -84,17 +84,20 @@ def steps_per_execution(model, value=None):
     return int(value)
 
 
-def group_steps(batches, steps_per_execution):
+def group_steps(batches, steps_per_execution, key=None):
     """Group host batches for execution: lists of K batches of the same shapes.
 
     A run of fewer than K batches of the same shapes (an epoch's end, a
     partial batch, a dataset whose batches change shape) comes out as
     single-batch lists, for the one-step program: every batch is used, in
-    order, and batches of one shape share two programs.
+    order, and batches of one shape share two programs. `key`, if given,
+    replaces the shapes as what must be equal within a group (across
+    processes: every process's row counts).
     """
+    key = key or _shapes
     pending = []
     for batch in batches:
-        if pending and _shapes(batch) != _shapes(pending[0]):
+        if pending and key(batch) != key(pending[0]):
             yield from ([single] for single in pending)
             pending = []
         pending.append(batch)

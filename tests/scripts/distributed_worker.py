@@ -1,28 +1,38 @@
-"""One process of a multi-process test run (or the 1-process reference).
+"""One process of a multi-process test run.
 
 Started by tests/test_distributed.py, through `keras-dp launch` or directly,
 with the KERAS_DP_* variables of `keras_dp.distributed.initialize`. Writes
-what the test compares to `--out` (`process<i>.npz` or `reference.npz`).
+what the test compares to `--out` as `process<i>.npz`.
 
 Tasks:
-    fit: SGD on this process's share of MNIST, one epoch, then the weights.
-    reference: one process, all devices, on the global batches of `fit`
-        ([process 0's local batch ++ process 1's] per step).
-    uneven: a linear model on ids (labels are row ids) over shares of
-        1,000 and 1,003 rows; a metric counts how often each id is seen.
+    fit: a small regression whose labels are row ids, on this process's
+        share of `--rows` rows: process p of P holds, for every global step
+        s, rows `s*B + p*B/P` to `s*B + (p+1)*B/P` (cut at the end), so the
+        global batches are the rows in order whatever P (one process on all
+        devices, unshuffled, trains on the same batches), and the last step
+        leaves some shares short or empty. A metric counts every row id
+        seen. With `--checkpoint-dir` it checkpoints, and `--signal` sends
+        this process a signal during training; with `--extras` it also fits
+        the same shares as a list of batches (a dataset) and predicts.
     forever: train until killed, printing `training` once steps run.
 """
 
 import argparse
 import os
+import signal
 import sys
+import time
 
 parser = argparse.ArgumentParser()
-parser.add_argument("task", choices=["fit", "reference", "uneven", "forever"])
+parser.add_argument("task", choices=["fit", "forever"])
 parser.add_argument("--out", required=True)
-parser.add_argument("--rows", type=int, default=1024)
+parser.add_argument("--rows", type=int, default=798)
 parser.add_argument("--batch-size", type=int, default=64)
-parser.add_argument("--processes", type=int, default=2)
+parser.add_argument("--epochs", type=int, default=3)
+parser.add_argument("--steps-per-execution", type=int, default=4)
+parser.add_argument("--checkpoint-dir")
+parser.add_argument("--signal", help="NAME:PROCESS:EPOCH:STEP, e.g. SIGTERM:1:1:5")
+parser.add_argument("--extras", action="store_true")
 args = parser.parse_args()
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
@@ -32,130 +42,107 @@ import numpy as np  # noqa: E402
 import keras_dp  # noqa: E402
 from keras_dp import distributed  # noqa: E402
 
-if args.task != "reference":
-    distributed.initialize()
+distributed.initialize()
 
 import jax  # noqa: E402
 
-
-def mlp():
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([
-        keras.Input((28, 28, 1)),
-        keras.layers.Rescaling(1 / 255),
-        keras.layers.Flatten(),
-        keras.layers.Dense(32, activation="relu"),
-        keras.layers.Dense(10),
-    ])
-    model.compile(
-        optimizer=keras.optimizers.SGD(0.05),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-    )
-    return model
+sys.path.insert(0, os.path.dirname(__file__))
+from many_hosts_data import IdHistogram, make_model, rows_of, share_ids  # noqa: E402
 
 
-def mnist():
-    (x, y), _ = keras_dp.datasets.load_mnist()
-    return x[: args.rows, ..., None], y[: args.rows]
+class Recorder(keras.callbacks.Callback):
+    """Records the first batch end seen; sends a signal at a chosen step."""
 
+    def __init__(self, spec):
+        super().__init__()
+        self.first, self.epoch, self.spec, self.sent = None, None, None, False
+        if spec:
+            name, process, epoch, step = spec.split(":")
+            if int(process) == jax.process_index():
+                self.spec = (getattr(signal, name), int(epoch), int(step))
 
-def share(array, index, count):
-    n = len(array)
-    return array[index * n // count:(index + 1) * n // count]
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
 
-
-def save(name, model, **extra):
-    np.savez(os.path.join(args.out, name),
-             *[np.asarray(w) for w in model.get_weights()], **extra)
+    def on_train_batch_end(self, batch, logs=None):
+        self.first = self.first or (self.epoch, batch)
+        if self.sent:
+            # JAX's runtime looks for SIGTERM once a second: slow the steps
+            # (every process waits for this one) so that training is still
+            # running when the notice arrives.
+            time.sleep(0.3)
+        elif self.spec and self.epoch == self.spec[1] and batch + 1 >= self.spec[2]:
+            print(f"sending {self.spec[0].name} after step {batch + 1}", flush=True)
+            self.sent = True
+            os.kill(os.getpid(), self.spec[0])
 
 
 def fit():
-    x, y = distributed.process_share(*mnist())
-    model = mlp()
-    history = keras_dp.fit_sharded(model, x, y, batch_size=args.batch_size, epochs=1,
-                                   shuffle=False, verbose=1)
-    save(f"process{jax.process_index()}.npz", model,
-         loss=np.asarray(history.history["loss"]),
-         iterations=int(model.optimizer.iterations.numpy()))
-
-
-def reference():
-    x, y = mnist()
-    local = args.batch_size // args.processes
-    shares = [(share(x, p, args.processes), share(y, p, args.processes))
-              for p in range(args.processes)]
-    steps = max(-(-len(sx) // local) for sx, _ in shares)
-    batches = []
-    for step in range(steps):
-        rows = slice(step * local, (step + 1) * local)
-        batches.append((np.concatenate([sx[rows] for sx, _ in shares]),
-                        np.concatenate([sy[rows] for _, sy in shares])))
-    model = mlp()
-    history = keras_dp.fit_sharded(model, batches, epochs=1, verbose=0)
-    save("reference.npz", model, loss=np.asarray(history.history["loss"]),
-         iterations=int(model.optimizer.iterations.numpy()),
-         devices=jax.device_count())
-
-
-class IdHistogram(keras.metrics.Metric):
-    """Counts how often each row id (the label) reaches the metric."""
-
-    def __init__(self, rows, name="ids"):
-        super().__init__(name=name)
-        self.rows = rows
-        self.counts = self.add_variable((rows,), initializer="zeros", name="counts")
-
-    def update_state(self, y_true, y_pred, sample_weight=None):
-        ids = keras.ops.cast(keras.ops.reshape(y_true, (-1,)), "int32")
-        self.counts.assign_add(keras.ops.sum(keras.ops.one_hot(ids, self.rows), axis=0))
-
-    def result(self):
-        return keras.ops.convert_to_tensor(self.counts)
-
-
-def uneven():
-    rows = 2003
-    ids = np.arange(rows, dtype=np.float32)
-    mine = ids[:1000] if jax.process_index() == 0 else ids[1000:]
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
-    model.compile(optimizer=keras.optimizers.SGD(1e-7), loss="mse",
-                  metrics=[IdHistogram(rows)])
-    refused = []
+    ids = share_ids(args.rows, args.batch_size, jax.process_index(), jax.process_count())
+    x, y = rows_of(ids, args.rows)
+    model = make_model(args.rows)
+    refused = False
     try:
-        keras_dp.ShardedTrainer(model, steps_per_execution=2)
+        keras_dp.ShardedTrainer(model).fit(x, y, batch_size=args.batch_size + 1, verbose=0)
     except ValueError as error:
-        refused.append("not supported across processes" in str(error))
+        refused = "must divide" in str(error)
+    trainer = keras_dp.ShardedTrainer(model, steps_per_execution=args.steps_per_execution)
+    recorder = Recorder(args.signal)
+    history = trainer.fit(x, y, batch_size=args.batch_size, epochs=args.epochs,
+                          shuffle=False, verbose=1, callbacks=[recorder],
+                          checkpoint_dir=args.checkpoint_dir)
+    results = dict(
+        counts=np.asarray(history.history["ids"][-1]),
+        iterations=int(model.optimizer.iterations.numpy()),
+        rounds_per_epoch=trainer.placement.exchange.rounds / args.epochs,
+        first=np.asarray(recorder.first), refused=refused,
+    )
+    if args.extras:
+        results.update(extras(trainer, x, y))
+    np.savez(os.path.join(args.out, f"process{jax.process_index()}.npz"),
+             *[np.asarray(w) for w in model.get_weights()], **results)
+
+
+def extras(trainer, x, y):
+    """A dataset fit on the same shares, and predict in K-step calls."""
+    local = args.batch_size // jax.process_count()
+    batches = [(x[i:i + local], y[i:i + local]) for i in range(0, len(x), local)]
+    model = make_model(args.rows)
+    dataset_trainer = keras_dp.ShardedTrainer(model, steps_per_execution=args.steps_per_execution)
+    dataset_trainer.fit(batches, epochs=args.epochs, verbose=0)
+    return dict(
+        dataset_weights=np.concatenate([np.ravel(w) for w in model.get_weights()]),
+        dataset_rounds_per_epoch=dataset_trainer.placement.exchange.rounds / args.epochs,
+        predictions=trainer.predict(x, batch_size=args.batch_size, verbose=0),
+        expected=trainer.model.predict(x, verbose=0),
+        description=trainer.describe(),
+        ensemble_refused=_ensemble_refused(x, y),
+    )
+
+
+def _ensemble_refused(x, y):
+    """Whether fit_ensemble refuses a mesh across processes before training."""
     try:
-        keras_dp.ShardedTrainer(model).fit(mine[:, None], mine, batch_size=21, verbose=0)
+        keras_dp.fit_ensemble(lambda: make_model(args.rows), x, y, epochs=1, verbose=0)
     except ValueError as error:
-        refused.append("must divide" in str(error))
-    trainer = keras_dp.ShardedTrainer(model)
-    history = trainer.fit(mine[:, None] / rows, mine, batch_size=args.batch_size,
-                          epochs=1, verbose=0)
-    predictions = trainer.predict(mine[:, None] / rows, batch_size=args.batch_size,
-                                  verbose=0)
-    expected = model.predict(mine[:, None] / rows, verbose=0)
-    save(f"process{jax.process_index()}.npz", model,
-         counts=np.asarray(history.history["ids"][-1]),
-         iterations=int(model.optimizer.iterations.numpy()),
-         predictions=predictions, expected=expected, refused=np.asarray(refused))
+        return "Ensembles train in one process" in str(error)
+    return False
 
 
 def forever():
-    x, y = distributed.process_share(*mnist())
+    ids = share_ids(args.rows, args.batch_size, jax.process_index(), jax.process_count())
+    x, y = rows_of(ids, args.rows)
 
     class Announce(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
-            if batch == 2:
+            if batch >= 2:
                 print("training", flush=True)
 
-    keras_dp.fit_sharded(mlp(), x, y, batch_size=args.batch_size, epochs=10_000,
-                         verbose=0, callbacks=[Announce()])
+    keras_dp.fit_sharded(make_model(args.rows), x, y, batch_size=args.batch_size,
+                         epochs=10_000, verbose=0, callbacks=[Announce()])
 
 
 if __name__ == "__main__":
-    {"fit": fit, "reference": reference, "uneven": uneven, "forever": forever}[args.task]()
+    {"fit": fit, "forever": forever}[args.task]()
     print(f"done {args.task}", flush=True)
     sys.exit(0)

@@ -1,0 +1,96 @@
+"""Throughput of 2 processes x 1 device against 1 process x 2 devices, same run.
+
+The guide's convnet on MNIST (`--samples` rows), global batch `--batch-size`,
+`--steps-per-execution` K, the host feed in both (`data_on_device=False`, the
+only feed across processes), one warm-up epoch then `--epochs` timed ones
+(`trainer.timings`' samples per second, median). The two set-ups alternate
+`--reps` times. Also prints the host round trips per epoch the processes
+made to agree on their row counts (`placement.exchange.rounds`).
+
+    python benchmarks/many_hosts.py --reps 2
+
+The driver starts the runs (`keras-dp launch --processes 2 --cpu-devices 1`
+and one process with 2 simulated CPU devices); `--worker` is one run.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--samples", type=int, default=8192)
+parser.add_argument("--batch-size", type=int, default=128)
+parser.add_argument("--steps-per-execution", type=int, default=4)
+parser.add_argument("--epochs", type=int, default=3)
+parser.add_argument("--reps", type=int, default=2)
+parser.add_argument("--worker", action="store_true")
+args = parser.parse_args()
+
+
+def worker():
+    import keras_dp
+    from keras_dp import distributed
+    from keras_dp import timing
+
+    if distributed.requested_by_environment():
+        distributed.initialize()
+    import jax
+    import numpy as np
+
+    (x, y), _ = keras_dp.datasets.load_mnist()
+    x, y = x[: args.samples, ..., None], y[: args.samples]
+    if jax.process_count() > 1:
+        x, y = distributed.process_share(x, y)
+    model = keras_dp.models.compile_classifier(keras_dp.models.convnet())
+    trainer = keras_dp.ShardedTrainer(model, steps_per_execution=args.steps_per_execution,
+                                      data_on_device=False)
+    trainer.fit(x, y, batch_size=args.batch_size, epochs=1 + args.epochs, verbose=0)
+    rates = [entry["samples_per_s"] for entry in trainer.timings[1:]]
+    rounds = getattr(getattr(trainer.placement, "exchange", None), "rounds", 0)
+    if distributed.is_primary():
+        # Samples counts global rows in every process, so the rate is global.
+        print("RESULT " + json.dumps({
+            "processes": jax.process_count(), "devices": jax.device_count(),
+            "samples_per_s": float(np.median(rates)),
+            "last_epoch": timing.describe(trainer.timings[-1]),
+            "exchange_rounds_per_epoch": rounds / (1 + args.epochs),
+            "steps_per_epoch": -(-args.samples // args.batch_size),
+        }), flush=True)
+
+
+def run(command, env):
+    output = subprocess.run(command, env=env, capture_output=True, text=True, check=True,
+                            timeout=1200).stdout
+    line = next(line for line in output.splitlines() if "RESULT " in line)
+    return json.loads(line.split("RESULT ", 1)[1])
+
+
+def driver():
+    here = [sys.executable, os.path.abspath(__file__), "--worker",
+            *[f"--{name.replace('_', '-')}={value}" for name, value in vars(args).items()
+              if name not in ("worker", "reps")]]
+    launch = [sys.executable, "-m", "keras_dp", "launch", "--processes", "2",
+              "--cpu-devices", "1", "--", *here]
+    one = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    results = {"2 processes x 1 device": [], "1 process x 2 devices": []}
+    for _ in range(args.reps):
+        results["2 processes x 1 device"].append(run(launch, dict(os.environ)))
+        results["1 process x 2 devices"].append(run(here, one))
+    for name, runs in results.items():
+        rates = [result["samples_per_s"] for result in runs]
+        print(f"{name}: {statistics.median(rates):,.0f} samples/s (runs: "
+              f"{', '.join(f'{rate:,.0f}' for rate in rates)}); host round trips per "
+              f"epoch of {runs[0]['steps_per_epoch']} steps: "
+              f"{runs[0]['exchange_rounds_per_epoch']:g}\n  last run's last epoch: "
+              f"{runs[-1]['last_epoch']}")
+    ratio = (statistics.median(r["samples_per_s"] for r in results["2 processes x 1 device"])
+             / statistics.median(r["samples_per_s"] for r in results["1 process x 2 devices"]))
+    print(f"ratio: {ratio:.2f}x; load average {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    worker() if args.worker else driver()
