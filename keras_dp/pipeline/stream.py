@@ -67,6 +67,10 @@ class StepsPerEpoch:
                 return
 
 
+# How long closing a `prefetch` waits for its producer to finish an item.
+STOP_WAIT_S = 30
+
+
 def group_steps(batches, steps_per_execution):
     """Group host batches for execution: lists of K batches of the same shapes.
 
@@ -99,8 +103,11 @@ def prefetch(items, depth):
     to the devices) then runs while the devices compute the previous step.
     It dispatches no computation, so it does not count against the bound on
     steps in flight. An exception in the producer is raised here, at the
-    item where it happened; closing this generator stops the producer.
-    `depth=0` produces inline, without a thread.
+    item where it happened. Closing this generator stops the producer and
+    waits for it to finish the item in hand (at most `STOP_WAIT_S`), so that
+    no thread of it is left inside native code (a copy to the devices) when
+    the process exits: Python ending such a thread at exit can abort the
+    process. `depth=0` produces inline, without a thread.
     """
     if depth <= 0:
         yield from items
@@ -127,7 +134,8 @@ def prefetch(items, depth):
         except BaseException as error:  # noqa: BLE001 - re-raised by the consumer
             offer((None, error))
 
-    threading.Thread(target=produce, name="keras_dp-prefetch", daemon=True).start()
+    producer = threading.Thread(target=produce, name="keras_dp-prefetch", daemon=True)
+    producer.start()
     try:
         while True:
             item, error = slots.get()
@@ -138,4 +146,5 @@ def prefetch(items, depth):
             yield item
     finally:
         stop.set()
+        producer.join(STOP_WAIT_S)
 
