@@ -3,6 +3,8 @@
 import json
 import os
 import pathlib
+import random
+import re
 import subprocess
 import sys
 
@@ -39,6 +41,32 @@ def check_trials(trials, summary, count):
         # least every step a callback saw end, and what the note says.
         assert trial["equal"] and trial["steps"] >= trial["ended"]
         assert trial["noted"] in (None, trial["steps"])
+
+
+def sigterm_exit(directory, seed, host):
+    """Run `scripts/sigterm_exit.py` to its SIGTERM; check a clean exit 143 at the right step."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("XLA_FLAGS", None)
+    command = [sys.executable, str(SCRIPTS / "sigterm_exit.py"), str(directory),
+               "--seed", str(seed)] + (["--host"] if host else [])
+    done = subprocess.run(command, capture_output=True, text=True, timeout=200, env=env)
+    assert done.returncode == 143, done.stderr[-3000:]  # not 134 (SIGABRT) or 1
+    assert "terminate called" not in done.stderr and "FATAL" not in done.stderr
+    saved = re.search(r"saved a checkpoint in .* after (\d+) steps of epoch (\d+)", done.stderr)
+    # SIGTERM came after step `at` of the run (8 steps per epoch); the save
+    # is at the next step boundary.
+    at = random.Random(seed).randint(1, 30)
+    assert (int(saved[2]) - 1) * 8 + int(saved[1]) == at
+
+
+def test_sigterm_saves_and_exits_143_cleanly(tmp_path):
+    sigterm_exit(tmp_path, seed=3, host=True)  # with the look-ahead thread running
+
+
+@pytest.mark.slow
+def test_sigterm_soak(tmp_path):
+    for seed in range(30):
+        sigterm_exit(tmp_path / str(seed), seed, host=seed % 2 == 0)
 
 
 def test_sigint_at_random_moments_never_loses_a_completed_step():

@@ -68,6 +68,10 @@ class StepsPerEpoch:
                 return
 
 
+# How long closing a `prefetch` waits for its producer to finish an item.
+STOP_WAIT_S = 30
+
+
 def steps_per_execution(model, value=None):
     """K, the steps per compiled call: `value`, else the model's from `compile`, else 1.
 
@@ -119,8 +123,11 @@ def prefetch(items, depth):
     to the devices) then runs while the devices compute the previous step.
     It dispatches no computation, so it does not count against the bound on
     steps in flight. An exception in the producer is raised here, at the
-    item where it happened; closing this generator stops the producer.
-    `depth=0` produces inline, without a thread.
+    item where it happened. Closing this generator stops the producer and
+    waits for it to finish the item in hand (at most `STOP_WAIT_S`), so that
+    no thread of it is left inside native code (a copy to the devices) when
+    the process exits: Python ending such a thread at exit can abort the
+    process. `depth=0` produces inline, without a thread.
     """
     if depth <= 0:
         yield from items
@@ -147,7 +154,8 @@ def prefetch(items, depth):
         except BaseException as error:  # noqa: BLE001 - re-raised by the consumer
             offer((None, error))
 
-    threading.Thread(target=produce, name="keras_dp-prefetch", daemon=True).start()
+    producer = threading.Thread(target=produce, name="keras_dp-prefetch", daemon=True)
+    producer.start()
     try:
         while True:
             item, error = slots.get()
@@ -158,4 +166,5 @@ def prefetch(items, depth):
             yield item
     finally:
         stop.set()
+        producer.join(STOP_WAIT_S)
 
