@@ -32,11 +32,17 @@ import os
 import signal
 import sys
 import threading
+import warnings
+import zlib
 
 import numpy as np
 
 from keras_dp.state import TrainState
 from keras_dp.state import write_back
+
+
+class DamagedCheckpointError(ValueError):
+    """Every checkpoint in a directory is damaged (unreadable, or not its checksums)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,12 +74,15 @@ class Checkpoints:
                 # Synchronous: when save returns, the checkpoint is complete.
                 enable_async_checkpointing=False,
             ),
+            # Named, so that a fresh manager can read a checkpoint's metadata.
+            item_handlers=ocp.StandardCheckpointHandler(),
         )
 
     def save(self, model, position, seed):
         """Write `model`'s whole training state and `position`; returns when complete.
 
         `model` must be built and compiled (its optimizer and metrics built).
+        A CRC-32 of every array is written with it, checked on restore.
         """
         index = self._manager.latest_step()
         index = 0 if index is None else index + 1
@@ -81,30 +90,78 @@ class Checkpoints:
             "state": _model_state(model),
             "position": _position_tree(position.epoch, position.steps, seed),
         }
+        tree["checksums"] = _checksums(tree)
         self._manager.save(index, args=self._ocp.args.StandardSave(tree), force=True)
         self._manager.wait_until_finished()
 
     def restore(self, model, seed):
-        """Load the newest checkpoint into `model`; return its `Position` or None.
+        """Load the newest intact checkpoint into `model`; return its `Position` or None.
+
+        A checkpoint that cannot be read, or whose values differ from the
+        checksums written with them (a damaged or truncated file), is
+        skipped with a `RuntimeWarning` naming it and what was wrong, and
+        the next older one is tried.
 
         Raises:
-            ValueError: the checkpoint does not fit the model (another model,
-                optimizer or metrics wrote it), or another seed did, whose
+            ValueError: the newest readable checkpoint does not fit the model
+                (another model, optimizer or metrics wrote it: its arrays'
+                names or shapes differ), or another seed wrote it, whose
                 shuffle order would make the resumed run differ.
+            DamagedCheckpointError: every checkpoint in the directory is damaged.
         """
-        index = self._manager.latest_step()
-        if index is None:
-            return None
         template = {"state": _model_state(model), "position": _position_tree(0, 0, 0)}
+        template["checksums"] = _checksums(template)
+        damaged = []
+        for index in sorted(self._manager.all_steps(), reverse=True):
+            problem, tree = self._read(index, template)
+            if problem is None:
+                break
+            damaged.append(f"{os.path.join(self.directory, str(index))}: {problem}")
+        else:
+            if damaged:
+                raise DamagedCheckpointError(
+                    f"Every checkpoint in {self.directory} is damaged, so "
+                    "there is nothing to resume from: " + "; ".join(damaged)
+                    + ". Restore the directory from a copy, or pass a new "
+                    "checkpoint_dir to start afresh.")
+            return None
+        if damaged:
+            warnings.warn(
+                "keras_dp: skipped damaged checkpoints (" + "; ".join(damaged)
+                + f"); resuming from the older intact one, {index}.",
+                RuntimeWarning, stacklevel=2)
+        self._check_seed(tree, seed)
+        write_back(TrainState(**tree["state"]), model)
+        return Position(int(tree["position"]["epoch"]), int(tree["position"]["steps"]))
+
+    def _read(self, index, template):
+        """`(None, tree)` for an intact checkpoint, or `(what is wrong, None)`.
+
+        Raises ValueError for a readable checkpoint that does not fit `template`.
+        """
         try:
-            tree = self._manager.restore(index, args=self._ocp.args.StandardRestore(template))
-        except Exception as error:
+            saved = self._manager.item_metadata(index).tree
+        except Exception as error:  # noqa: BLE001 - any read error means damaged
+            return f"its metadata could not be read ({_short(error)})", None
+        if _layout(saved) != _layout(template):
             raise ValueError(
-                f"The checkpoint in {self.directory} does not fit this model: "
-                "it was written for another model, optimizer or set of "
-                "metrics. Resume with the same model and compile arguments, "
-                f"or pass a new checkpoint_dir. Orbax reported: {error}"
-            ) from error
+                f"The checkpoint in {os.path.join(self.directory, str(index))} "
+                "does not fit this model: it was written for another model, "
+                "optimizer or set of metrics (its arrays' names or shapes "
+                "differ). Resume with the same model and compile arguments, "
+                "or pass a new checkpoint_dir.")
+        try:
+            tree = self._manager.restore(
+                index, args=self._ocp.args.StandardRestore(template))
+        except Exception as error:  # noqa: BLE001 - the layout fits: damaged
+            return f"its data could not be read ({_short(error)})", None
+        wrong = _mismatched(tree)
+        if wrong:
+            return (f"{len(wrong)} arrays differ from the checksums written with "
+                    f"them ({', '.join(wrong[:3])}{', ...' if len(wrong) > 3 else ''})"), None
+        return None, tree
+
+    def _check_seed(self, tree, seed):
         saved_seed = int(tree["position"]["seed"])
         if saved_seed != seed:
             raise ValueError(
@@ -113,8 +170,6 @@ class Checkpoints:
                 "shuffle order would differ from the interrupted run. Pass "
                 f"seed={saved_seed} to resume it, or a new checkpoint_dir."
             )
-        write_back(TrainState(**tree["state"]), model)
-        return Position(int(tree["position"]["epoch"]), int(tree["position"]["steps"]))
 
     def close(self):
         """Release the checkpoint manager (its threads and file handles)."""
@@ -254,3 +309,38 @@ def _model_state(model):
 
 def _position_tree(epoch, steps, seed):
     return {"epoch": np.asarray(epoch), "steps": np.asarray(steps), "seed": np.asarray(seed)}
+
+
+def _leaves(tree):
+    """`(name, array)` for every array of a checkpoint tree but its checksums."""
+    import jax
+
+    flat, _ = jax.tree_util.tree_flatten_with_path(
+        {key: value for key, value in tree.items() if key != "checksums"})
+    return [(jax.tree_util.keystr(path), leaf) for path, leaf in flat]
+
+
+def _checksums(tree):
+    """The CRC-32 of each array's bytes, in `_leaves` order."""
+    return np.asarray([zlib.crc32(np.ascontiguousarray(leaf).tobytes())
+                       for _, leaf in _leaves(tree)], dtype=np.int64)
+
+
+def _mismatched(tree):
+    """The names of the arrays of a restored tree that differ from its checksums."""
+    expected = np.asarray(tree["checksums"])
+    actual = _checksums(tree)
+    if expected.shape != actual.shape:
+        return ["the checksum list itself"]
+    return [name for (name, _), a, b in zip(_leaves(tree), actual, expected) if a != b]
+
+
+def _layout(tree):
+    """Each array's name, shape and dtype: what must match for a restore to fit."""
+    return [(name, tuple(leaf.shape), np.dtype(leaf.dtype).name) for name, leaf in _leaves(tree)]
+
+
+def _short(error):
+    """An error's first line, at most 200 characters: orbax's can be pages long."""
+    text = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return f"{type(error).__name__}: {text[:200]}"

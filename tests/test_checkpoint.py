@@ -119,6 +119,57 @@ def test_a_checkpoint_of_another_model_or_seed_is_refused(data, tmp_path):
         fit(other, data, epochs=2, checkpoint_dir=tmp_path)
 
 
+def two_checkpoints(data, directory):
+    """Checkpoints 0 (after epoch 1) and 1 (after epoch 2); the model after epoch 2."""
+    model = mlp()
+    fit(model, data, epochs=1, checkpoint_dir=directory)
+    fit(model, data, epochs=2, checkpoint_dir=directory)
+    assert sorted(os.listdir(directory)) == ["0", "1"]
+    return model
+
+
+def largest_data_file(checkpoint):
+    files = [path for path in checkpoint.rglob("*") if path.is_file()]
+    return max(files, key=lambda path: path.stat().st_size)
+
+
+def flip_bytes(path, count=64):
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    for i in range(middle, middle + count):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def truncate(path):
+    with open(path, "r+b") as file:
+        file.truncate(path.stat().st_size // 2)
+
+
+@pytest.mark.parametrize("damage", [flip_bytes, truncate])
+def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(data, tmp_path, damage):
+    two_epochs = two_checkpoints(data, tmp_path)
+    damage(largest_data_file(tmp_path / "1"))
+    resumed = mlp(seed=7)
+    with pytest.warns(RuntimeWarning, match=r"skipped damaged checkpoints \(\S*/1: (its data could "
+                      r"not be read|1 arrays differ from the checksums).*"
+                      r"resuming from the older intact one, 0"):
+        history = fit(resumed, data, epochs=2, checkpoint_dir=tmp_path)
+    # Resumed from checkpoint 0 (after epoch 1) and trained epoch 2 again:
+    # bitwise the weights of the run that wrote checkpoint 1.
+    assert history.epoch == [1]
+    assert_weights_equal(resumed, two_epochs)
+
+
+def test_a_directory_of_damaged_checkpoints_is_refused(data, tmp_path):
+    fit(mlp(), data, epochs=1, checkpoint_dir=tmp_path)
+    flip_bytes(largest_data_file(tmp_path / "0"))
+    with pytest.raises(checkpoint_lib.DamagedCheckpointError,
+                       match=r"Every checkpoint in .* is damaged.*0: 1 arrays differ from "
+                             r"the checksums written with them \(\['state'\]"):
+        fit(mlp(), data, epochs=2, checkpoint_dir=tmp_path)
+
+
 def poisoned(data, batch):
     x, y = data
     x = x.copy()
