@@ -27,16 +27,19 @@ any one process makes every process save at the same step boundary and
 exit 143 (`SyncedPreemption`).
 """
 
+import contextlib
 import dataclasses
+import errno
 import os
 import signal
 import sys
 import threading
 import warnings
-import zlib
 
 import numpy as np
 
+from keras_dp import checkpoint_guard as guard
+from keras_dp.checkpoint_guard import DirectoryInUseError  # noqa: F401 - raised here too
 from keras_dp.state import TrainState
 from keras_dp.state import write_back
 
@@ -60,13 +63,20 @@ class Checkpoints:
         directory: where to write; created if missing. Use one directory per
             run: a checkpoint of another model cannot be restored.
         max_to_keep: how many of the newest checkpoints to keep.
+        lock: hold `directory` for this run until `close` (see
+            `keras_dp.checkpoint_guard`); across processes, process 0 locks.
+
+    Raises:
+        DirectoryInUseError: with `lock`, another live run holds `directory`.
     """
 
-    def __init__(self, directory, max_to_keep=2):
+    def __init__(self, directory, max_to_keep=2, lock=True):
         import orbax.checkpoint as ocp
 
         self._ocp = ocp
         self.directory = os.path.abspath(os.fspath(directory))
+        self.max_to_keep = max_to_keep
+        self._lock = guard.DirectoryLock(self.directory) if lock else None
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
@@ -90,9 +100,25 @@ class Checkpoints:
             "state": _model_state(model),
             "position": _position_tree(position.epoch, position.steps, seed),
         }
-        tree["checksums"] = _checksums(tree)
-        self._manager.save(index, args=self._ocp.args.StandardSave(tree), force=True)
-        self._manager.wait_until_finished()
+        tree["checksums"] = guard.checksums(tree)
+        try:
+            self._manager.save(index, args=self._ocp.args.StandardSave(tree), force=True)
+            self._manager.wait_until_finished()
+        except Exception as error:  # noqa: BLE001 - one clear error, not orbax's chain
+            raise OSError(
+                getattr(error, "errno", None) or errno.EIO,
+                f"Saving the checkpoint {_where(position)} in {self.directory} failed "
+                f"({guard.short(error)}). The model holds the weights it trained; "
+                "the newest complete checkpoint there is unchanged. Free space "
+                "or fix the directory, then rerun the same fit to resume."
+            ) from None
+
+    def check_room(self, model):
+        """Raise `OSError` if the directory's filesystem cannot take the checkpoints to come."""
+        tree = {"state": _model_state(model), "position": _position_tree(0, 0, 0)}
+        nbytes = sum(leaf.nbytes for _, leaf in guard.leaves(tree)) + 8 * len(guard.leaves(tree))
+        kept = len(self._manager.all_steps())
+        guard.check_room(self.directory, nbytes, max(1, self.max_to_keep + 1 - kept))
 
     def restore(self, model, seed):
         """Load the newest intact checkpoint into `model`; return its `Position` or None.
@@ -110,7 +136,7 @@ class Checkpoints:
             DamagedCheckpointError: every checkpoint in the directory is damaged.
         """
         template = {"state": _model_state(model), "position": _position_tree(0, 0, 0)}
-        template["checksums"] = _checksums(template)
+        template["checksums"] = guard.checksums(template)
         damaged = []
         for index in sorted(self._manager.all_steps(), reverse=True):
             problem, tree = self._read(index, template)
@@ -142,8 +168,8 @@ class Checkpoints:
         try:
             saved = self._manager.item_metadata(index).tree
         except Exception as error:  # noqa: BLE001 - any read error means damaged
-            return f"its metadata could not be read ({_short(error)})", None
-        if _layout(saved) != _layout(template):
+            return f"its metadata could not be read ({guard.short(error)})", None
+        if guard.layout(saved) != guard.layout(template):
             raise ValueError(
                 f"The checkpoint in {os.path.join(self.directory, str(index))} "
                 "does not fit this model: it was written for another model, "
@@ -154,8 +180,8 @@ class Checkpoints:
             tree = self._manager.restore(
                 index, args=self._ocp.args.StandardRestore(template))
         except Exception as error:  # noqa: BLE001 - the layout fits: damaged
-            return f"its data could not be read ({_short(error)})", None
-        wrong = _mismatched(tree)
+            return f"its data could not be read ({guard.short(error)})", None
+        wrong = guard.mismatched(tree)
         if wrong:
             return (f"{len(wrong)} arrays differ from the checksums written with "
                     f"them ({', '.join(wrong[:3])}{', ...' if len(wrong) > 3 else ''})"), None
@@ -172,8 +198,25 @@ class Checkpoints:
             )
 
     def close(self):
-        """Release the checkpoint manager (its threads and file handles)."""
-        self._manager.close()
+        """Release the checkpoint manager (its threads and file handles) and the lock.
+
+        Calling it again does nothing.
+        """
+        if self._manager is not None:
+            self._manager.close()
+            self._manager = None
+        if self._lock is not None:
+            self._lock.release()
+
+
+@contextlib.contextmanager
+def closing(checkpoints):
+    """Close `checkpoints` (a `Checkpoints`, or None) when the block ends, however."""
+    try:
+        yield checkpoints
+    finally:
+        if checkpoints is not None:
+            checkpoints.close()
 
 
 def open_for_fit(checkpoint_dir, model, seed, multiprocess, initial_epoch,
@@ -188,9 +231,14 @@ def open_for_fit(checkpoint_dir, model, seed, multiprocess, initial_epoch,
     the same `checkpoint_dir`, on a filesystem they share; each restores the
     same newest checkpoint.
 
+    The caller must `close` the `Checkpoints` (see `closing`): until then
+    it holds the directory's lock. On an error here it is closed already.
+
     Raises:
         ValueError: `checkpoint_dir` with `steps_per_epoch`, or a checkpoint
             that does not fit (see `Checkpoints.restore`).
+        DirectoryInUseError: another live run holds `checkpoint_dir`.
+        OSError: its filesystem has no room for the checkpoints to come.
     """
     start = Position(initial_epoch, 0)
     if checkpoint_dir is None:
@@ -204,9 +252,27 @@ def open_for_fit(checkpoint_dir, model, seed, multiprocess, initial_epoch,
             "steps_per_epoch (an epoch is then one pass over the data), or "
             "drop checkpoint_dir."
         )
-    del multiprocess  # orbax's save and restore take part in every process alike
-    checkpoints = Checkpoints(checkpoint_dir)
-    return checkpoints, checkpoints.restore(model, seed) or start
+    # orbax's save and restore take part in every process alike; the lock
+    # is process 0's, for all of them.
+    checkpoints = Checkpoints(checkpoint_dir, lock=not multiprocess or _process_index() == 0)
+    with contextlib.ExitStack() as on_error:
+        on_error.callback(checkpoints.close)
+        position = checkpoints.restore(model, seed) or start
+        checkpoints.check_room(model)
+        on_error.pop_all()
+    return checkpoints, position
+
+
+def _where(position):
+    if position.steps == 0:
+        return f"of the end of epoch {position.epoch}"
+    return f"after {position.steps} steps of epoch {position.epoch + 1}"
+
+
+def _process_index():
+    import jax
+
+    return jax.process_index()
 
 
 class Preemption:
@@ -310,37 +376,3 @@ def _model_state(model):
 def _position_tree(epoch, steps, seed):
     return {"epoch": np.asarray(epoch), "steps": np.asarray(steps), "seed": np.asarray(seed)}
 
-
-def _leaves(tree):
-    """`(name, array)` for every array of a checkpoint tree but its checksums."""
-    import jax
-
-    flat, _ = jax.tree_util.tree_flatten_with_path(
-        {key: value for key, value in tree.items() if key != "checksums"})
-    return [(jax.tree_util.keystr(path), leaf) for path, leaf in flat]
-
-
-def _checksums(tree):
-    """The CRC-32 of each array's bytes, in `_leaves` order."""
-    return np.asarray([zlib.crc32(np.ascontiguousarray(leaf).tobytes())
-                       for _, leaf in _leaves(tree)], dtype=np.int64)
-
-
-def _mismatched(tree):
-    """The names of the arrays of a restored tree that differ from its checksums."""
-    expected = np.asarray(tree["checksums"])
-    actual = _checksums(tree)
-    if expected.shape != actual.shape:
-        return ["the checksum list itself"]
-    return [name for (name, _), a, b in zip(_leaves(tree), actual, expected) if a != b]
-
-
-def _layout(tree):
-    """Each array's name, shape and dtype: what must match for a restore to fit."""
-    return [(name, tuple(leaf.shape), np.dtype(leaf.dtype).name) for name, leaf in _leaves(tree)]
-
-
-def _short(error):
-    """An error's first line, at most 200 characters: orbax's can be pages long."""
-    text = (str(error).strip().splitlines() or [type(error).__name__])[0]
-    return f"{type(error).__name__}: {text[:200]}"

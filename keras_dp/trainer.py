@@ -313,14 +313,15 @@ class ShardedTrainer:
         checkpoints, resume = checkpoint_lib.open_for_fit(
             checkpoint_dir, self.model, self.seed, self.multiprocess, initial_epoch,
             steps_per_epoch)
-        callbacks = callbacks_lib.callback_list(
-            callbacks, self.model, verbose, epochs=epochs, steps=batches.steps
-        )
-        return loop.fit(
-            self, batches, val, callbacks, epochs=epochs, resume=resume,
-            validation_freq=validation_freq, checkpoints=checkpoints,
-            feed=resident.make_feed(self, batches), profile_dir=profile_dir,
-        )
+        with checkpoint_lib.closing(checkpoints):  # its lock goes, whatever fails
+            callbacks = callbacks_lib.callback_list(
+                callbacks, self.model, verbose, epochs=epochs, steps=batches.steps
+            )
+            return loop.fit(
+                self, batches, val, callbacks, epochs=epochs, resume=resume,
+                validation_freq=validation_freq, checkpoints=checkpoints,
+                feed=resident.make_feed(self, batches), profile_dir=profile_dir,
+            )
 
     def evaluate(self, x=None, y=None, *, batch_size=None, verbose="auto",
                  sample_weight=None, callbacks=None, return_dict=False):

@@ -1,7 +1,11 @@
 """Checkpoint and resume, saving on SIGTERM, and stopping on a non-finite loss."""
 
+import json
 import os
+import pathlib
 import signal
+import subprocess
+import sys
 
 import keras
 import numpy as np
@@ -15,6 +19,7 @@ from conftest import mlp
 from conftest import weights
 
 ROWS, BATCH = 512, 64  # 8 steps per epoch
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -88,7 +93,7 @@ def test_sigterm_during_a_save_leaves_it_complete(data, tmp_path, monkeypatch):
         fit(model, data, checkpoint_dir=tmp_path)
     monkeypatch.undo()
     # The save at the end of epoch 0 completed, and the run stopped there.
-    assert sorted(os.listdir(tmp_path)) == ["0"]
+    assert sorted(os.listdir(tmp_path)) == [".keras_dp.lock", "0"]
     assert (tmp_path / "0" / "commit_success.txt").exists() or (tmp_path / "0" / "_CHECKPOINT_METADATA").exists()
     resumed = mlp(seed=7)
     assert fit(resumed, data, epochs=1, checkpoint_dir=tmp_path).epoch == []
@@ -124,7 +129,7 @@ def two_checkpoints(data, directory):
     model = mlp()
     fit(model, data, epochs=1, checkpoint_dir=directory)
     fit(model, data, epochs=2, checkpoint_dir=directory)
-    assert sorted(os.listdir(directory)) == ["0", "1"]
+    assert sorted(os.listdir(directory)) == [".keras_dp.lock", "0", "1"]
     return model
 
 
@@ -168,6 +173,79 @@ def test_a_directory_of_damaged_checkpoints_is_refused(data, tmp_path):
                        match=r"Every checkpoint in .* is damaged.*0: 1 arrays differ from "
                              r"the checksums written with them \(\['state'\]"):
         fit(mlp(), data, epochs=2, checkpoint_dir=tmp_path)
+
+
+HOLD_THE_LOCK = """
+import sys, time
+from keras_dp.checkpoint_guard import DirectoryLock
+lock = DirectoryLock(sys.argv[1])
+print("locked", flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_directory_in_use_by_a_live_run_is_refused_and_a_dead_runs_lock_taken_over(
+        data, tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_THE_LOCK, str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        model = mlp()
+        with pytest.raises(checkpoint_lib.DirectoryInUseError,
+                           match=rf"in use by another run \(pid {holder.pid} on "):
+            fit(model, data, epochs=1, checkpoint_dir=tmp_path)
+        assert os.listdir(tmp_path) == [".keras_dp.lock"]  # nothing written
+        assert int(model.optimizer.iterations.numpy()) == 0  # no step taken
+    finally:
+        holder.kill()  # SIGKILL: the lock file stays behind, the lock goes
+        holder.wait()
+    # A fit that fails before its first step (bad labels) lets go of the directory too.
+    x, y = data
+    with pytest.raises(ValueError, match="label"):
+        fit(mlp(), (x, np.where(np.arange(len(y)) == 9, 10, y)), epochs=1, checkpoint_dir=tmp_path)
+    fit(mlp(), data, epochs=1, checkpoint_dir=tmp_path)
+    assert sorted(os.listdir(tmp_path)) == [".keras_dp.lock", "0"]
+
+
+def full_disk(tmp_path, mib, case):
+    """Run `scripts/full_disk.py` on a real tmpfs of `mib` MiB in a private mount namespace."""
+    mount = tmp_path / "mnt"
+    mount.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("XLA_FLAGS", None)
+    command = ["unshare", "-rm", sys.executable, str(ROOT / "tests" / "scripts" / "full_disk.py"),
+               str(mount), "--mib", str(mib), "--case", case]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    if done.returncode != 0 and "unshare" in done.stderr and "Operation not permitted" in done.stderr:
+        pytest.skip("no user namespaces here: a tmpfs cannot be mounted without root")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]  # one error, no orbax noise
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_full_disk_is_refused_before_the_first_step(tmp_path):
+    # 0.25 MiB free; the run needs 3 checkpoints of 0.08 MiB plus metadata.
+    result = full_disk(tmp_path, 0.25, "small")
+    assert result["error"].startswith(
+        "OSError: [Errno 28] Not enough free space for checkpoints in ")
+    assert "0.25 MiB free, and this fit needs 0.43 MiB (3 more checkpoints of 0.08 MiB" \
+        in result["error"]
+    assert result["steps"] == 0 and result["weights_equal_reference"]  # untouched
+    assert result["files"] == [".keras_dp.lock"]
+
+
+def test_a_save_onto_a_full_disk_is_one_clear_error_and_keeps_the_weights(tmp_path):
+    # The check passes (1 MiB free); a callback then fills the disk before epoch 1's save.
+    result = full_disk(tmp_path, 1, "fill")
+    assert result["error"] == (
+        f"OSError: [Errno 28] Saving the checkpoint of the end of epoch 1 in "
+        f"{tmp_path / 'mnt'} failed (OSError: [Errno 28] No space left on device). "
+        "The model holds the weights it trained; the newest complete checkpoint "
+        "there is unchanged. Free space or fix the directory, then rerun the same "
+        "fit to resume.")
+    # Bitwise the weights of the same epoch trained without a checkpoint_dir.
+    assert result["steps"] == 8 and result["weights_equal_reference"]
 
 
 def poisoned(data, batch):

@@ -161,8 +161,8 @@ def test_four_processes_of_one_device_equal_one_process_of_four(tmp_path, one_pr
 
 
 def checkpoint_steps(directory):
-    """The checkpoints orbax committed, and anything else in the directory."""
-    names = sorted(path.name for path in directory.iterdir())
+    """The checkpoints orbax committed, and anything else in the directory but its lock."""
+    names = sorted(path.name for path in directory.iterdir() if path.name != ".keras_dp.lock")
     return [int(name) for name in names if name.isdigit()], [n for n in names if not n.isdigit()]
 
 
