@@ -176,11 +176,20 @@ class Checkpoints:
                 "optimizer or set of metrics (its arrays' names or shapes "
                 "differ). Resume with the same model and compile arguments, "
                 "or pass a new checkpoint_dir.")
+        checked = "checksums" in saved
+        if not checked:
+            template = {key: value for key, value in template.items() if key != "checksums"}
         try:
             tree = self._manager.restore(
                 index, args=self._ocp.args.StandardRestore(template))
         except Exception as error:  # noqa: BLE001 - the layout fits: damaged
             return f"its data could not be read ({guard.short(error)})", None
+        if not checked:
+            warnings.warn(
+                f"keras_dp: the checkpoint {os.path.join(self.directory, str(index))} "
+                "has no checksums (a keras_dp from before they were added wrote "
+                "it), so it is restored unchecked.", RuntimeWarning, stacklevel=3)
+            return None, tree
         wrong = guard.mismatched(tree)
         if wrong:
             return (f"{len(wrong)} arrays differ from the checksums written with "

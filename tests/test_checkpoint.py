@@ -175,6 +175,22 @@ def test_a_directory_of_damaged_checkpoints_is_refused(data, tmp_path):
         fit(mlp(), data, epochs=2, checkpoint_dir=tmp_path)
 
 
+def test_a_checkpoint_without_checksums_is_restored_with_a_warning(data, tmp_path):
+    import orbax.checkpoint as ocp
+
+    # What keras_dp wrote before checksums: the state and the position only.
+    model = two_checkpoints(data, tmp_path / "new")
+    manager = ocp.CheckpointManager(tmp_path / "old")
+    manager.save(0, args=ocp.args.StandardSave({
+        "state": checkpoint_lib._model_state(model),
+        "position": checkpoint_lib._position_tree(2, 0, 0)}))
+    manager.close()
+    resumed = mlp(seed=7)
+    with pytest.warns(RuntimeWarning, match=r"old/0 has no checksums .* restored unchecked"):
+        assert fit(resumed, data, epochs=2, checkpoint_dir=tmp_path / "old").epoch == []
+    assert_weights_equal(resumed, model)
+
+
 HOLD_THE_LOCK = """
 import sys, time
 from keras_dp.checkpoint_guard import DirectoryLock
