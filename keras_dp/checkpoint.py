@@ -115,8 +115,8 @@ class Checkpoints:
 
     def check_room(self, model):
         """Raise `OSError` if the directory's filesystem cannot take the checkpoints to come."""
-        tree = {"state": _model_state(model), "position": _position_tree(0, 0, 0)}
-        nbytes = sum(leaf.nbytes for _, leaf in guard.leaves(tree)) + 8 * len(guard.leaves(tree))
+        leaves = guard.leaves(_template(model))
+        nbytes = sum(leaf.nbytes for _, leaf in leaves) + 8 * len(leaves)
         kept = len(self._manager.all_steps())
         guard.check_room(self.directory, nbytes, max(1, self.max_to_keep + 1 - kept))
 
@@ -135,8 +135,7 @@ class Checkpoints:
                 shuffle order would make the resumed run differ.
             DamagedCheckpointError: every checkpoint in the directory is damaged.
         """
-        template = {"state": _model_state(model), "position": _position_tree(0, 0, 0)}
-        template["checksums"] = guard.checksums(template)
+        template = _template(model)
         damaged = []
         for index in sorted(self._manager.all_steps(), reverse=True):
             problem, tree = self._read(index, template)
@@ -380,6 +379,17 @@ def _model_state(model):
         name: [np.asarray(variable.value) for variable in variables]
         for name, variables in TrainState.variables_of(model).groups()
     }
+
+
+def _template(model):
+    """A checkpoint's tree for `model`, of uninitialised arrays: their shapes and dtypes."""
+    state = {
+        name: [np.empty(variable.shape, np.dtype(variable.dtype)) for variable in variables]
+        for name, variables in TrainState.variables_of(model).groups()
+    }
+    tree = {"state": state, "position": _position_tree(0, 0, 0)}
+    tree["checksums"] = np.zeros(len(guard.leaves(tree)), np.int64)
+    return tree
 
 
 def _position_tree(epoch, steps, seed):
