@@ -39,13 +39,10 @@ import warnings
 import numpy as np
 
 from keras_dp import checkpoint_guard as guard
+from keras_dp.checkpoint_guard import DamagedCheckpointError
 from keras_dp.checkpoint_guard import DirectoryInUseError  # noqa: F401 - raised here too
 from keras_dp.state import TrainState
 from keras_dp.state import write_back
-
-
-class DamagedCheckpointError(ValueError):
-    """Every checkpoint in a directory is damaged (unreadable, or not its checksums)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +135,8 @@ class Checkpoints:
         template = _template(model)
         damaged = []
         for index in sorted(self._manager.all_steps(), reverse=True):
-            problem, tree = self._read(index, template)
+            problem, tree = guard.read_verified(
+                self._manager, index, template, self._ocp.args.StandardRestore)
             if problem is None:
                 break
             damaged.append(f"{os.path.join(self.directory, str(index))}: {problem}")
@@ -158,42 +156,6 @@ class Checkpoints:
         self._check_seed(tree, seed)
         write_back(TrainState(**tree["state"]), model)
         return Position(int(tree["position"]["epoch"]), int(tree["position"]["steps"]))
-
-    def _read(self, index, template):
-        """`(None, tree)` for an intact checkpoint, or `(what is wrong, None)`.
-
-        Raises ValueError for a readable checkpoint that does not fit `template`.
-        """
-        try:
-            saved = self._manager.item_metadata(index).tree
-        except Exception as error:  # noqa: BLE001 - any read error means damaged
-            return f"its metadata could not be read ({guard.short(error)})", None
-        if guard.layout(saved) != guard.layout(template):
-            raise ValueError(
-                f"The checkpoint in {os.path.join(self.directory, str(index))} "
-                "does not fit this model: it was written for another model, "
-                "optimizer or set of metrics (its arrays' names or shapes "
-                "differ). Resume with the same model and compile arguments, "
-                "or pass a new checkpoint_dir.")
-        checked = "checksums" in saved
-        if not checked:
-            template = {key: value for key, value in template.items() if key != "checksums"}
-        try:
-            tree = self._manager.restore(
-                index, args=self._ocp.args.StandardRestore(template))
-        except Exception as error:  # noqa: BLE001 - the layout fits: damaged
-            return f"its data could not be read ({guard.short(error)})", None
-        if not checked:
-            warnings.warn(
-                f"keras_dp: the checkpoint {os.path.join(self.directory, str(index))} "
-                "has no checksums (a keras_dp from before they were added wrote "
-                "it), so it is restored unchecked.", RuntimeWarning, stacklevel=3)
-            return None, tree
-        wrong = guard.mismatched(tree)
-        if wrong:
-            return (f"{len(wrong)} arrays differ from the checksums written with "
-                    f"them ({', '.join(wrong[:3])}{', ...' if len(wrong) > 3 else ''})"), None
-        return None, tree
 
     def _check_seed(self, tree, seed):
         saved_seed = int(tree["position"]["seed"])

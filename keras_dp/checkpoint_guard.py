@@ -32,6 +32,10 @@ LOCK_FILE = ".keras_dp.lock"
 _OVERHEAD_BYTES = 64 * 1024
 
 
+class DamagedCheckpointError(ValueError):
+    """Every checkpoint in a directory is damaged (unreadable, or not its checksums)."""
+
+
 class DirectoryInUseError(RuntimeError):
     """Another live process is writing checkpoints into the same directory."""
 
@@ -102,6 +106,48 @@ def check_room(directory, checkpoint_bytes, checkpoints_to_add, free_bytes=None)
 
 def _mib(nbytes):
     return f"{nbytes / 2**20:,.2f} MiB"
+
+
+def read_verified(manager, index, template, restore_args):
+    """Checkpoint `index` of an orbax `manager`: `(None, tree)` if intact, else `(what is wrong, None)`.
+
+    `template` is the tree to restore into (see `keras_dp.checkpoint`), and
+    `restore_args` orbax's `StandardRestore`. A checkpoint written without
+    checksums is restored with a warning that it is unchecked.
+
+    Raises:
+        ValueError: the checkpoint is readable but does not fit `template`
+            (its arrays' names, shapes or dtypes differ).
+    """
+    path = os.path.join(str(manager.directory), str(index))
+    try:
+        saved = manager.item_metadata(index).tree
+    except Exception as error:  # noqa: BLE001 - any read error means damaged
+        return f"its metadata could not be read ({short(error)})", None
+    if layout(saved) != layout(template):
+        raise ValueError(
+            f"The checkpoint in {path} does not fit this model: it was written "
+            "for another model, optimizer or set of metrics (its arrays' names "
+            "or shapes differ). Resume with the same model and compile "
+            "arguments, or pass a new checkpoint_dir.")
+    checked = "checksums" in saved
+    if not checked:
+        template = {key: value for key, value in template.items() if key != "checksums"}
+    try:
+        tree = manager.restore(index, args=restore_args(template))
+    except Exception as error:  # noqa: BLE001 - the layout fits: damaged
+        return f"its data could not be read ({short(error)})", None
+    if not checked:
+        warnings.warn(
+            f"keras_dp: the checkpoint {path} has no checksums (a keras_dp from "
+            "before they were added wrote it), so it is restored unchecked.",
+            RuntimeWarning, stacklevel=4)
+        return None, tree
+    wrong = mismatched(tree)
+    if wrong:
+        return (f"{len(wrong)} arrays differ from the checksums written with "
+                f"them ({', '.join(wrong[:3])}{', ...' if len(wrong) > 3 else ''})"), None
+    return None, tree
 
 
 def leaves(tree):
