@@ -7,12 +7,8 @@ import sys
 
 import keras
 
-# Epochs when --epochs is not given. An epoch of the bundled subset is 79
-# steps of 64, and BatchNormalization's moving statistics (momentum 0.99),
-# which the test set is scored with, need several hundred steps to follow
-# the weights: after 2 such epochs the test accuracy is near chance (0.09).
-DEFAULT_EPOCHS = 2
-DEFAULT_EPOCHS_ON_THE_SUBSET = 10
+from keras_dp.cli import DEFAULT_EPOCHS
+from keras_dp.cli import DEFAULT_EPOCHS_ON_THE_SUBSET
 
 Mnist = collections.namedtuple("Mnist", "train test source bundled")
 
