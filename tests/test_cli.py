@@ -15,7 +15,8 @@ from keras_dp import cli
 
 EPOCH_TIME = (r"epoch (\d+) time [\d.]+ s: input [\d.]+ s, steps [\d.]+ s, callbacks "
               r"[\d.]+ s, validation [\d.]+ s, other [\d.]+ s; [\d,]+ samples/s")
-RESULT = r"After (\d+) epochs?: val_loss ([\d.]+)  val_accuracy ([\d.]+) \(on the (\d+) test images\)"
+RESULT = (r"After (\d+) epochs?: val_loss ([\d.]+)  val_accuracy ([\d.]+) "
+          r"\(on the (\d+) test images\)")
 
 
 def run_cli(*args, timeout=300, cwd=None, env=None):
@@ -66,7 +67,8 @@ def test_the_default_command_offline_reaches_090_on_the_bundled_subset(tmp_path)
     code, out = run_in_terminal(["train"], cwd=tmp_path, env=offline_environment(tmp_path),
                                 timeout=280)
     assert code == 0, out[-3000:]
-    assert "Data: the 5,000-image MNIST subset bundled with keras_dp (full MNIST was not found" in out
+    assert ("Data: the 5,000-image MNIST subset bundled with keras_dp (full MNIST was "
+            "not found") in out
     assert "5000 training images; the 1000 test images are the validation data" in out
     assert "10 epochs (the default on the bundled subset, whose epochs are short)" in out
     assert "No GPU or TPU: training on 2 simulated CPU devices" in out
@@ -113,15 +115,15 @@ def test_into_a_log_file_each_epoch_is_one_line_and_a_profile_is_written(tmp_pat
 
 def test_help_and_argument_errors_load_neither_keras_nor_jax():
     script = (
-        "import sys, time\n"
-        "start = time.perf_counter()\n"
+        "import sys\n"
         "from keras_dp import cli\n"
         "for argv in (['--help'], ['train', '--help'], ['train', '--epochs', '0']):\n"
         "    try:\n"
         "        cli.main(argv)\n"
         "    except SystemExit as exit:\n"
         "        print('exit', exit.code)\n"
-        "print(sorted(m for m in ('keras', 'jax', 'tensorflow', 'matplotlib') if m in sys.modules))\n"
+        "heavy = ('keras', 'jax', 'tensorflow', 'matplotlib')\n"
+        "print(sorted(m for m in heavy if m in sys.modules))\n"
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                             timeout=60, env={key: value for key, value in os.environ.items()

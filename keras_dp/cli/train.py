@@ -137,7 +137,8 @@ def _verbose(args):
 def _plot_title(args, data, trainer):
     which = "the bundled MNIST subset" if data.bundled else "MNIST"
     return (f"{args.model}: {len(data.train[0]):,} training images of {which}, "
-            f"{trainer.num_devices} device(s); val_ = the {len(data.test[0]):,} test images")
+            f"{trainer.num_devices} device(s); val_loss, val_accuracy: the "
+            f"{len(data.test[0]):,} test images")
 
 
 def _save(args, model, history, title):
