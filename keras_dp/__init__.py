@@ -1,46 +1,57 @@
 """keras_dp: synchronous data-parallel training of Keras 3 models on JAX devices."""
 
+import importlib
 import os
 import sys
 
 # keras_dp runs on Keras's JAX backend. Choose it for the user when Keras is
 # not imported yet and no backend was asked for; refuse any other backend.
-if "keras" not in sys.modules:
-    os.environ.setdefault("KERAS_BACKEND", "jax")
-
-import keras  # noqa: E402
-
-if keras.backend.backend() != "jax":
+# Keras reads KERAS_BACKEND before its config file, so the variable decides
+# without importing Keras here: `import keras_dp` (and `keras-dp --help`)
+# stays fast, and the public names below load on first use.
+if "keras" in sys.modules:
+    _backend = sys.modules["keras"].backend.backend()
+else:
+    _backend = os.environ.setdefault("KERAS_BACKEND", "jax")
+if _backend != "jax":
     raise ImportError(
-        "keras_dp needs Keras's JAX backend, but Keras is running on "
-        f"{keras.backend.backend()!r}. Set KERAS_BACKEND=jax before Keras is "
-        "first imported (or import keras_dp first)."
+        f"keras_dp needs Keras's JAX backend, but Keras is running on {_backend!r}. "
+        "Set KERAS_BACKEND=jax before Keras is first imported (or import "
+        "keras_dp first)."
     )
-
-from keras_dp import datasets  # noqa: E402
-from keras_dp import distributed  # noqa: E402
-from keras_dp import models  # noqa: E402
-from keras_dp.ensemble import EnsembleResult  # noqa: E402
-from keras_dp.ensemble import EnsembleTrainer  # noqa: E402
-from keras_dp.ensemble import fit_ensemble  # noqa: E402
-from keras_dp.fit import fit_sharded  # noqa: E402
-from keras_dp.memory import memory_plan  # noqa: E402
-from keras_dp.mesh import make_mesh  # noqa: E402
-from keras_dp.state import TrainState  # noqa: E402
-from keras_dp.trainer import ShardedTrainer  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "EnsembleResult",
-    "EnsembleTrainer",
-    "ShardedTrainer",
-    "TrainState",
-    "datasets",
-    "distributed",
-    "fit_ensemble",
-    "fit_sharded",
-    "make_mesh",
-    "memory_plan",
-    "models",
-]
+# Each public name and the module that defines it, imported on first use.
+_PUBLIC = {
+    "EnsembleResult": "keras_dp.ensemble",
+    "EnsembleTrainer": "keras_dp.ensemble",
+    "ShardedTrainer": "keras_dp.trainer",
+    "TrainState": "keras_dp.state",
+    "fit_ensemble": "keras_dp.ensemble",
+    "fit_sharded": "keras_dp.fit",
+    "make_mesh": "keras_dp.mesh",
+    "memory_plan": "keras_dp.memory",
+}
+_MODULES = ("datasets", "distributed", "models")
+
+__all__ = sorted([*_PUBLIC, *_MODULES])
+
+
+def __getattr__(name):
+    """Import a public name, or any submodule, when it is first used."""
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    else:
+        try:
+            value = importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as error:
+            if error.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

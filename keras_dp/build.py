@@ -7,6 +7,7 @@ a mistake fails with a message instead of deep inside a traced step.
 """
 
 import contextlib
+import re
 
 import jax
 import keras
@@ -251,14 +252,33 @@ def check_labels(model, x, y, y_pred, sample_weight):
         )
     except Exception as error:
         shapes = lambda tree: jax.tree.map(lambda s: tuple(s.shape), tree)  # noqa: E731
+        # Keras's traceback and error wrapping add nothing to this message.
         raise ValueError(
             f"The labels do not fit the model's output under its loss: y has "
             f"shape {shapes(y)}, the model outputs shape {shapes(y_pred)}, and "
-            f"the loss is {model.loss!r}. Give labels in the form the loss "
+            f"the loss is {_loss_name(model.loss)}. Give labels in the form the loss "
             "expects: integer class ids of shape (batch,) for "
             "sparse_categorical_crossentropy, one-hot rows of shape (batch, "
-            f"classes) for categorical_crossentropy. Keras reported: {error}"
-        ) from error
+            f"classes) for categorical_crossentropy. Keras reported: {_first_line(error)}"
+        ) from None
+
+
+def _loss_name(loss):
+    """A loss as its name (`sparse_categorical_crossentropy`), not an object's repr."""
+    if isinstance(loss, dict):
+        return {key: _loss_name(value) for key, value in loss.items()}
+    if isinstance(loss, (list, tuple)):
+        return [_loss_name(value) for value in loss]
+    return loss if isinstance(loss, str) else getattr(loss, "name", None) or getattr(
+        loss, "__name__", type(loss).__name__)
+
+
+def _first_line(error):
+    """The first line of `error` that says something, without Keras's wrapping."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    lines = [line for line in lines if not line.startswith("Exception encountered")]
+    return lines[0] if lines else type(error).__name__
 
 
 def signature(batch):

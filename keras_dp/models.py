@@ -65,8 +65,21 @@ def _residual_block(x, channels, strides):
     return layers.ReLU()(layers.Add()([y, shortcut]))
 
 
-def compile_classifier(model, learning_rate=1e-3):
-    """Compile a logits classifier as the guide does: Adam, sparse CE, accuracy."""
+def compile_classifier(model, learning_rate=1e-3, decay_steps=None):
+    """Compile a logits classifier as the guide does: Adam, sparse CE, accuracy.
+
+    Args:
+        model: a Keras model that outputs one logit per class.
+        learning_rate: Adam's learning rate (its start, with `decay_steps`).
+        decay_steps: if given, the rate decays to 0 along a cosine over this
+            many steps (`keras.optimizers.schedules.CosineDecay`); by default
+            it stays constant, as in the guide.
+
+    Returns:
+        `model`, compiled.
+    """
+    if decay_steps is not None:
+        learning_rate = keras.optimizers.schedules.CosineDecay(learning_rate, decay_steps)
     model.compile(
         optimizer=keras.optimizers.Adam(learning_rate),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),

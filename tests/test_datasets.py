@@ -41,8 +41,15 @@ def test_keras_cache_is_used(no_download, tmp_path):
     assert datasets.load_mnist()[0][0].shape == (10, 28, 28)
 
 
-def test_falls_back_to_the_bundled_subset_and_says_so(no_download):
-    with pytest.warns(UserWarning, match="using the 5,000-image subset"):
-        (x, y), (x_test, y_test) = datasets.load_mnist()
+def test_falls_back_to_the_bundled_subset_and_says_so_in_one_line(no_download, caplog):
+    (x, y), (x_test, y_test) = datasets.load_mnist()
     assert x.shape == (5000, 28, 28) and x_test.shape == (1000, 28, 28)
     assert set(np.unique(y)) == set(range(10))
+    assert [record.getMessage() for record in caplog.records] == [
+        "Using the 5,000-image MNIST subset bundled with keras_dp (full MNIST was not "
+        "found: no path, no $KERAS_DP_DATA_DIR, none in Keras's cache, and the download "
+        "failed). Set KERAS_DP_DATA_DIR to a directory with mnist.npz for the full "
+        "60,000 training images."
+    ]
+    assert caplog.records[0].levelname == "WARNING"
+    assert datasets.find_mnist() == (datasets.BUNDLED_MNIST, datasets.BUNDLED_SOURCE)

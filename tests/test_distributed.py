@@ -249,7 +249,7 @@ def test_only_process_0_writes_the_model_and_plot(tmp_path):
     assert sorted(path.name for path in tmp_path.iterdir()) == [
         "convnet.keras", "training_curves.png"
     ]
-    assert "[process 0] Test: loss" in output
+    assert "[process 0] After 1 epoch: val_loss" in output
     assert "[process 1] Test" not in output and "[process 1] epoch" not in output
     assert "[process 0] 2 processes; each reads 1/2 of the data and 32 rows" in output
 

@@ -20,8 +20,14 @@ def test_labels_that_do_not_fit_the_output_are_refused_before_compiling(mnist):
     one_hot = np.eye(10, dtype=np.float32)[y[:64]]
     with pytest.raises(ValueError, match=r"labels do not fit.*y has shape \(64, 10\).*sparse_categorical"):
         keras_dp.fit_sharded(mlp(), x[:64], one_hot, batch_size=64, verbose=0, devices=devices(2))
-    with pytest.raises(ValueError, match="labels do not fit"):
+    with pytest.raises(ValueError, match="labels do not fit") as error:
         keras_dp.fit_sharded(mlp(), x[:64], np.zeros((64, 3)), batch_size=64, verbose=0)
+    # keras_dp's own message, without Keras's chained traceback or a repr.
+    assert error.value.__cause__ is None and error.value.__suppress_context__
+    assert "the loss is sparse_categorical_crossentropy. Give labels" in str(error.value)
+    assert str(error.value).endswith(
+        "Keras reported: Arguments `target` and `output` must have the same shape up "
+        "until the last dimension: target.shape=(64, 3), output.shape=(64, 10)")
 
 
 def test_an_uncompiled_model_without_optimizer_and_loss_is_refused():

@@ -48,3 +48,6 @@ def test_notebook_runs(path, tmp_path, monkeypatch):
         output.get("text", "") for cell in notebook.cells for output in cell.get("outputs", [])
     )
     assert "Traceback" not in outputs
+    # Files a notebook makes go to a temporary directory, not beside it, so
+    # that running the notebooks leaves a clone's `git status` clean.
+    assert sorted(path.name for path in tmp_path.iterdir()) == []

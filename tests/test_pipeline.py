@@ -98,6 +98,17 @@ def test_a_bad_batch_in_a_dataset_is_named(mnist, bad, message):
         keras_dp.fit_sharded(mlp(), batches_then(mnist, bad), verbose=0, devices=devices(2))
 
 
+def test_a_dataset_of_single_samples_is_told_to_batch(mnist):
+    (x, y), _ = mnist
+    single = r"Batch 0 of epoch 0 is a single sample, not a batch: its arrays have shapes "
+    with pytest.raises(ValueError, match=single + r"\[\(28, 28, 1\), \(\)\].*dataset.batch\(64\)"):
+        keras_dp.fit_sharded(mlp(), tf.data.Dataset.from_tensor_slices((x[:8], y[:8])),
+                             verbose=0, devices=devices(2))
+    with pytest.raises(ValueError, match=single + r".*a generator or PyDataset yields arrays"):
+        keras_dp.fit_sharded(mlp(), ((image, label) for image, label in zip(x, y)),
+                             verbose=0, devices=devices(2))
+
+
 def batches_then(mnist, bad):
     (x, y), _ = mnist
     return [(x[:32], y[:32]), bad(x, y)]

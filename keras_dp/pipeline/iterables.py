@@ -91,6 +91,7 @@ class IterableBatches:
                 "hold the same x, y and sample_weight arrays in the same nesting."
             )
         check_dtypes(batch, where)
+        _check_batched(batch, where)
         if batch_rows(batch) == 0:
             raise ValueError(
                 f"{where} has no rows. Every batch needs at least one sample; "
@@ -102,6 +103,20 @@ class IterableBatches:
         if self._class_weight is not None:
             batch = apply_class_weight(batch, self._class_weight)
         return batch
+
+
+def _check_batched(batch, where):
+    """Raise a `ValueError` when `batch` is one sample: a 0-d array has no rows."""
+    shapes = [np.shape(leaf) for leaf in jax.tree.leaves(batch)]
+    if any(len(shape) == 0 for shape in shapes):
+        raise ValueError(
+            f"{where} is a single sample, not a batch: its arrays have shapes "
+            f"{shapes}, and a 0-d array (one label) has no batch dimension. "
+            "keras_dp, like model.fit, reads a dataset as batches. Batch it: "
+            "`dataset.batch(64)` for a tf.data.Dataset; a generator or "
+            "PyDataset yields arrays with the batch first, such as x of "
+            "shape (64, 28, 28, 1) and y of shape (64,)."
+        )
 
 
 def _as_numpy_iterable(source):
@@ -158,7 +173,13 @@ def hide_gpus_from_tensorflow():
     Without this, TensorFlow would reserve most of each GPU's memory for
     itself, leaving JAX to run out.
     """
-    import tensorflow as tf
+    try:
+        import tensorflow as tf
+    except ImportError:
+        raise ImportError(
+            "tf.data input needs TensorFlow, which keras_dp installs only "
+            "with its `tf` extra: pip install 'keras_dp[tf]'."
+        ) from None
 
     try:
         tf.config.set_visible_devices([], "GPU")
