@@ -9,6 +9,7 @@ import sys
 import time
 
 import keras
+import numpy as np
 import pytest
 
 from keras_dp import cli
@@ -91,9 +92,21 @@ def test_the_default_command_offline_reaches_090_on_the_bundled_subset(tmp_path)
     assert (tmp_path / "keras_dp_output" / "training_curves.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def small_mnist(directory, train, test):
+    """An mnist.npz of the bundled subset's first `train` and `test` images, in `directory`."""
+    from keras_dp import datasets
+
+    (x, y), (x_test, y_test) = datasets.load_mnist(datasets.BUNDLED_MNIST)
+    directory.mkdir(parents=True, exist_ok=True)
+    np.savez(directory / "mnist.npz", x_train=x[:train], y_train=y[:train],
+             x_test=x_test[:test], y_test=y_test[:test])
+    return directory
+
+
 def test_into_a_log_file_each_epoch_is_one_line_and_a_profile_is_written(tmp_path):
     result = run_cli(
-        "train", "--epochs", "2", "--cpu-devices", "2", "--train-samples", "640",
+        "train", "--epochs", "2", "--cpu-devices", "2",
+        "--data-dir", str(small_mnist(tmp_path / "data", 640, 256)),
         "--output-dir", str(tmp_path), "--profile", str(tmp_path / "profile"),
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -108,6 +121,7 @@ def test_into_a_log_file_each_epoch_is_one_line_and_a_profile_is_written(tmp_pat
     result_line = re.search(RESULT, out)
     # The final scores are the last epoch's val_ logs, under the same names.
     assert result_line.group(2) == bars[1][3] and result_line.group(3) == bars[1][2]
+    assert result_line.group(4) == "256"
     assert any((tmp_path / "profile").rglob("*.xplane.pb"))
     model = keras.saving.load_model(tmp_path / "convnet.keras")
     assert model.count_params() == 49_378

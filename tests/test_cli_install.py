@@ -51,7 +51,7 @@ report = {"found": [name for name in ("tensorflow", "matplotlib")
 from keras_dp import cli
 out = io.StringIO()
 with contextlib.redirect_stdout(out):
-    cli.main(["train", "--epochs", "1", "--train-samples", "256", "--verbose", "0",
+    cli.main(["train", "--epochs", "1", "--verbose", "0",
               "--data-dir", DATA, "--output-dir", OUTPUT])
 report["cli"] = out.getvalue()
 
@@ -89,7 +89,7 @@ def test_train_and_read_arrays_pydatasets_and_iterables_without_tf_or_matplotlib
     source = tmp_path / "mnist_small.npz"
     np.savez(source, x_train=x[:256], y_train=y[:256], x_test=x_test[:128], y_test=y_test[:128])
     sha256 = hashlib.sha256(source.read_bytes()).hexdigest()
-    constants = (f"DATA = {str(datasets.BUNDLED_MNIST)!r}\nOUTPUT = {str(tmp_path / 'out')!r}\n"
+    constants = (f"DATA = {str(source)!r}\nOUTPUT = {str(tmp_path / 'out')!r}\n"
                  f"SOURCE = {str(source)!r}\nSHA256 = {sha256!r}\n")
     env = {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"}
     env["KERAS_HOME"] = str(tmp_path / "keras_home")
@@ -99,7 +99,7 @@ def test_train_and_read_arrays_pydatasets_and_iterables_without_tf_or_matplotlib
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["found"] == [] and report["imported"] == []
     assert "No GPU or TPU: training on 2 simulated CPU devices" in report["cli"]
-    assert "256 training images; the 1000 test images are the validation data" in report["cli"]
+    assert "256 training images; the 128 test images are the validation data" in report["cli"]
     assert ("No training curves: they need matplotlib (pip install 'keras_dp[plot]')"
             in report["cli"])
     assert sorted(os.listdir(tmp_path / "out")) == ["convnet.keras"]
