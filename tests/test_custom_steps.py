@@ -46,7 +46,8 @@ def _assert_variables_close(reference, ours, scale_tolerance):
 
 # float32 here on 2 or 3 devices; all three on 3 devices in float64 below.
 @pytest.mark.parametrize("name,n_devices", [
-    ("dcgan", 3), pytest.param("vae", 2, marks=pytest.mark.slow), ("add_loss_model", 2)])
+    pytest.param("dcgan", 3, marks=pytest.mark.slow),
+    pytest.param("vae", 2, marks=pytest.mark.slow), ("add_loss_model", 2)])
 def test_a_custom_step_model_trains_as_keras_fit_on_one_device(data, name, n_devices):
     build = getattr(parity_models, name)
     reference = build(0)

@@ -148,6 +148,7 @@ def test_two_processes_with_k_steps_and_look_ahead_equal_one_process_of_four(
     assert "[process 0] \x1b[1m13/13" in output and "[process 1] \x1b[1m" not in output
 
 
+@pytest.mark.slow  # 30 s; the 2 x 2 test covers processes of several devices in CI
 def test_four_processes_of_one_device_equal_one_process_of_four(tmp_path, one_process_of_four):
     code, output = launch(4, 1, *worker("fit", tmp_path))
     assert code == 0, output[-3000:]
@@ -242,6 +243,7 @@ def test_a_killed_process_makes_the_other_fail_within_bounded_time(tmp_path, vic
             process.wait()
 
 
+@pytest.mark.slow  # the CLI across processes: 20 s
 def test_only_process_0_writes_the_model_and_plot(tmp_path):
     code, output = launch(2, 1, "train", "--epochs", "1", "--train-samples", "512",
                           "--verbose", "0", "--output-dir", str(tmp_path))

@@ -99,6 +99,7 @@ def test_one_epoch_on_3_devices_equals_keras_fit_on_one(mnist):
     assert_variables_close(keras_model, ours, k=CONVNET_EPOCH_K)
 
 
+@pytest.mark.slow  # 30 s; the float32 version runs in CI
 def test_one_epoch_on_3_devices_equals_keras_fit_on_one_in_float64():
     # The same epoch in float64, where rounding is 1e-16 and no ReLU input
     # changes side: the weights must agree to 1e-12 of each variable's

@@ -170,6 +170,7 @@ def test_subclassed_and_functional_models_train(mnist):
         assert history.history["loss"][1] < history.history["loss"][0]
 
 
+@pytest.mark.slow  # 26 s on 2 cores
 def test_resnet18_is_d2ls_and_its_loss_falls_on_two_devices(mnist):
     (x, y), _ = mnist
     model = keras_dp.models.resnet18()
