@@ -103,6 +103,7 @@ def small_mnist(directory, train, test):
     return directory
 
 
+@pytest.mark.slow  # 16 s; the terminal run checks the report in CI
 def test_into_a_log_file_each_epoch_is_one_line_and_a_profile_is_written(tmp_path):
     result = run_cli(
         "train", "--epochs", "2", "--cpu-devices", "2",

@@ -67,6 +67,7 @@ def test_a_second_process_loads_the_train_step_from_the_per_user_cache(tmp_path)
     assert "jit_train_step" in second["hits"] and "jit_train_step" not in second["misses"]
 
 
+@pytest.mark.slow  # two more processes; the first test checks the cache in CI
 def test_enabled_before_the_model_the_cache_holds_its_initializers_too(tmp_path):
     # The argument's threshold (0 s) replaces the environment's (here 60 s,
     # which would cache nothing).
@@ -80,6 +81,7 @@ def test_enabled_before_the_model_the_cache_holds_its_initializers_too(tmp_path)
     assert initializers, second
 
 
+@pytest.mark.slow  # a process; the argument-order test checks the switch in CI
 def test_the_environment_variable_turns_the_cache_off(tmp_path):
     xdg = tmp_path / "xdg"
     off = run_fit(tmp_path, XDG_CACHE_HOME=str(xdg), **{compilation_cache.ENV: "0"})

@@ -99,7 +99,8 @@ def test_a_model_without_call_and_unbuilt_sub_models_names_them():
 
 
 @pytest.mark.parametrize("models", [
-    "add_loss_model", pytest.param("dcgan,vae", marks=pytest.mark.slow)])
+    pytest.param("add_loss_model", marks=pytest.mark.slow),
+    pytest.param("dcgan,vae", marks=pytest.mark.slow)])
 def test_float64_custom_steps_equal_keras_fit_to_rounding(models):
     result = subprocess.run(
         [sys.executable, str(SCRIPT), "--float64", "--devices", "3", "--models", models],

@@ -190,6 +190,7 @@ def test_sigterm_to_one_process_saves_every_process_at_one_step_and_resumes_bitw
     np.testing.assert_array_equal(resumed["counts"], np.ones(798))
 
 
+@pytest.mark.slow  # 35 s; the SIGTERM resume runs in CI
 def test_sigkill_of_one_process_resumes_from_the_last_complete_epoch_bitwise(
         tmp_path, unbroken):
     checkpoints = tmp_path / "checkpoints"

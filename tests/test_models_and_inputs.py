@@ -265,6 +265,7 @@ def _augmented(layer):
     return model
 
 
+@pytest.mark.slow  # 8 s on 2 cores
 def test_layers_that_turn_off_jit_train_as_keras_run_jitted(data):
     """RandomRotation sets supports_jit=False: Keras's fit runs it un-jitted, keras_dp jitted."""
     x, y = data[0][:96], data[1][:96]
