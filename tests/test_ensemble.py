@@ -54,7 +54,7 @@ def trained(mnist):
     return trainer, history
 
 
-@pytest.mark.parametrize("members", [4, 8])
+@pytest.mark.parametrize("members", [4, pytest.param(8, marks=pytest.mark.slow)])
 def test_member_i_equals_the_same_model_trained_alone_with_model_fit(mnist, members):
     # 8 members on 4 devices: two per device, vmapped within each device.
     (x, y), _ = mnist
