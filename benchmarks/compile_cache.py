@@ -71,11 +71,11 @@ def main():
     parser.add_argument("--batch-size", type=int, default=64)
     args = parser.parse_args()
     for early in (False, True):
-        summarise(early, *measure(args, early))
+        summarise(early, args, *measure(args, early))
 
 
 def measure(args, early):
-    """`(args, cache_entries, {"cold": [s], "warm": [s]})` for one way of enabling the cache."""
+    """`(cache_entries, {"cold": [s], "warm": [s]})` for one way of enabling the cache."""
     times = {"cold": [], "warm": []}
     with tempfile.TemporaryDirectory() as root:
         warm_dir = os.path.join(root, "warm")
@@ -89,7 +89,7 @@ def measure(args, early):
                 print(json.dumps({"enabled": "early" if early else "by the trainer",
                                   "kind": kind, "run": index, "seconds": round(seconds, 3)}),
                       flush=True)
-    return args, entries, times
+    return entries, times
 
 
 def summarise(early, args, entries, times):

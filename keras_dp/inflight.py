@@ -51,6 +51,17 @@ class Throttle:
                 self.failure = (first_step + int(finite), loss)
 
 
+# What to check after a non-finite step, for one model or an ensemble's members.
+ADVICE = (
+    "Check that batch for NaN or Inf inputs or labels; a finite loss "
+    "with non-finite gradients comes from an op whose gradient is "
+    "infinite at some input (sqrt or log at 0, a division by 0). Else "
+    "lower the learning rate, or clip gradients (for example optimizer "
+    "clipnorm=1.0); add keras.callbacks.TerminateOnNaN() to stop without "
+    "an error."
+)
+
+
 def failure_message(epoch, step, loss):
     """The error for the first step, batch `step` of (0-based) `epoch`, with non-finite values.
 
@@ -64,12 +75,7 @@ def failure_message(epoch, step, loss):
         "loss, or the weight update from its gradients, was NaN or Inf. It "
         "was not applied, nor any step after it, and training stopped: the "
         f"model holds the weights after {step} steps of epoch {epoch + 1}. "
-        "Check that batch for NaN or Inf inputs or labels; a finite loss "
-        "with non-finite gradients comes from an op whose gradient is "
-        "infinite at some input (sqrt or log at 0, a division by 0). Else "
-        "lower the learning rate, or clip gradients (for example optimizer "
-        "clipnorm=1.0); add keras.callbacks.TerminateOnNaN() to stop without "
-        "an error."
+        + ADVICE
     )
 
 

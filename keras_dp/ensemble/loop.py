@@ -19,6 +19,7 @@ import keras
 import numpy as np
 
 from keras_dp import callbacks as callbacks_lib
+from keras_dp import inflight
 from keras_dp.ensemble import members as members_lib
 from keras_dp.state import LiveModel
 from keras_dp.state import TrainState
@@ -124,18 +125,19 @@ def train_epoch(trainer, live, sources, epoch, callbacks):
 
 
 def failure_message(epoch, failed, losses):
-    """The error for members whose loss stopped being finite, `failed`: `[(member, batch)]`."""
+    """The error for members whose loss or update stopped being finite, `failed`: `[(member, batch)]`.
+
+    The guard in the compiled step (`steps.keep_if_not_finite`) sets a
+    member's logs to NaN after a non-finite update, so both show in its loss.
+    """
     which = ", ".join(f"member {member} at batch {batch} (loss {losses[member]})"
                       for member, batch in failed)
     return (
-        f"The loss stopped being finite in epoch {epoch + 1}: {which}, batches "
-        "counted from 0 within the epoch, as callbacks count. Training "
-        "stopped. Each of those members holds its weights from before that "
-        "batch; every other member holds its weights after the last batch "
-        "that ran. Check the batch for NaN or Inf inputs or labels, lower the "
-        "learning rate, or clip gradients (for example optimizer "
-        "clipnorm=1.0); add keras.callbacks.TerminateOnNaN() to stop without "
-        "an error."
+        f"The loss or the weight update stopped being finite in epoch {epoch + 1}: "
+        f"{which}, batches counted from 0 within the epoch, as callbacks count. "
+        "Training stopped. Each of those members holds its weights from before "
+        "that batch; every other member holds its weights after the last batch "
+        "that ran. " + inflight.ADVICE
     )
 
 
