@@ -15,6 +15,8 @@ inside a step.
 """
 
 import os
+import socket
+import threading
 
 import jax
 import numpy as np
@@ -27,6 +29,8 @@ PROCESS_ID_ENV = "KERAS_DP_PROCESS_ID"
 HEARTBEAT_ENV = "KERAS_DP_HEARTBEAT_TIMEOUT"
 DEFAULT_HEARTBEAT_TIMEOUT = 20
 _HOST_NAME_BYTES = 64
+# How much later than keras_dp's own timeout JAX's native deadline falls.
+_JAX_DEADLINE_MARGIN_S = 60
 
 
 def initialize(coordinator_address=None, num_processes=None, process_id=None, *,
@@ -57,6 +61,10 @@ def initialize(coordinator_address=None, num_processes=None, process_id=None, *,
 
     Raises:
         RuntimeError: JAX has already started a backend.
+        TimeoutError: not every process arrived within
+            `initialization_timeout` (the message names the coordinator,
+            this process and whether the coordinator's port answered). The
+            process cannot join again and should exit.
         ValueError: a malformed environment variable.
     """
     if _compat.jax_backend_started():
@@ -71,12 +79,76 @@ def initialize(coordinator_address=None, num_processes=None, process_id=None, *,
     num_processes = _int_arg(num_processes, NUM_PROCESSES_ENV)
     process_id = _int_arg(process_id, PROCESS_ID_ENV)
     heartbeat = _int_arg(heartbeat_timeout_seconds, HEARTBEAT_ENV)
-    jax.distributed.initialize(
-        coordinator_address, num_processes, process_id,
-        local_device_ids=local_device_ids,
-        initialization_timeout=initialization_timeout,
-        heartbeat_timeout_seconds=heartbeat or DEFAULT_HEARTBEAT_TIMEOUT,
+    _connect_within(initialization_timeout, coordinator_address, num_processes, process_id,
+                    lambda: jax.distributed.initialize(
+                        coordinator_address, num_processes, process_id,
+                        local_device_ids=local_device_ids,
+                        # JAX's own deadline aborts the process natively, with no
+                        # Python exception: keras_dp's, shorter, raises first.
+                        initialization_timeout=initialization_timeout + _JAX_DEADLINE_MARGIN_S,
+                        heartbeat_timeout_seconds=heartbeat or DEFAULT_HEARTBEAT_TIMEOUT,
+                    ))
+
+
+def _connect_within(timeout, coordinator_address, num_processes, process_id, connect):
+    """Run `connect` (JAX's rendezvous) and raise `TimeoutError` if it outlasts `timeout`.
+
+    JAX's runtime reports a peer that never arrives by aborting the whole
+    process from native code, which Python cannot catch. So the rendezvous
+    runs on a daemon thread and this thread waits on it: past `timeout` the
+    caller gets a `TimeoutError` that names the coordinator, this process
+    and the timeout. The rendezvous cannot be retried in the same process
+    (JAX keeps its half-made client), so the process should exit: the
+    daemon thread does not hold it open.
+    """
+    finished = threading.Event()
+    failure = []
+
+    def rendezvous():
+        try:
+            connect()
+        except BaseException as error:  # handed to the waiting thread
+            failure.append(error)
+        finally:
+            finished.set()
+
+    threading.Thread(target=rendezvous, name="keras_dp-initialize", daemon=True).start()
+    if not finished.wait(timeout):
+        raise TimeoutError(_never_arrived(timeout, coordinator_address, num_processes,
+                                          process_id))
+    if failure:
+        raise failure[0]
+
+
+def _never_arrived(timeout, coordinator_address, num_processes, process_id):
+    who = "this process" if process_id is None else f"process {process_id}"
+    of = "" if num_processes is None else f" of {num_processes}"
+    where = coordinator_address or "the coordinator JAX detected from the cluster"
+    reachable = _reachable(coordinator_address)
+    seen = ("" if reachable is None else
+            " The coordinator's port accepts connections, so it is up and "
+            "another process is missing." if reachable else
+            " Nothing accepts connections at that address: process 0 has not "
+            "started, or the address or port is wrong or blocked.")
+    return (
+        f"keras_dp.distributed.initialize: {who}{of} waited {timeout} s at "
+        f"{where} and not every process arrived.{seen} Start every process "
+        "with the same coordinator address and process count, each with its "
+        "own process id, or pass a longer initialization_timeout. This "
+        "process cannot join again; exit and start it anew."
     )
+
+
+def _reachable(address):
+    """Whether a TCP connection to `"host:port"` opens (None: no address to try)."""
+    if not address or ":" not in address:
+        return None
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 def requested_by_environment():
@@ -102,8 +174,6 @@ def host_names():
 
     Every process must call it: one small all-gather through the devices.
     """
-    import socket
-
     from jax.experimental import multihost_utils
 
     name = np.zeros(_HOST_NAME_BYTES, np.uint8)

@@ -273,6 +273,41 @@ def test_initialize_after_jax_started_says_to_call_it_first():
         distributed.initialize("127.0.0.1:1", 2, 0)
 
 
+def test_a_peer_that_never_arrives_raises_a_python_timeout_naming_the_coordinator():
+    # Real rendezvous for 2 processes, each on its own port so that neither
+    # peer ever arrives: JAX alone would abort both natively at its deadline.
+    # Process 0 runs the coordinator, so its port answers; for process 1
+    # nothing listens.
+    script = (
+        "import sys, time\n"
+        "from keras_dp import distributed\n"
+        "start = time.monotonic()\n"
+        "try:\n"
+        "    distributed.initialize(sys.argv[1], 2, int(sys.argv[2]), initialization_timeout=3)\n"
+        "except TimeoutError as error:\n"
+        "    print('TimeoutError', round(time.monotonic() - start), error)\n"
+        "    sys.exit(7)\n"
+    )
+    addresses = [f"127.0.0.1:{_free_port()}" for _ in range(2)]
+    processes = [subprocess.Popen(
+        [sys.executable, "-c", script, address, str(process_id)], stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        for process_id, address in enumerate(addresses)]
+    try:
+        outputs = [process.communicate(timeout=90)[0] for process in processes]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+    for process_id, (process, output) in enumerate(zip(processes, outputs)):
+        assert process.returncode == 7, output
+        line = next(line for line in output.splitlines() if line.startswith("TimeoutError"))
+        assert f"process {process_id} of 2 waited 3 s at {addresses[process_id]}" in line
+        assert int(line.split()[1]) <= 10  # keras_dp's 3 s, not JAX's deadline
+        assert ("accepts connections" if process_id == 0
+                else "Nothing accepts connections") in line
+
+
 def _free_port():
     from keras_dp.cli.launch import _free_port as free_port
 
