@@ -98,7 +98,7 @@ def replicate(tree, mesh):
     return place(tree, mesh, replicated(mesh))
 
 
-def place(tree, mesh, shardings):
+def place(tree, mesh, shardings, same_on_every_process=False):
     """Copy every array of `tree` onto `mesh`, laid out as `shardings`.
 
     Each value is first copied where it lies (a `jax.Array` on its device,
@@ -108,19 +108,23 @@ def place(tree, mesh, shardings):
     the Keras variables it came from.
 
     When `mesh` spans several processes, every process gets process 0's
-    values (one broadcast, through the host).
+    values (one broadcast, through the host), unless the caller vouches
+    that they are already the same everywhere (`same_on_every_process`,
+    for example metrics' reset values): then there is no broadcast.
 
     Args:
         tree: arrays (numpy, or `jax.Array`s anywhere).
         mesh: the `"batch"` mesh.
         shardings: one sharding for all, or a tree of shardings matching
             `tree` (see `keras_dp.layout`).
+        same_on_every_process: the values are known to be equal in every
+            process, so no broadcast is needed.
 
     Returns:
         A tree of the same structure whose leaves are `jax.Array`s with
         the given shardings.
     """
-    if spans_processes(mesh):
+    if spans_processes(mesh) and not same_on_every_process:
         # Each process places its own values on its own devices: take process
         # 0's, so that replicas on different hosts can never start apart
         # (different seeds, a callback run on one host).

@@ -107,10 +107,15 @@ def model_weights(model, mesh, shardings=None):
 
 
 def fresh_metrics(model, mesh, shardings=None):
-    """Return the metric variables' reset values on `mesh` (`shardings`: a list)."""
+    """Return the metric variables' reset values on `mesh` (`shardings`: a list).
+
+    Reset values are the same in every process (Keras resets a metric to its
+    initializer's constant), so across processes they are placed without a
+    broadcast: starting an epoch costs no collective.
+    """
     model.reset_metrics()
     return mesh_lib.place(_values(model.metrics_variables), mesh,
-                          shardings or mesh_lib.replicated(mesh))
+                          shardings or mesh_lib.replicated(mesh), same_on_every_process=True)
 
 
 def is_alive(state):

@@ -125,6 +125,10 @@ def test_two_processes_with_k_steps_and_look_ahead_equal_one_process_of_four(
     # counts go 8 steps at a time: 3 rounds for its 13 steps, plus one.
     assert float(first["rounds_per_epoch"]) == 2
     assert float(first["dataset_rounds_per_epoch"]) == 4
+    # After the first epoch's start no collective moves host values: the
+    # state stays on the devices and the metrics' reset values are placed
+    # locally (they were broadcast at every epoch's start before).
+    assert int(first["broadcasts_after_epoch_0"]) == 0
     # The same batches as a dataset train bitwise the same weights.
     np.testing.assert_array_equal(
         np.concatenate([np.ravel(w) for w in weights(first)]), first["dataset_weights"])

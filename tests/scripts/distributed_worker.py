@@ -50,6 +50,24 @@ sys.path.insert(0, os.path.dirname(__file__))
 from many_hosts_data import IdHistogram, make_model, rows_of, share_ids  # noqa: E402
 
 
+def count_broadcasts():
+    """Count calls of `broadcast_one_to_all`, the collective that moves host values."""
+    from jax.experimental import multihost_utils
+
+    original = multihost_utils.broadcast_one_to_all
+
+    def counted(*a, **k):
+        counted.calls += 1
+        return original(*a, **k)
+
+    counted.calls = 0
+    multihost_utils.broadcast_one_to_all = counted
+    return counted
+
+
+BROADCASTS = count_broadcasts()
+
+
 class Recorder(keras.callbacks.Callback):
     """Records the first batch end seen; sends a signal at a chosen step."""
 
@@ -63,6 +81,8 @@ class Recorder(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch = epoch
+        if epoch == 1:
+            self.broadcasts_before_epoch_1 = BROADCASTS.calls
 
     def on_train_batch_end(self, batch, logs=None):
         self.first = self.first or (self.epoch, batch)
@@ -95,6 +115,8 @@ def fit():
         counts=np.asarray(history.history["ids"][-1]),
         iterations=int(model.optimizer.iterations.numpy()),
         rounds_per_epoch=trainer.placement.exchange.rounds / args.epochs,
+        broadcasts_after_epoch_0=BROADCASTS.calls - getattr(
+            recorder, "broadcasts_before_epoch_1", BROADCASTS.calls),
         first=np.asarray(recorder.first), refused=refused,
     )
     if args.extras:
