@@ -1,6 +1,7 @@
 """Step time and bytes per device of each `state_sharding` mode.
 
     python benchmarks/state_sharding.py --devices 4 --reps 20
+    python benchmarks/state_sharding.py --devices 8 --reps 3 --batches 64
     python benchmarks/state_sharding.py --paper  # 1B parameters on 8 and 16 GPUs
 
 For the guide's convnet and ResNet-18 (batch 64 and 256 images of 28x28, Adam),
@@ -25,6 +26,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--devices", type=int, default=4)
 parser.add_argument("--reps", type=int, default=20)
 parser.add_argument("--models", default="convnet,resnet18")
+parser.add_argument("--batches", default="64,256", help="batch sizes, comma-separated")
 parser.add_argument("--paper", action="store_true")
 parser.add_argument("--parameters", type=float, default=1e9)
 args = parser.parse_args()
@@ -80,7 +82,7 @@ def time_step(trainer, batch, reps):
 
 rng = np.random.default_rng(0)
 for name in args.models.split(","):
-    for batch_size in (64, 256):
+    for batch_size in map(int, args.batches.split(",")):
         x = rng.integers(0, 255, (batch_size, 28, 28, 1)).astype("uint8")
         y = rng.integers(0, 10, batch_size)
         seconds = {}
