@@ -1,0 +1,98 @@
+"""Checkpoints of a split training state: saved as it lies, restored onto any layout."""
+
+import jax
+import keras
+import numpy as np
+import pytest
+
+import keras_dp
+from keras_dp import checkpoint as checkpoint_lib
+from keras_dp import layout
+from keras_dp import mesh as mesh_lib
+from conftest import devices
+from conftest import mlp
+
+ROWS, BATCH = 256, 64  # 4 steps per epoch
+
+
+@pytest.fixture
+def data(mnist):
+    (x, y), _ = mnist
+    return x[:ROWS].astype("float32"), y[:ROWS]
+
+
+def fit(model, data, **kwargs):
+    kwargs = dict(dict(batch_size=BATCH, epochs=1, verbose=0, devices=devices(4),
+                       state_sharding="full"), **kwargs)
+    return keras_dp.fit_sharded(model, *data, **kwargs)
+
+
+@pytest.fixture
+def handed_to_orbax(monkeypatch):
+    """The trees `Checkpoints.save` hands to orbax, in order."""
+    import orbax.checkpoint as ocp
+
+    trees, standard_save = [], ocp.args.StandardSave
+    monkeypatch.setattr(ocp.args, "StandardSave",
+                        lambda tree: trees.append(tree) or standard_save(tree))
+    return trees
+
+
+def model_values(model):
+    return [np.asarray(v.value) for _, group in
+            keras_dp.TrainState.variables_of(model).groups() for v in group]
+
+
+def restore(directory, model, mesh, mode):
+    shardings = layout.state_shardings(keras_dp.TrainState.variables_of(model), mesh, mode)
+    checkpoints = checkpoint_lib.Checkpoints(directory, lock=False)
+    try:
+        return checkpoints.restore_state(checkpoint_lib.abstract_state(model, shardings), seed=0)
+    finally:
+        checkpoints.close()
+
+
+def test_a_full_state_is_saved_split_and_restores_bitwise_onto_2_devices_either_way(
+        data, tmp_path, handed_to_orbax):
+    model = mlp(dropout=0.25)
+    fit(model, data, checkpoint_dir=tmp_path)
+    (tree,) = handed_to_orbax
+    kernel, adam_slot = tree["state"]["trainable"][0], tree["state"]["optimizer"][2]
+    for array in (kernel, adam_slot):  # (784, 32), split in 4 row blocks, one per device
+        assert array.shape == (784, 32) and not array.sharding.is_fully_replicated
+        assert sorted(s.data.nbytes for s in array.addressable_shards) == [196 * 32 * 4] * 4
+    arrays = jax.tree.leaves(tree["state"])
+    total = sum(a.nbytes for a in arrays)
+    # Device 0 holds a quarter of the big arrays and the small ones whole.
+    assert sum(layout.bytes_per_device(a) for a in arrays) < 0.3 * total
+    # The model holds the saved state (fit wrote it back at its end).
+    saved = model_values(model)
+    for mode in ("replicated", "full"):
+        mesh = mesh_lib.make_mesh(devices(2))
+        state, position = restore(tmp_path, model, mesh, mode)  # its shapes only
+        assert position == checkpoint_lib.Position(1, 0)
+        restored = jax.tree.leaves(state)
+        assert len(restored) == len(saved)
+        for mine, reference in zip(restored, saved):
+            np.testing.assert_array_equal(np.asarray(mine), reference)
+        kernel = state.trainable[0]
+        assert kernel.sharding.mesh.devices.size == 2
+        assert kernel.sharding.is_fully_replicated == (mode == "replicated")
+
+
+class SetLearningRate(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        self.model.optimizer.learning_rate.assign(0.25)
+
+
+def test_a_callback_that_changed_the_model_is_saved_not_the_stale_live_state(
+        data, tmp_path, handed_to_orbax):
+    model = mlp()
+    fit(model, data, checkpoint_dir=tmp_path, devices=devices(2),
+        state_sharding="optimizer", callbacks=[SetLearningRate()])
+    state, _ = restore(tmp_path, model, mesh_lib.make_mesh(devices(2)), "optimizer")
+    names = [v.path for v in model.optimizer.variables]
+    rate = np.asarray(state.optimizer[names.index(model.optimizer._learning_rate.path)])
+    assert rate == np.float32(0.25)
+    for mine, reference in zip(jax.tree.leaves(state), model_values(model)):
+        np.testing.assert_array_equal(np.asarray(mine), reference)
