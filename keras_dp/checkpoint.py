@@ -18,18 +18,16 @@ crash or a kill in the middle of a write leaves the previous checkpoint the
 latest one, never a partial one. Orbax is imported only when a checkpoint is
 used.
 
-What is written by whom: the state's `jax.Array`s go to orbax as they lie
-(`state_sharding`), and each array's shards are written by the process
-whose device holds them (one copy of each shard: a replicated array by
-process 0), so no array is gathered onto one device or host to be saved;
-process 0 writes the position, the checksums (`checkpoint_guard.bitsums`,
-computed on the devices) and the metadata, and commits the checkpoint once
-every process has finished (orbax's multi-process protocol), so a
-checkpoint is complete for all or absent for all. A restore reads each
-array straight into the layout asked for (orbax reshards on load): a
-checkpoint of 4 devices with `"full"` resumes on 2 with `"replicated"`, or
-in 1 process after 2. `fit` restores into the Keras model's variables,
-which it then lays out anew.
+Who writes what: the state's `jax.Array`s go to orbax as they lie
+(`state_sharding`); each shard is written once, by the process whose
+device holds it (a replicated array by process 0), so nothing is gathered
+to be saved. Process 0 writes the position, the checksums (computed on the
+devices: `checkpoint_guard.bitsums`) and the metadata, and commits once
+every process has finished (orbax's multi-process protocol): a checkpoint
+is complete for all or absent for all. A restore reads each array into
+the layout asked for (orbax reshards on load), so a checkpoint of `"full"`
+on 4 devices resumes `"replicated"` on 2; `fit` reads it into the Keras
+model's variables, which it then lays out anew.
 
 Across processes, every process takes part in each save and restore, and
 `checkpoint_dir` must be one directory every process sees (a shared
@@ -44,13 +42,12 @@ import os
 import signal
 import sys
 import threading
-import warnings
 
 import jax
 import numpy as np
 
 from keras_dp import checkpoint_guard as guard
-from keras_dp.checkpoint_guard import DamagedCheckpointError
+from keras_dp.checkpoint_guard import DamagedCheckpointError  # noqa: F401 - raised here too
 from keras_dp.checkpoint_guard import DirectoryInUseError  # noqa: F401 - raised here too
 from keras_dp.state import TrainState
 from keras_dp.state import write_back
@@ -125,7 +122,10 @@ class Checkpoints:
             ) from None
 
     def save_live(self, live, trainer, position):
-        """Save the state a fit is at (`LiveModel.current`): the live state, unless a callback changed the model."""
+        """Save the state a fit has reached (`LiveModel.current`) at `position`.
+
+        The live state as it lies, or the model's if a callback changed it.
+        """
         any_process = trainer.placement.any_process if trainer.multiprocess else None
         self.save(live.current(trainer.init_state, any_process), position, trainer.seed)
 
@@ -157,10 +157,8 @@ class Checkpoints:
         its devices hold, whatever layout wrote them. Returns `(None, None)`
         when the directory holds no checkpoint.
 
-        A checkpoint that cannot be read, or whose values differ from the
-        checksums written with them (a damaged or truncated file), is
-        skipped with a `RuntimeWarning` naming it and what was wrong, and
-        the next older one is tried.
+        A damaged checkpoint is skipped with a warning for the next older
+        one (`checkpoint_guard.newest_intact`).
 
         Raises:
             ValueError: the newest readable checkpoint does not fit the model
@@ -169,27 +167,10 @@ class Checkpoints:
                 shuffle order would make the resumed run differ.
             DamagedCheckpointError: every checkpoint in the directory is damaged.
         """
-        template = _template(abstract)
-        damaged = []
-        for index in sorted(self._manager.all_steps(), reverse=True):
-            problem, tree = guard.read_verified(
-                self._manager, index, template, self._ocp.args.StandardRestore)
-            if problem is None:
-                break
-            damaged.append(f"{os.path.join(self.directory, str(index))}: {problem}")
-        else:
-            if damaged:
-                raise DamagedCheckpointError(
-                    f"Every checkpoint in {self.directory} is damaged, so "
-                    "there is nothing to resume from: " + "; ".join(damaged)
-                    + ". Restore the directory from a copy, or pass a new "
-                    "checkpoint_dir to start afresh.")
+        tree = guard.newest_intact(self._manager, _template(abstract),
+                                   self._ocp.args.StandardRestore)
+        if tree is None:
             return None, None
-        if damaged:
-            warnings.warn(
-                "keras_dp: skipped damaged checkpoints (" + "; ".join(damaged)
-                + f"); resuming from the older intact one, {index}.",
-                RuntimeWarning, stacklevel=3)
         self._check_seed(tree, seed)
         position = Position(int(tree["position"]["epoch"]), int(tree["position"]["steps"]))
         return TrainState(**tree["state"]), position

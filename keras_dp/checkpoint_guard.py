@@ -120,6 +120,39 @@ def _mib(nbytes):
     return f"{nbytes / 2**20:,.2f} MiB"
 
 
+def newest_intact(manager, template, restore_args):
+    """The tree of the newest intact checkpoint of an orbax `manager`; None if it has none.
+
+    A checkpoint that cannot be read, or whose values differ from the
+    checksums written with them (a damaged or truncated file), is skipped
+    with a `RuntimeWarning` naming it and what was wrong, and the next
+    older one is tried. See `read_verified` for the arguments.
+
+    Raises:
+        ValueError: the newest readable checkpoint does not fit `template`.
+        DamagedCheckpointError: every checkpoint of `manager` is damaged.
+    """
+    directory, damaged = str(manager.directory), []
+    for index in sorted(manager.all_steps(), reverse=True):
+        problem, tree = read_verified(manager, index, template, restore_args)
+        if problem is None:
+            break
+        damaged.append(f"{os.path.join(directory, str(index))}: {problem}")
+    else:
+        if damaged:
+            raise DamagedCheckpointError(
+                f"Every checkpoint in {directory} is damaged, so there is "
+                "nothing to resume from: " + "; ".join(damaged) + ". Restore the "
+                "directory from a copy, or pass a new checkpoint_dir to start afresh.")
+        return None
+    if damaged:
+        warnings.warn(
+            "keras_dp: skipped damaged checkpoints (" + "; ".join(damaged)
+            + f"); resuming from the older intact one, {index}.",
+            RuntimeWarning, stacklevel=4)
+    return tree
+
+
 def read_verified(manager, index, template, restore_args):
     """Checkpoint `index` of an orbax `manager`: `(None, tree)` if intact, else `(what is wrong, None)`.
 
@@ -157,7 +190,7 @@ def read_verified(manager, index, template, restore_args):
         warnings.warn(
             f"keras_dp: the checkpoint {path} has no checksums (a keras_dp from "
             "before they were added wrote it), so it is restored unchecked.",
-            RuntimeWarning, stacklevel=4)
+            RuntimeWarning, stacklevel=5)
         return None, tree
     wrong = mismatched(tree, kind)
     if wrong:

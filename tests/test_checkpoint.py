@@ -51,7 +51,7 @@ def test_stop_after_epoch_1_and_resume_equals_an_unbroken_run(data, tmp_path):
 
 
 def test_a_checkpoint_of_full_sharding_on_4_devices_resumes_replicated_on_2(data, tmp_path):
-    # Saved from the model (gathered), restored as arrays and laid out anew:
+    # Saved split as the state lies, read into the model and laid out anew:
     # another device count and state_sharding resume the same run.
     unbroken = mlp(dropout=0.25)
     fit(unbroken, data, epochs=2)
