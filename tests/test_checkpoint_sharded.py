@@ -164,3 +164,29 @@ def test_two_processes_each_write_their_own_shards_and_one_process_restores_them
     assert len(restored) == len(reference.files)
     for mine, name in zip(restored, reference.files):
         np.testing.assert_array_equal(np.asarray(mine), reference[name])
+
+
+def test_the_checksum_is_the_same_however_an_array_is_split_and_finds_one_changed_bit():
+    from keras_dp import checkpoint_guard as guard
+
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal((64, 24)).astype(dtype) for dtype in ("float32", "float16")]
+    arrays += [rng.integers(-100, 100, (16, 8), dtype=np.int8), rng.random(40) > 0.5,
+               np.asarray(7, np.uint32)]
+    tree = {"state": {"x": arrays}, "position": {"epoch": np.asarray(2)}}
+    whole = guard.bitsums(tree)
+    assert whole.dtype == np.uint32 and len(np.unique(whole)) == len(whole)
+    for count in (2, 8):
+        mesh = mesh_lib.make_mesh(devices(count))
+        # Rows split over the devices (every leading size divides by 8).
+        split = [jax.device_put(a, mesh_lib.batch_sharded(mesh)) if a.ndim
+                 else jax.device_put(a, mesh_lib.replicated(mesh)) for a in arrays]
+        assert split[0].addressable_shards[0].data.shape == (64 // count, 24)
+        np.testing.assert_array_equal(
+            guard.bitsums({"state": {"x": split}, "position": tree["position"]}), whole)
+    flipped = arrays[0].copy()
+    flipped.view(np.uint32)[40, 3] ^= 1 << 9
+    changed = guard.bitsums({"state": {"x": [flipped] + arrays[1:]},
+                             "position": tree["position"]}) != whole
+    names = [name for name, _ in guard.leaves(tree)]
+    assert [name for name, bad in zip(names, changed) if bad] == ["['state']['x'][0]"]
