@@ -1,14 +1,14 @@
 """Checkpoints of the whole training state, and saving on preemption.
 
-A checkpoint holds every variable a train step reads, taken from the Keras
-model (which `fit` keeps current at every epoch end and before a save):
-the trainable and non-trainable variables (BatchNorm statistics, Dropout's
-seed-generator state), the optimizer's variables (step count, slots,
-learning rate, loss scale), the metrics' running totals, and the position
-in the run: the epoch in progress and how many of its steps are done. The
-shuffle order of an epoch is a function of the trainer's seed and the epoch
-index, so this is all a resumed run needs to take the same steps on the same
-rows as an unbroken one, and end with bitwise the same weights on CPU.
+A checkpoint holds every variable a train step reads, taken from the live
+training state on the devices: the trainable and non-trainable variables
+(BatchNorm statistics, Dropout's seed-generator state), the optimizer's
+variables (step count, slots, learning rate, loss scale), the metrics'
+running totals, and the position in the run: the epoch in progress and how
+many of its steps are done. The shuffle order of an epoch is a function of
+the trainer's seed and the epoch index, so this is all a resumed run needs
+to take the same steps on the same rows as an unbroken one, and end with
+bitwise the same weights on CPU.
 
 Written with orbax-checkpoint, JAX's checkpoint library, rather than Keras
 saving: Keras saving stores a model and its optimizer but not the metrics'
@@ -18,13 +18,21 @@ crash or a kill in the middle of a write leaves the previous checkpoint the
 latest one, never a partial one. Orbax is imported only when a checkpoint is
 used.
 
-Across processes, every process takes part in each save and restore
-(orbax's multi-process protocol: process 0 writes the replicated values and
-commits the checkpoint once every process has finished, so a checkpoint is
-complete for all or absent for all), and `checkpoint_dir` must be one
-directory every process sees (a shared filesystem). A SIGTERM that reaches
-any one process makes every process save at the same step boundary and
-exit 143 (`SyncedPreemption`).
+Who writes what: the state's `jax.Array`s go to orbax as they lie
+(`state_sharding`); each shard is written once, by the process whose
+device holds it (a replicated array by process 0), so nothing is gathered
+to be saved. Process 0 writes the position, the checksums (computed on the
+devices: `checkpoint_guard.bitsums`) and the metadata, and commits once
+every process has finished (orbax's multi-process protocol): a checkpoint
+is complete for all or absent for all. A restore reads each array into
+the layout asked for (orbax reshards on load), so a checkpoint of `"full"`
+on 4 devices resumes `"replicated"` on 2; `fit` reads it into the Keras
+model's variables, which it then lays out anew.
+
+Across processes, every process takes part in each save and restore, and
+`checkpoint_dir` must be one directory every process sees (a shared
+filesystem). A SIGTERM that reaches any one process makes every process
+save at the same step boundary and exit 143 (`SyncedPreemption`).
 """
 
 import contextlib
@@ -34,12 +42,12 @@ import os
 import signal
 import sys
 import threading
-import warnings
 
+import jax
 import numpy as np
 
 from keras_dp import checkpoint_guard as guard
-from keras_dp.checkpoint_guard import DamagedCheckpointError
+from keras_dp.checkpoint_guard import DamagedCheckpointError  # noqa: F401 - raised here too
 from keras_dp.checkpoint_guard import DirectoryInUseError  # noqa: F401 - raised here too
 from keras_dp.state import TrainState
 from keras_dp.state import write_back
@@ -85,19 +93,22 @@ class Checkpoints:
             item_handlers=ocp.StandardCheckpointHandler(),
         )
 
-    def save(self, model, position, seed):
-        """Write `model`'s whole training state and `position`; returns when complete.
+    def save(self, state, position, seed):
+        """Write `state` and `position`; returns when the checkpoint is complete.
 
-        `model` must be built and compiled (its optimizer and metrics built).
-        A CRC-32 of every array is written with it, checked on restore.
+        `state` is a `TrainState` of `jax.Array`s, laid out as they lie
+        (see the module docstring for who writes what: nothing is
+        gathered). A checksum of every array (`checkpoint_guard.bitsums`)
+        is written with it, checked on restore. Across processes, every
+        process must call this at the same point.
         """
         index = self._manager.latest_step()
         index = 0 if index is None else index + 1
         tree = {
-            "state": _model_state(model),
+            "state": dict(state._asdict()),
             "position": _position_tree(position.epoch, position.steps, seed),
         }
-        tree["checksums"] = guard.checksums(tree)
+        tree[guard.SUMS] = guard.bitsums(tree)
         try:
             self._manager.save(index, args=self._ocp.args.StandardSave(tree), force=True)
             self._manager.wait_until_finished()
@@ -110,20 +121,44 @@ class Checkpoints:
                 "or fix the directory, then rerun the same fit to resume."
             ) from None
 
+    def save_live(self, live, trainer, position):
+        """Save the state a fit has reached (`LiveModel.current`) at `position`.
+
+        The live state as it lies, or the model's if a callback changed it.
+        """
+        any_process = trainer.placement.any_process if trainer.multiprocess else None
+        self.save(live.current(trainer.init_state, any_process), position, trainer.seed)
+
     def check_room(self, model):
         """Raise `OSError` if the directory's filesystem cannot take the checkpoints to come."""
-        leaves = guard.leaves(_template(model))
-        nbytes = sum(leaf.nbytes for _, leaf in leaves) + 8 * len(leaves)
+        leaves = guard.leaves(_template(abstract_state(model)))
+        nbytes = sum(leaf.size * np.dtype(leaf.dtype).itemsize for _, leaf in leaves)
         kept = len(self._manager.all_steps())
-        guard.check_room(self.directory, nbytes, max(1, self.max_to_keep + 1 - kept))
+        guard.check_room(self.directory, nbytes + 8 * len(leaves),
+                         max(1, self.max_to_keep + 1 - kept))
 
     def restore(self, model, seed):
         """Load the newest intact checkpoint into `model`; return its `Position` or None.
 
-        A checkpoint that cannot be read, or whose values differ from the
-        checksums written with them (a damaged or truncated file), is
-        skipped with a `RuntimeWarning` naming it and what was wrong, and
-        the next older one is tried.
+        The arrays are read straight onto the devices of the model's
+        variables (each process reads them whole), then assigned.
+        See `restore_state` for what is checked and raised.
+        """
+        state, position = self.restore_state(abstract_state(model), seed)
+        if state is not None:
+            write_back(state, model)
+        return position
+
+    def restore_state(self, abstract, seed):
+        """The newest intact checkpoint's state, laid out as `abstract`, and its `Position`.
+
+        `abstract` is a `TrainState` of `jax.ShapeDtypeStruct`s with
+        shardings (`abstract_state`): each process reads only the shards
+        its devices hold, whatever layout wrote them. Returns `(None, None)`
+        when the directory holds no checkpoint.
+
+        A damaged checkpoint is skipped with a warning for the next older
+        one (`checkpoint_guard.newest_intact`).
 
         Raises:
             ValueError: the newest readable checkpoint does not fit the model
@@ -132,30 +167,13 @@ class Checkpoints:
                 shuffle order would make the resumed run differ.
             DamagedCheckpointError: every checkpoint in the directory is damaged.
         """
-        template = _template(model)
-        damaged = []
-        for index in sorted(self._manager.all_steps(), reverse=True):
-            problem, tree = guard.read_verified(
-                self._manager, index, template, self._ocp.args.StandardRestore)
-            if problem is None:
-                break
-            damaged.append(f"{os.path.join(self.directory, str(index))}: {problem}")
-        else:
-            if damaged:
-                raise DamagedCheckpointError(
-                    f"Every checkpoint in {self.directory} is damaged, so "
-                    "there is nothing to resume from: " + "; ".join(damaged)
-                    + ". Restore the directory from a copy, or pass a new "
-                    "checkpoint_dir to start afresh.")
-            return None
-        if damaged:
-            warnings.warn(
-                "keras_dp: skipped damaged checkpoints (" + "; ".join(damaged)
-                + f"); resuming from the older intact one, {index}.",
-                RuntimeWarning, stacklevel=2)
+        tree = guard.newest_intact(self._manager, _template(abstract),
+                                   self._ocp.args.StandardRestore)
+        if tree is None:
+            return None, None
         self._check_seed(tree, seed)
-        write_back(TrainState(**tree["state"]), model)
-        return Position(int(tree["position"]["epoch"]), int(tree["position"]["steps"]))
+        position = Position(int(tree["position"]["epoch"]), int(tree["position"]["steps"]))
+        return TrainState(**tree["state"]), position
 
     def _check_seed(self, tree, seed):
         saved_seed = int(tree["position"]["seed"])
@@ -335,23 +353,24 @@ def exit_after_preemption(directory, position):
     raise SystemExit(128 + signal.SIGTERM)
 
 
-def _model_state(model):
-    """The model's variables as a `TrainState`-shaped dict of numpy arrays."""
-    return {
-        name: [np.asarray(variable.value) for variable in variables]
-        for name, variables in TrainState.variables_of(model).groups()
-    }
+def abstract_state(model, shardings=None):
+    """`model`'s training state as `jax.ShapeDtypeStruct`s: what a restore reads into.
+
+    `shardings` is a `TrainState` of shardings (`keras_dp.layout`, e.g. a
+    trainer's `state_layout()`); default: where each Keras variable lies.
+    """
+    variables = TrainState.variables_of(model)
+    if shardings is None:
+        shardings = TrainState(*([v.value.sharding for v in group] for group in variables))
+    return TrainState(*(
+        [jax.ShapeDtypeStruct(v.shape, np.dtype(v.dtype), sharding=sharding)
+         for v, sharding in zip(group, group_shardings, strict=True)]
+        for group, group_shardings in zip(variables, shardings)))
 
 
-def _template(model):
-    """A checkpoint's tree for `model`, of uninitialised arrays: their shapes and dtypes."""
-    state = {
-        name: [np.empty(variable.shape, np.dtype(variable.dtype)) for variable in variables]
-        for name, variables in TrainState.variables_of(model).groups()
-    }
-    tree = {"state": state, "position": _position_tree(0, 0, 0)}
-    tree["checksums"] = np.zeros(len(guard.leaves(tree)), np.int64)
-    return tree
+def _template(abstract):
+    """A checkpoint's tree (without checksums) for an `abstract_state`."""
+    return {"state": dict(abstract._asdict()), "position": _position_tree(0, 0, 0)}
 
 
 def _position_tree(epoch, steps, seed):

@@ -12,9 +12,15 @@ for all (they share the run).
 Room is checked before the first step from the state's size, so a full
 disk is reported at second 0 rather than as a failed save after an epoch.
 
-Every array saved has its CRC-32 saved with it, checked on restore, so a
-damaged file is told apart from a checkpoint of another model (whose
-arrays' names, shapes or dtypes differ: `layout`).
+Every array saved has a checksum of its bits saved with it (`bitsums`),
+checked on restore, so a damaged file is told apart from a checkpoint of
+another model (whose arrays' names, shapes or dtypes differ: `layout`).
+The checksum is computed where the array lies, by one compiled function,
+and is the same however the array is split over devices and processes: a
+save never gathers an array to check it, and a checkpoint written split
+over 4 devices verifies when read onto 2, or onto 1 process of 2. An older
+checkpoint holding CRC-32s (keras_dp before this checksum) is verified by
+its CRC-32s, on the host.
 """
 
 import errno
@@ -25,8 +31,14 @@ import socket
 import warnings
 import zlib
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
+SUMS = "bitsums"  # the key of this keras_dp's checksums (`bitsums`)
+LEGACY_SUMS = "checksums"  # CRC-32s of each array's bytes, written before
+_SUM_DTYPES = {SUMS: np.uint32, LEGACY_SUMS: np.int64}
 LOCK_FILE = ".keras_dp.lock"
 # orbax's metadata files beside the arrays: a few KiB per checkpoint.
 _OVERHEAD_BYTES = 64 * 1024
@@ -108,12 +120,48 @@ def _mib(nbytes):
     return f"{nbytes / 2**20:,.2f} MiB"
 
 
+def newest_intact(manager, template, restore_args):
+    """The tree of the newest intact checkpoint of an orbax `manager`; None if it has none.
+
+    A checkpoint that cannot be read, or whose values differ from the
+    checksums written with them (a damaged or truncated file), is skipped
+    with a `RuntimeWarning` naming it and what was wrong, and the next
+    older one is tried. See `read_verified` for the arguments.
+
+    Raises:
+        ValueError: the newest readable checkpoint does not fit `template`.
+        DamagedCheckpointError: every checkpoint of `manager` is damaged.
+    """
+    directory, damaged = str(manager.directory), []
+    for index in sorted(manager.all_steps(), reverse=True):
+        problem, tree = read_verified(manager, index, template, restore_args)
+        if problem is None:
+            break
+        damaged.append(f"{os.path.join(directory, str(index))}: {problem}")
+    else:
+        if damaged:
+            raise DamagedCheckpointError(
+                f"Every checkpoint in {directory} is damaged, so there is "
+                "nothing to resume from: " + "; ".join(damaged) + ". Restore the "
+                "directory from a copy, or pass a new checkpoint_dir to start afresh.")
+        return None
+    if damaged:
+        warnings.warn(
+            "keras_dp: skipped damaged checkpoints (" + "; ".join(damaged)
+            + f"); resuming from the older intact one, {index}.",
+            RuntimeWarning, stacklevel=4)
+    return tree
+
+
 def read_verified(manager, index, template, restore_args):
     """Checkpoint `index` of an orbax `manager`: `(None, tree)` if intact, else `(what is wrong, None)`.
 
-    `template` is the tree to restore into (see `keras_dp.checkpoint`), and
-    `restore_args` orbax's `StandardRestore`. A checkpoint written without
-    checksums is restored with a warning that it is unchecked.
+    `template` is the tree to restore into, without checksums (see
+    `keras_dp.checkpoint`), and `restore_args` orbax's `StandardRestore`.
+    The checksums the checkpoint holds are read too and checked: this
+    keras_dp's (`bitsums`, on the devices), or an older one's CRC-32s (on
+    the host). A checkpoint written without checksums is restored with a
+    warning that it is unchecked.
 
     Raises:
         ValueError: the checkpoint is readable but does not fit `template`
@@ -130,20 +178,21 @@ def read_verified(manager, index, template, restore_args):
             "for another model, optimizer or set of metrics (its arrays' names "
             "or shapes differ). Resume with the same model and compile "
             "arguments, or pass a new checkpoint_dir.")
-    checked = "checksums" in saved
-    if not checked:
-        template = {key: value for key, value in template.items() if key != "checksums"}
+    kind = next((key for key in (SUMS, LEGACY_SUMS) if key in saved), None)
+    if kind is not None:
+        count = len(leaves(template))
+        template = dict(template, **{kind: np.zeros(count, _SUM_DTYPES[kind])})
     try:
         tree = manager.restore(index, args=restore_args(template))
     except Exception as error:  # noqa: BLE001 - the layout fits: damaged
         return f"its data could not be read ({short(error)})", None
-    if not checked:
+    if kind is None:
         warnings.warn(
             f"keras_dp: the checkpoint {path} has no checksums (a keras_dp from "
             "before they were added wrote it), so it is restored unchecked.",
-            RuntimeWarning, stacklevel=4)
+            RuntimeWarning, stacklevel=5)
         return None, tree
-    wrong = mismatched(tree)
+    wrong = mismatched(tree, kind)
     if wrong:
         return (f"{len(wrong)} arrays differ from the checksums written with "
                 f"them ({', '.join(wrong[:3])}{', ...' if len(wrong) > 3 else ''})"), None
@@ -152,23 +201,88 @@ def read_verified(manager, index, template, restore_args):
 
 def leaves(tree):
     """`(name, array)` for every array of a checkpoint tree but its checksums."""
-    import jax
-
     flat, _ = jax.tree_util.tree_flatten_with_path(
-        {key: value for key, value in tree.items() if key != "checksums"})
+        {key: value for key, value in tree.items() if key not in _SUM_DTYPES})
     return [(jax.tree_util.keystr(path), leaf) for path, leaf in flat]
 
 
-def checksums(tree):
-    """The CRC-32 of each array's bytes, in `leaves` order."""
+def bitsums(tree):
+    """The checksum of each array of a checkpoint tree, in `leaves` order (uint32).
+
+    Each is the sum, modulo 2**32, of the array's bits read as 32-bit words,
+    each word weighted by an odd hash of its position in the whole array.
+    Integer sums are exact in any order, so the value does not depend on how
+    the array is split: each device sums its own slice and XLA adds the
+    partial sums. Any one word changed changes the sum (an odd weight is
+    invertible modulo 2**32). `jax.Array`s are summed where they lie, with
+    no gather; numpy arrays on this process's first device. Across
+    processes every process must call this for the same tree.
+    """
+    arrays = [leaf if isinstance(leaf, jax.Array)
+              else jax.device_put(np.asarray(leaf), jax.local_devices()[0])
+              for _, leaf in leaves(tree)]
+    groups = {}  # one compiled call per set of devices
+    for position, array in enumerate(arrays):
+        groups.setdefault(frozenset(array.sharding.device_set), []).append(position)
+    sums = np.zeros(len(arrays), np.uint32)
+    for positions in groups.values():
+        results = _bitsums_of([arrays[position] for position in positions])
+        for position, result in zip(positions, results):
+            # A 0-d result is replicated: any local copy is the whole value.
+            sums[position] = np.asarray(result.addressable_data(0))
+    return sums
+
+
+@jax.jit
+def _bitsums_of(arrays):
+    return [_bitsum(array) for array in arrays]
+
+
+def _bitsum(array):
+    """Inside a compiled function: one array's checksum (see `bitsums`), a uint32 scalar."""
+    words = _words(array)
+    index = jnp.zeros(words.shape, jnp.uint32)
+    stride = 1
+    for axis in reversed(range(words.ndim)):  # the flat position, as iotas: splits freely
+        index = index + lax.broadcasted_iota(jnp.uint32, words.shape, axis) * jnp.uint32(stride)
+        stride *= words.shape[axis]
+    return jnp.sum(words * _odd_hash(index), dtype=jnp.uint32)
+
+
+def _words(array):
+    """An array's bits as uint32 words (a 64-bit element is two; a narrow one, widened)."""
+    if array.dtype == jnp.bool_:
+        return array.astype(jnp.uint32)
+    size = np.dtype(array.dtype).itemsize
+    if size >= 4:
+        return lax.bitcast_convert_type(array, jnp.uint32)
+    narrow = {1: jnp.uint8, 2: jnp.uint16}[size]
+    return lax.bitcast_convert_type(array, narrow).astype(jnp.uint32)
+
+
+def _odd_hash(index):
+    """A well-mixed odd uint32 for each uint32 position (murmur3's finaliser, low bit set)."""
+    index = index ^ (index >> 16)
+    index = index * jnp.uint32(0x85EBCA6B)
+    index = index ^ (index >> 13)
+    index = index * jnp.uint32(0xC2B2AE35)
+    return (index ^ (index >> 16)) | jnp.uint32(1)
+
+
+def crc32s(tree):
+    """The CRC-32 of each array's bytes, in `leaves` order: an older keras_dp's checksums."""
     return np.asarray([zlib.crc32(np.ascontiguousarray(leaf).tobytes())
                        for _, leaf in leaves(tree)], dtype=np.int64)
 
 
-def mismatched(tree):
-    """The names of the arrays of a restored tree that differ from its checksums."""
-    expected = np.asarray(tree["checksums"])
-    actual = checksums(tree)
+def mismatched(tree, kind=SUMS):
+    """The names of the arrays of a restored tree that differ from its checksums.
+
+    `kind` is the key the checksums are under: `SUMS`, or `LEGACY_SUMS`
+    (CRC-32s, computed on the host: the arrays must be addressable here).
+    """
+    expected = np.asarray(tree[kind])
+    actual = bitsums(tree) if kind == SUMS else crc32s(tree)
     if expected.shape != actual.shape:
         return ["the checksum list itself"]
     return [name for (name, _), a, b in zip(leaves(tree), actual, expected) if a != b]

@@ -5,9 +5,11 @@ Three modes, all on the one `"batch"` mesh:
 - `"replicated"` (the default): every device holds the whole state.
 - `"optimizer"` (ZeRO-1/2): optimizer slots and metric accumulators are
   split over `"batch"`; the gradients are constrained to the same split, so
-  XLA reduce-scatters them instead of all-reducing, each device updates its
-  slice of the weights, and the new weights are all-gathered back to every
-  device (they stay replicated).
+  each device updates only its slice of the weights, and the new weights
+  are all-gathered back to every device (they stay replicated). XLA's
+  partitioner sums each split gradient as an all-reduce followed by each
+  device's slice; XLA's GPU pipeline fuses the pair into a reduce-scatter,
+  XLA:CPU's keeps it (tests/test_layout.py reads the HLO).
 - `"full"` (FSDP / ZeRO-3): the weights and non-trainable variables are
   split too; XLA all-gathers each one inside the compiled step where a
   layer needs it.
@@ -104,8 +106,9 @@ def gradient_shardings(trainable, mesh, mode):
 
     Split like a weight of that shape would be in any mode but
     `"replicated"` (None then: the gradients stay replicated, one
-    all-reduce). Constraining a gradient to a split layout makes XLA
-    reduce-scatter it: each device gets the sum of its slice only.
+    all-reduce). Constraining a gradient to a split layout leaves each
+    device the sum of its slice only: a reduce-scatter where XLA's pipeline
+    forms one (GPU), an all-reduce and a slice on XLA:CPU.
     """
     if mode == "replicated":
         return None

@@ -275,17 +275,15 @@ def end_epoch(run, epoch):
     """Save a checkpoint of the finished epoch; exit if SIGTERM asked to."""
     position = checkpoint_lib.Position(epoch + 1, 0)
     if run.checkpoints is not None:
-        run.live.sync()
-        run.checkpoints.save(run.model, position, run.trainer.seed)
+        run.checkpoints.save_live(run.live, run.trainer, position)
     if run.preemption is not None and run.preemption.requested:
         _exit(run, position)
 
 
 def save_and_exit(run, position):
-    """Write the model's state at `position` (with a checkpoint_dir); exit with 143."""
+    """Write the state at `position` (with a checkpoint_dir); exit with 143."""
     if run.checkpoints is not None:
-        run.live.sync()
-        run.checkpoints.save(run.model, position, run.trainer.seed)
+        run.checkpoints.save_live(run.live, run.trainer, position)
     _exit(run, position)
 
 

@@ -188,10 +188,33 @@ class LiveModel:
         """
         if self.state is None:
             return True
-        if not self.touched:
-            return False
+        changed = self.model_changed()
         self.touched = False
-        return any(now is not then for now, then in zip(self._arrays(), self._exchanged))
+        return changed
+
+    def model_changed(self):
+        """Whether a callback changed the model since it met the state (`needs_read`, read only)."""
+        return self.touched and any(
+            now is not then for now, then in zip(self._arrays(), self._exchanged))
+
+    def current(self, read, any_process=None):
+        """The state the run is at: the live state, or the model's if a callback changed it.
+
+        Writes nothing into the model, so a split state stays split. When a
+        callback has changed the model since it met the state, the model is
+        the truth: `read()` (the trainer's `init_state`) lays it out on the
+        mesh, and it becomes the live state. Across processes, pass
+        `any_process` (the placement's): every process then reads when any
+        one must, as at an epoch's start, since reading is collective.
+        """
+        changed = self.model_changed()
+        if any_process is not None:
+            changed = any_process(changed)
+            if changed:
+                self.sync()  # process 0's model must hold its latest state
+        if changed:
+            self.read(read(), self.position)
+        return self.state
 
     def _arrays(self):
         # Metric variables are left out: the trainer resets them itself.

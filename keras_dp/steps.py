@@ -34,7 +34,8 @@ def make_train_step(model, mesh, state_sharding="replicated"):
     state comes back laid out as `state_sharding` says (`keras_dp.layout`:
     replicated by default), the logs replicated. Under `"optimizer"` and
     `"full"` the gradients are constrained to the split layout before the
-    update, so XLA reduce-scatters them rather than all-reducing.
+    update, so each device updates its own slice (`keras_dp.layout` says
+    which collectives XLA makes of that).
 
     A step whose running loss (`logs["loss"]`, the mean over the epoch so
     far) is NaN or Inf, or whose new trainable or optimizer values are (a

@@ -51,7 +51,7 @@ def test_stop_after_epoch_1_and_resume_equals_an_unbroken_run(data, tmp_path):
 
 
 def test_a_checkpoint_of_full_sharding_on_4_devices_resumes_replicated_on_2(data, tmp_path):
-    # Saved from the model (gathered), restored as arrays and laid out anew:
+    # Saved split as the state lies, read into the model and laid out anew:
     # another device count and state_sharding resume the same run.
     unbroken = mlp(dropout=0.25)
     fit(unbroken, data, epochs=2)
@@ -195,20 +195,41 @@ def test_a_directory_of_damaged_checkpoints_is_refused(data, tmp_path):
         fit(mlp(), data, epochs=2, checkpoint_dir=tmp_path)
 
 
-def test_a_checkpoint_without_checksums_is_restored_with_a_warning(data, tmp_path):
+def model_state(model):
+    """The model's state as an older keras_dp saved it: numpy arrays from the model."""
+    return {name: [np.asarray(variable.value) for variable in variables]
+            for name, variables in keras_dp.TrainState.variables_of(model).groups()}
+
+
+@pytest.mark.parametrize("sums", [None, "crc32"])
+def test_an_older_checkpoint_is_restored_checked_by_its_crc32s_or_unchecked(
+        data, tmp_path, sums):
     import orbax.checkpoint as ocp
 
-    # What keras_dp wrote before checksums: the state and the position only.
+    from keras_dp import checkpoint_guard as guard
+
+    # What keras_dp wrote before these checksums: the state and the position,
+    # then CRC-32s of each array's bytes.
     model = two_checkpoints(data, tmp_path / "new")
+    tree = {"state": model_state(model), "position": checkpoint_lib._position_tree(2, 0, 0)}
+    if sums == "crc32":
+        tree[guard.LEGACY_SUMS] = guard.crc32s(tree)
+        assert guard.crc32s(tree).dtype == np.int64 and len(tree["checksums"]) > 10
     manager = ocp.CheckpointManager(tmp_path / "old")
-    manager.save(0, args=ocp.args.StandardSave({
-        "state": checkpoint_lib._model_state(model),
-        "position": checkpoint_lib._position_tree(2, 0, 0)}))
+    manager.save(0, args=ocp.args.StandardSave(tree))
     manager.close()
     resumed = mlp(seed=7)
-    with pytest.warns(RuntimeWarning, match=r"old/0 has no checksums .* restored unchecked"):
+    if sums is None:
+        with pytest.warns(RuntimeWarning, match=r"old/0 has no checksums .* restored unchecked"):
+            assert fit(resumed, data, epochs=2, checkpoint_dir=tmp_path / "old").epoch == []
+    else:
         assert fit(resumed, data, epochs=2, checkpoint_dir=tmp_path / "old").epoch == []
     assert_weights_equal(resumed, model)
+    if sums == "crc32":  # and a damaged one is found by its CRC-32s
+        flip_bytes(largest_data_file(tmp_path / "old" / "0"))
+        with pytest.raises(checkpoint_lib.DamagedCheckpointError,
+                           match=r"0: (1 arrays differ|its data could not be read)"):
+            fit(mlp(), data, epochs=2, checkpoint_dir=tmp_path / "old")
 
 
 HOLD_THE_LOCK = """

@@ -107,6 +107,39 @@ def test_the_compiled_step_gathers_what_is_split(mnist, mode):
         assert len(gathered) > 3
 
 
+def test_optimizer_mode_sums_gradients_by_all_reduce_and_slice_on_xla_cpu(mnist):
+    # What XLA's SPMD partitioner makes of the gradients constrained to the
+    # split layout: an all-reduce of the whole gradient, then each device's
+    # slice of it (dynamic-slice). XLA's GPU pipeline fuses that pair into a
+    # reduce-scatter (ReduceScatterCreator); XLA:CPU's runs no such pass and
+    # has no flag for it, though it can run a reduce-scatter (below). If
+    # this fails, XLA:CPU changed: update this test and README's sentence.
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec
+
+    (x, y), _ = mnist
+    trainer = keras_dp.ShardedTrainer(mlp(), devices=devices(4), state_sharding="optimizer")
+    batch = (x[:64], y[:64])
+    trainer.build(batch)
+    hlo = trainer.compiled_train_step(trainer.init_state(), trainer.shard(batch)).as_text()
+    reduced = [shape for line in hlo.splitlines() if " all-reduce(" in line
+               for shape in re.findall(r"f32\[[\d,]*\]", line.split(" all-reduce(")[0])]
+    sliced = re.findall(r"= (f32\[[\d,]+\])\S* dynamic-slice\(", hlo)
+    # The (784, 32) kernel's gradient, computed as (32, 784): summed whole, then sliced.
+    assert "f32[32,784]" in reduced and "f32[32,196]" in sliced, (reduced, sliced)
+    assert "reduce-scatter" not in hlo
+    # The op itself runs on XLA:CPU when written explicitly.
+    mesh = trainer.mesh
+    scatter = jax.jit(jax.shard_map(
+        lambda g: jax.lax.psum_scatter(g, "batch", scatter_dimension=0, tiled=True),
+        mesh=mesh, in_specs=PartitionSpec(), out_specs=PartitionSpec("batch")))
+    whole = jax.ShapeDtypeStruct((784, 32), np.float32,
+                                 sharding=NamedSharding(mesh, PartitionSpec()))
+    assert re.search(r"f32\[196,32\]\S* reduce-scatter\(",
+                     scatter.lower(whole).compile().as_text())
+
+
 def test_a_checkpoint_of_full_on_4_devices_resumes_replicated_on_2(mnist, tmp_path):
     (x, y), _ = mnist
     x, y = x[:256], y[:256]
