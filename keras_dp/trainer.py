@@ -69,7 +69,7 @@ class ShardedTrainer:
         state_sharding: where the training state lives (`keras_dp.layout`):
             `"replicated"` (default; a full copy on every device),
             `"optimizer"` (optimizer slots and metrics split over the
-            devices, gradients reduce-scattered, ZeRO-1/2) or `"full"`
+            devices, each device updating its slice, ZeRO-1/2) or `"full"`
             (weights split too, gathered where a layer needs them, FSDP).
             Every mode computes the same steps.
         data_on_device: keep array training data on the devices during
