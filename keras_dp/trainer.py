@@ -117,6 +117,7 @@ class ShardedTrainer:
         self.data_on_device = resident.check_option(data_on_device, self.placement.multiprocess)
         if unroll is None:
             unroll = self.steps_per_execution if on_cpu else 1
+        self.unroll = unroll
         mode = self.state_sharding
         self._train_step = steps_lib.make_train_step(model, self.mesh, mode)
         self._train_steps = steps_lib.make_multi_train_step(model, self.mesh, unroll, mode)

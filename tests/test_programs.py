@@ -1,0 +1,170 @@
+"""The train programs compiled per call shape, the remainder's ahead of time (`keras_dp.programs`)."""
+
+import time
+
+import jax
+import keras
+import numpy as np
+import pytest
+
+import keras_dp
+from keras_dp import placement
+from keras_dp import programs
+from keras_dp import timing
+from conftest import devices, mlp
+
+
+class Compiles:
+    """XLA compilations, each with the moment it ended (`jax.monitoring`)."""
+
+    def __init__(self):
+        self.ends = []
+        jax.monitoring.register_event_duration_secs_listener(self._record)
+
+    def _record(self, name, seconds, **kwargs):
+        if name == "/jax/core/compile/backend_compile_duration":
+            self.ends.append(time.perf_counter())
+
+
+COMPILES = Compiles()  # listeners cannot be removed: one for the module
+
+
+class CallTimes(keras.callbacks.Callback):
+    """When each train call began and how long it took, callbacks aside."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.calls.append((self._start, time.perf_counter() - self._start))
+
+
+def small_data(mnist, rows=200):
+    (x, y), _ = mnist
+    return x[:rows], y[:rows]
+
+
+@pytest.mark.parametrize("data_on_device", [False, True], ids=["host", "resident"])
+def test_every_program_compiles_once_and_none_at_the_epochs_end(mnist, data_on_device):
+    x, y = small_data(mnist)  # 3 full batches of 64, then 8 rows
+    trainer = keras_dp.ShardedTrainer(mlp(), devices=devices(2), steps_per_execution=2,
+                                      data_on_device=data_on_device)
+    calls = CallTimes()
+    trainer.fit(x, y, batch_size=64, epochs=2, verbose=0, callbacks=[calls])
+    # Calls per epoch: 2 steps of 64 rows, 1 of 64, 1 of 8: three programs.
+    assert placement.planned_calls(trainer._batches(x, y, None, 64, True), 2) == [
+        (2, 64), (1, 64), (1, 8)]
+    def compiled_during(call):
+        start, seconds = calls.calls[call]
+        return [end for end in COMPILES.ends if start <= end <= start + seconds]
+
+    # Each program once (jax.jit reused what was compiled), all three in the
+    # epoch's first call: its own program, then the rest.
+    assert len(compiled_during(0)) == 3
+    assert not any(compiled_during(call) for call in range(1, len(calls.calls)))
+    assert calls.calls[3][1] < 0.25 * calls.calls[0][1]  # the remainder's call
+
+
+def test_ahead_of_time_trains_bitwise_as_jit_alone(mnist, monkeypatch):
+    x, y = small_data(mnist)
+
+    def weights_after_fit():
+        trainer = keras_dp.ShardedTrainer(mlp(), devices=devices(2), steps_per_execution=2,
+                                          data_on_device=False)
+        trainer.fit(x, y, batch_size=64, epochs=1, verbose=0)
+        return [np.asarray(v) for v in trainer.model.weights], trainer.timings[0]
+
+    ahead, entry = weights_after_fit()
+    monkeypatch.setattr(programs.CompilingFeed, "call",
+                        lambda self, state, steps, batch: self._feed.call(state, steps, batch))
+    plain, _ = weights_after_fit()
+    assert all(np.array_equal(a, b) for a, b in zip(ahead, plain, strict=True))
+    assert entry["flops"] > 0
+
+
+def test_epoch_flops_are_the_compiled_programs_counts(mnist):
+    x, y = small_data(mnist)
+    trainer = keras_dp.ShardedTrainer(mlp(), devices=devices(2), steps_per_execution=2,
+                                      data_on_device=False)
+    trainer.fit(x, y, batch_size=64, epochs=1, verbose=0)
+    state = trainer.init_state()
+
+    def flops(steps, rows):  # the jit cache has each program: no compile here
+        batch = (x[:rows], y[:rows], None)
+        if steps == 1:
+            lowered = trainer._train_step.lower(state, placement.to_device(batch, trainer.mesh))
+        else:
+            lowered = trainer._train_steps.lower(
+                state, placement.to_device_stacked([batch] * steps, trainer.mesh))
+        return programs.cost_flops(lowered.compile())  # per device
+
+    per_call = {call: flops(*call) for call in [(2, 64), (1, 64), (1, 8)]}
+    entry = trainer.timings[0]
+    assert entry["flops"] == 2 * sum(per_call.values())  # 2 devices, one call each
+    # A call of K steps counts K steps (the scan is unrolled on CPU).
+    assert per_call[(2, 64)] == pytest.approx(2 * per_call[(1, 64)], rel=0.01)
+    training = entry["wall_s"] - entry["validation_s"]
+    assert entry["flops_per_s"] == pytest.approx(entry["flops"] / training)
+    assert entry["peak_flops_per_s"] is None and entry["fraction_of_peak"] is None  # CPU
+
+
+class FakeCompiled:
+    def __init__(self, flops):
+        self.flops = flops
+
+    def cost_analysis(self):
+        return {"flops": self.flops}
+
+
+@pytest.mark.parametrize("unroll, steps, scale", [
+    (4, 4, 1), (0, 4, 1), (1, 4, 4), (2, 4, 2), (2, 5, 5 / 3), (3, 1, 1)])
+def test_a_rolled_scan_counts_every_step(unroll, steps, scale):
+    # XLA counts a loop body once: K steps scanned `unroll` at a time
+    # count `unroll + K % unroll` of them.
+    trainer = keras_dp.ShardedTrainer(mlp(), devices=devices(2), unroll=unroll)
+    feed = programs.CompilingFeed(None, trainer, None)
+    assert feed._call_flops(FakeCompiled(10.0), steps) == pytest.approx(2 * 10.0 * scale)
+    assert feed._call_flops(FakeCompiled(0), steps) is None
+
+
+class FakeDevice:
+    def __init__(self, kind):
+        self.device_kind = kind
+
+
+class FakeMesh:
+    def __init__(self, kind, count):
+        self.devices = np.array([FakeDevice(kind)] * count)
+
+
+@pytest.mark.parametrize("kind, policy, peak", [
+    ("NVIDIA H100 80GB HBM3", "mixed_bfloat16", 989e12),
+    ("NVIDIA H100 80GB HBM3", "float32", 494e12),
+    ("NVIDIA H100 PCIe", "mixed_float16", 756e12),
+    ("NVIDIA H200", "mixed_bfloat16", 989e12),
+    ("NVIDIA A100-SXM4-40GB", "float32", 156e12),
+    ("TPU v5 lite", "float32", 197e12),
+    ("TPU v4", "mixed_bfloat16", 275e12),
+    ("cpu", "float32", None),
+    ("NVIDIA GeForce RTX 3090", "float32", None),
+])
+def test_peak_flops_by_device_kind_and_dtype_policy(kind, policy, peak):
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.dtype_policy = keras.DTypePolicy(policy)
+    got = timing.peak_flops_per_s(FakeMesh(kind, 4), model)
+    assert got == (None if peak is None else 4 * peak)
+
+
+def test_describe_shows_flops_and_the_fraction_of_peak_where_known():
+    entry = {"epoch": 0, "wall_s": 2.0, "input_s": 0.1, "steps_s": 1.5, "callbacks_s": 0.1,
+             "validation_s": 0.2, "other_s": 0.1, "samples_per_s": 1000.0,
+             "flops_per_s": 3.5e12, "fraction_of_peak": 0.25}
+    assert timing.describe(entry).endswith("1,000 samples/s, 3.5 TFLOP/s (25.0% of peak)")
+    entry.update(flops_per_s=2.5e9, fraction_of_peak=None)
+    assert timing.describe(entry).endswith("1,000 samples/s, 2.5 GFLOP/s")
+    entry.update(flops_per_s=None)
+    assert timing.describe(entry).endswith("1,000 samples/s")
