@@ -75,9 +75,12 @@ def _throughput_panel(axis, data, locator):
         bottom = [below + value for below, value in zip(bottom, data[part])]
     axis.set_xlabel("epoch")
     axis.xaxis.set_major_locator(locator(integer=True))
-    axis.set_ylabel("seconds")
-    axis.legend(fontsize="small")
+    axis.set_ylabel("seconds (bars)")
+    # Headroom on both axes keeps the legend's row above the bars and the line.
+    axis.set_ylim(0, 1.45 * max(bottom))
+    axis.legend(fontsize="small", loc="upper center", ncols=len(TIME_PARTS),
+                handlelength=1, columnspacing=0.8)
     rate = axis.twinx()
     rate.plot(data["epoch"], data["samples_per_s"], color="black", marker="o")
     rate.set_ylabel("samples/s (line)")
-    rate.set_ylim(bottom=0)
+    rate.set_ylim(0, 1.45 * max(data["samples_per_s"]))
