@@ -49,7 +49,10 @@ def small_data(mnist, rows=200):
 
 
 @pytest.mark.parametrize("data_on_device", [False, True], ids=["host", "resident"])
-def test_every_program_compiles_once_and_none_at_the_epochs_end(mnist, data_on_device):
+def test_every_program_compiles_once_and_none_at_the_epochs_end(
+        mnist, data_on_device, monkeypatch):
+    # In line, so that the moment each compile ends is known.
+    monkeypatch.setattr(programs.CompilingFeed, "background", False)
     x, y = small_data(mnist)  # 3 full batches of 64, then 8 rows
     trainer = keras_dp.ShardedTrainer(mlp(), devices=devices(2), steps_per_execution=2,
                                       data_on_device=data_on_device)
@@ -75,15 +78,30 @@ def test_ahead_of_time_trains_bitwise_as_jit_alone(mnist, monkeypatch):
     def weights_after_fit():
         trainer = keras_dp.ShardedTrainer(mlp(), devices=devices(2), steps_per_execution=2,
                                           data_on_device=False)
-        trainer.fit(x, y, batch_size=64, epochs=1, verbose=0)
-        return [np.asarray(v) for v in trainer.model.weights], trainer.timings[0]
+        calls = CallTimes()
+        trainer.fit(x, y, batch_size=64, epochs=1, verbose=0, callbacks=[calls])
+        start, (last, seconds) = calls.calls[0][0], calls.calls[-1]
+        compiled = [end for end in COMPILES.ends if start <= end <= last + seconds]
+        return [np.asarray(v) for v in trainer.model.weights], trainer.timings[0], compiled
 
-    ahead, entry = weights_after_fit()
-    monkeypatch.setattr(programs.CompilingFeed, "call",
-                        lambda self, state, steps, batch: self._feed.call(state, steps, batch))
-    plain, _ = weights_after_fit()
+    ahead, entry, compiled = weights_after_fit()  # in the background
+    assert len(compiled) == 3  # each program once, all before the epoch's last call ended
+    with monkeypatch.context() as patch:
+        patch.setattr(programs.CompilingFeed, "call",
+                      lambda self, state, steps, batch: self._feed.call(state, steps, batch))
+        plain, _, compiled = weights_after_fit()
+    assert len(compiled) == 3  # jax.jit alone
     assert all(np.array_equal(a, b) for a, b in zip(ahead, plain, strict=True))
     assert entry["flops"] > 0
+
+    def fail(*args):
+        raise RuntimeError("cannot compile ahead")
+
+    # A program that fails to compile ahead compiles at its first call, as
+    # under jax.jit alone: the state the first call made is kept.
+    monkeypatch.setattr(programs, "like_batch", fail)
+    late, _, _ = weights_after_fit()
+    assert all(np.array_equal(a, b) for a, b in zip(ahead, late, strict=True))
 
 
 def test_epoch_flops_are_the_compiled_programs_counts(mnist):
