@@ -1,4 +1,4 @@
-"""The train programs compiled per call shape, the remainder's ahead of time (`keras_dp.programs`)."""
+"""The train programs, compiled once per call shape, the remainder ahead of time."""
 
 import time
 
