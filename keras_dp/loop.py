@@ -98,7 +98,9 @@ def fit(trainer, batches, val, callbacks, *, epochs, resume, validation_freq,
     of its steps a restored checkpoint has done already; a
     `keras.callbacks.BackupAndRestore` that restores a backup in
     `on_train_begin` moves the start, as under `model.fit`. `feed` brings
-    the batches to the steps (default: a `HostFeed`). Each epoch's
+    the batches to the steps (default: a `HostFeed`; its programs are
+    compiled ahead where the epoch's plan is known,
+    `programs.CompilingFeed`). Each epoch's
     `timing.EpochTimer.result()` is appended to `trainer.timings`, emptied
     first; with `profile_dir`, a few calls of the first epoch are traced
     there (`timing.Profile`). Whatever ends the loop (an exception, Ctrl-C

@@ -150,7 +150,7 @@ def call_key(steps, batch):
 def abstract(array):
     """A `jax.ShapeDtypeStruct` with `array`'s shape, dtype, sharding and weak type."""
     return jax.ShapeDtypeStruct(array.shape, array.dtype, sharding=array.sharding,
-                                weak_type=array.weak_type)
+                                weak_type=jax.typeof(array).weak_type)
 
 
 def like_batch(batch, steps, new_steps, rows, mesh):
@@ -171,7 +171,7 @@ def like_batch(batch, steps, new_steps, rows, mesh):
 
     def like(array):
         return jax.ShapeDtypeStruct(lead + tuple(array.shape[drop:]), array.dtype,
-                                    sharding=sharding, weak_type=array.weak_type)
+                                    sharding=sharding, weak_type=jax.typeof(array).weak_type)
 
     return placement.DeviceBatch(jax.tree.map(like, batch.data), rows)
 

@@ -88,7 +88,8 @@ class ShardedTrainer:
     Attributes:
         timings: after `fit`, one dict per epoch of where its time went:
             seconds waiting for input, in compiled steps, in callbacks and
-            in validation, and samples per second (`keras_dp.timing`).
+            in validation, samples and FLOPs per second, and the fraction
+            of the devices' peak where known (`keras_dp.timing`).
 
     Raises:
         TypeError: `model` is not a `keras.Model`.
