@@ -48,7 +48,9 @@ def small_data(mnist, rows=200):
     return x[:rows], y[:rows]
 
 
-@pytest.mark.parametrize("data_on_device", [False, True], ids=["host", "resident"])
+# Resident behind --runslow: tests/test_resident.py's fits run its programs ahead too.
+@pytest.mark.parametrize("data_on_device", [
+    pytest.param(False, id="host"), pytest.param(True, id="resident", marks=pytest.mark.slow)])
 def test_every_program_compiles_once_and_none_at_the_epochs_end(
         mnist, data_on_device, monkeypatch):
     # In line, so that the moment each compile ends is known.
@@ -72,43 +74,32 @@ def test_every_program_compiles_once_and_none_at_the_epochs_end(
     assert calls.calls[3][1] < 0.25 * calls.calls[0][1]  # the remainder's call
 
 
-def test_ahead_of_time_trains_bitwise_as_jit_alone(mnist, monkeypatch):
+def fit_small(x, y):
+    """A 1-epoch fit of three programs (2 steps of 64 rows, 1 of 64, 1 of 8), and its compiles."""
+    trainer = keras_dp.ShardedTrainer(mlp(), devices=devices(2), steps_per_execution=2,
+                                      data_on_device=False)
+    calls = CallTimes()
+    trainer.fit(x, y, batch_size=64, epochs=1, verbose=0, callbacks=[calls])
+    start, (last, seconds) = calls.calls[0][0], calls.calls[-1]
+    return trainer, [end for end in COMPILES.ends if start <= end <= last + seconds]
+
+
+def weights(trainer):
+    return [np.asarray(variable) for variable in trainer.model.weights]
+
+
+def test_ahead_of_time_trains_bitwise_as_jit_alone_and_counts_its_flops(mnist, monkeypatch):
     x, y = small_data(mnist)
-
-    def weights_after_fit():
-        trainer = keras_dp.ShardedTrainer(mlp(), devices=devices(2), steps_per_execution=2,
-                                          data_on_device=False)
-        calls = CallTimes()
-        trainer.fit(x, y, batch_size=64, epochs=1, verbose=0, callbacks=[calls])
-        start, (last, seconds) = calls.calls[0][0], calls.calls[-1]
-        compiled = [end for end in COMPILES.ends if start <= end <= last + seconds]
-        return [np.asarray(v) for v in trainer.model.weights], trainer.timings[0], compiled
-
-    ahead, entry, compiled = weights_after_fit()  # in the background
+    trainer, compiled = fit_small(x, y)  # the rest compiled in the background
     assert len(compiled) == 3  # each program once, all before the epoch's last call ended
     with monkeypatch.context() as patch:
         patch.setattr(programs.CompilingFeed, "call",
                       lambda self, state, steps, batch: self._feed.call(state, steps, batch))
-        plain, _, compiled = weights_after_fit()
+        plain, compiled = fit_small(x, y)
     assert len(compiled) == 3  # jax.jit alone
-    assert all(np.array_equal(a, b) for a, b in zip(ahead, plain, strict=True))
-    assert entry["flops"] > 0
+    assert all(np.array_equal(a, b)
+               for a, b in zip(weights(trainer), weights(plain), strict=True))
 
-    def fail(*args):
-        raise RuntimeError("cannot compile ahead")
-
-    # A program that fails to compile ahead compiles at its first call, as
-    # under jax.jit alone: the state the first call made is kept.
-    monkeypatch.setattr(programs, "like_batch", fail)
-    late, _, _ = weights_after_fit()
-    assert all(np.array_equal(a, b) for a, b in zip(ahead, late, strict=True))
-
-
-def test_epoch_flops_are_the_compiled_programs_counts(mnist):
-    x, y = small_data(mnist)
-    trainer = keras_dp.ShardedTrainer(mlp(), devices=devices(2), steps_per_execution=2,
-                                      data_on_device=False)
-    trainer.fit(x, y, batch_size=64, epochs=1, verbose=0)
     state = trainer.init_state()
 
     def flops(steps, rows):  # the jit cache has each program: no compile here
@@ -128,6 +119,20 @@ def test_epoch_flops_are_the_compiled_programs_counts(mnist):
     training = entry["wall_s"] - entry["validation_s"]
     assert entry["flops_per_s"] == pytest.approx(entry["flops"] / training)
     assert entry["peak_flops_per_s"] is None and entry["fraction_of_peak"] is None  # CPU
+
+
+@pytest.mark.slow  # a third fit; the bitwise test covers the path that works
+def test_a_program_that_fails_to_compile_ahead_compiles_at_its_call(mnist, monkeypatch):
+    x, y = small_data(mnist)
+    plain, _ = fit_small(x, y)
+
+    def fail(*args):
+        raise RuntimeError("cannot compile ahead")
+
+    # As under jax.jit alone, and the state the first call made is kept.
+    monkeypatch.setattr(programs, "like_batch", fail)
+    late, _ = fit_small(x, y)
+    assert all(np.array_equal(a, b) for a, b in zip(weights(plain), weights(late), strict=True))
 
 
 class FakeCompiled:
