@@ -30,6 +30,7 @@ from keras_dp import checkpoint as checkpoint_lib
 from keras_dp import inflight
 from keras_dp import labels as labels_lib
 from keras_dp import placement as placement_lib
+from keras_dp import programs as programs_lib
 from keras_dp import timing
 from keras_dp.state import LiveModel
 from keras_dp.state import fresh_metrics
@@ -73,6 +74,10 @@ class HostFeed:
             host_batches, self._trainer.steps_per_execution, self._batches.peek(),
             placement_lib.planned_rows(self._batches, skip))
 
+    def program(self, steps):
+        """The jitted program of a call of `steps` steps, and its arguments before the batch."""
+        return (self._trainer._train_step if steps == 1 else self._trainer._train_steps), ()
+
     def call(self, state, steps, device_batch):
         """Run one compiled call: `(state, logs, finite)`.
 
@@ -93,7 +98,9 @@ def fit(trainer, batches, val, callbacks, *, epochs, resume, validation_freq,
     of its steps a restored checkpoint has done already; a
     `keras.callbacks.BackupAndRestore` that restores a backup in
     `on_train_begin` moves the start, as under `model.fit`. `feed` brings
-    the batches to the steps (default: a `HostFeed`). Each epoch's
+    the batches to the steps (default: a `HostFeed`; its programs are
+    compiled ahead where the epoch's plan is known,
+    `programs.CompilingFeed`). Each epoch's
     `timing.EpochTimer.result()` is appended to `trainer.timings`, emptied
     first; with `profile_dir`, a few calls of the first epoch are traced
     there (`timing.Profile`). Whatever ends the loop (an exception, Ctrl-C
@@ -105,7 +112,7 @@ def fit(trainer, batches, val, callbacks, *, epochs, resume, validation_freq,
     model = trainer.model
     model.stop_training = False
     labels_lib.check_data(model, (batches, "the training data"), (val, "the validation data"))
-    feed = feed or HostFeed(trainer, batches)
+    feed = programs_lib.CompilingFeed(feed or HostFeed(trainer, batches), trainer, batches)
     run = FitRun(trainer, batches, LiveModel(model), callbacks, feed, checkpoints)
     run.profile = timing.Profile(profile_dir) if profile_dir is not None else None
     trainer.timings = []
@@ -153,7 +160,7 @@ def run_epoch(run, epoch, skip, val):
     `skip` steps of the epoch are done already (a restored checkpoint, whose
     metrics hold their running totals).
     """
-    run.timer = timing.EpochTimer(epoch)
+    run.timer = timing.EpochTimer(epoch, timing.peak_flops_per_s(run.trainer.mesh, run.model))
     start_epoch(run, epoch, skip)
     logs = train_batches(run, epoch, skip)
     # No logs: a one-shot stream ran dry at the epoch's start (fit stops).
@@ -166,7 +173,7 @@ def run_epoch(run, epoch, skip, val):
     # state is written back at the end of fit in any case.
     run.callbacks.on_epoch_end(epoch, epoch_logs)
     run.timer.lap("callbacks_s")
-    run.trainer.timings.append(run.timer.result())
+    run.trainer.timings.append(run.timer.result(run.feed.flops))
     return epoch_logs
 
 

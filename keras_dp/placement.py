@@ -183,6 +183,22 @@ def planned_rows(batches, skip=0):
     return [min(size, total - start) for start in range(0, total, size)][skip:]
 
 
+def planned_calls(batches, steps_per_execution, skip=0):
+    """The distinct `(steps, rows)` of an epoch's calls, in order of first use, or None.
+
+    Known when `planned_rows` is: the calls of `steps_per_execution` batches
+    and the remainder's, grouped as `steps` groups them.
+    """
+    rows = planned_rows(batches, skip)
+    if rows is None:
+        return None
+    calls = []
+    for group in pipeline.group_steps(rows, steps_per_execution, key=lambda count: count):
+        if (len(group), group[0]) not in calls:
+            calls.append((len(group), group[0]))
+    return calls
+
+
 # -- Inside a compiled step ---------------------------------------------------
 
 

@@ -196,6 +196,11 @@ class ResidentFeed:
         for group, start in zip(groups, starts):
             yield len(group), Rows(order, start, len(group[0]))
 
+    def program(self, steps):
+        """The jitted program of a call of `steps` steps, and its arguments before `rows`."""
+        trainer = self._trainer
+        return (trainer._resident_step if steps == 1 else trainer._resident_steps), (self._arrays,)
+
     def call(self, state, steps, rows):
         """Run one compiled call: `(state, logs, finite)` as `loop.train_call` wants."""
         if steps == 1:

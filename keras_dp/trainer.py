@@ -88,7 +88,8 @@ class ShardedTrainer:
     Attributes:
         timings: after `fit`, one dict per epoch of where its time went:
             seconds waiting for input, in compiled steps, in callbacks and
-            in validation, and samples per second (`keras_dp.timing`).
+            in validation, samples and FLOPs per second, and the fraction
+            of the devices' peak where known (`keras_dp.timing`).
 
     Raises:
         TypeError: `model` is not a `keras.Model`.
@@ -117,6 +118,7 @@ class ShardedTrainer:
         self.data_on_device = resident.check_option(data_on_device, self.placement.multiprocess)
         if unroll is None:
             unroll = self.steps_per_execution if on_cpu else 1
+        self.unroll = unroll
         mode = self.state_sharding
         self._train_step = steps_lib.make_train_step(model, self.mesh, mode)
         self._train_steps = steps_lib.make_multi_train_step(model, self.mesh, unroll, mode)

@@ -15,7 +15,8 @@ import pytest
 from keras_dp import cli
 
 EPOCH_TIME = (r"epoch (\d+) time [\d.]+ s: input [\d.]+ s, steps [\d.]+ s, callbacks "
-              r"[\d.]+ s, validation [\d.]+ s, other [\d.]+ s; [\d,]+ samples/s")
+              r"[\d.]+ s, validation [\d.]+ s, other [\d.]+ s; [\d,]+ samples/s, "
+              r"[\d.]+ [kMGTP]?FLOP/s")
 RESULT = (r"After (\d+) epochs?: val_loss ([\d.]+)  val_accuracy ([\d.]+) "
           r"\(on the (\d+) test images\)")
 
@@ -90,6 +91,22 @@ def test_the_default_command_offline_reaches_090_on_the_bundled_subset(tmp_path)
     assert float(result.group(3)) >= 0.90
     assert (tmp_path / "keras_dp_output" / "convnet.keras").stat().st_size > 100_000
     assert (tmp_path / "keras_dp_output" / "training_curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_png_gains_a_throughput_panel_of_the_timings(tmp_path):
+    pytest.importorskip("matplotlib")
+    from keras_dp.cli import plots
+
+    parts = {"input_s": 0.5, "steps_s": 8.0, "callbacks_s": 0.25, "validation_s": 1.0,
+             "other_s": 0.25}
+    timings = [{"epoch": epoch, **parts, "samples_per_s": rate}
+               for epoch, rate in enumerate([500.0, 900.0])]
+    data = plots.throughput_data(timings)
+    assert data == {"epoch": [1, 2], "samples_per_s": [500.0, 900.0],
+                    **{part: [seconds, seconds] for part, seconds in parts.items()}}
+    history = {"loss": [1.0, 0.5], "val_loss": [1.1, 0.6], "accuracy": [0.6, 0.8]}
+    assert plots.plot_history(history, tmp_path / "curves.png", timings=timings)
+    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def small_mnist(directory, train, test):

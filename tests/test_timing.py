@@ -40,8 +40,13 @@ def test_the_epoch_breakdown_adds_up_to_the_epochs_wall_time(mnist):
         assert entry["wall_s"] == pytest.approx(parts + entry["other_s"])
         assert entry["steps_s"] > 0 and entry["validation_s"] > 0 and entry["input_s"] > 0
         assert entry["samples"] == len(x)
-        assert entry["samples_per_s"] == pytest.approx(
-            len(x) / (entry["wall_s"] - entry["validation_s"]))
+        training = entry["wall_s"] - entry["validation_s"]
+        assert entry["samples_per_s"] == pytest.approx(len(x) / training)
+        # 64 calls of one step of 32 rows, from XLA's count of the program.
+        assert entry["flops"] > 0 and entry["flops_per_s"] == pytest.approx(
+            entry["flops"] / training)
+        assert entry["fraction_of_peak"] is None  # no known peak on CPU
+    assert trainer.timings[0]["flops"] == trainer.timings[1]["flops"]
 
 
 def test_profile_dir_gets_a_trace_of_the_first_epoch(mnist, tmp_path):

@@ -61,7 +61,7 @@ def train(args):
     print(f"After {epochs_run}: val_loss {scores['val_loss']:.4f}  "
           f"val_accuracy {scores['val_accuracy']:.4f} (on the {len(data.test[0])} test images)")
     if distributed.is_primary():  # one copy of the files, from process 0
-        _save(args, model, history, _plot_title(args, data, trainer))
+        _save(args, model, history, _plot_title(args, data, trainer), trainer.timings)
     distributed.barrier("keras_dp.cli.saved")
     return history, scores
 
@@ -145,7 +145,7 @@ def _plot_title(args, data, trainer):
             f"{len(data.test[0]):,} test images")
 
 
-def _save(args, model, history, title):
+def _save(args, model, history, title, timings):
     from keras_dp.cli.plots import plot_history
 
     output = pathlib.Path(args.output_dir)
@@ -154,7 +154,7 @@ def _save(args, model, history, title):
     for path in (model_path, plot_path):
         path.parent.mkdir(parents=True, exist_ok=True)
     model.save(model_path)
-    if plot_history(history, plot_path, title=title):
+    if plot_history(history, plot_path, title=title, timings=timings):
         print(f"Saved the model to {model_path} and the training curves to {plot_path}")
     else:
         print(f"Saved the model to {model_path}. No training curves: they need matplotlib "
@@ -215,9 +215,10 @@ class EpochReport(keras.callbacks.ProgbarLogger):
     at the end of training). It gives the epoch's logs under Keras's names,
     as in the bar (`loss`, `accuracy`, `val_loss`, `val_accuracy`; only
     with `verbose=0`, as the bar shows them otherwise), then where the
-    epoch's time went and its samples per second, training only
+    epoch's time went, its samples per second (training only) and its
+    FLOP/s, with the fraction of the devices' peak where known
     (`trainer.timings`, `keras_dp.timing.describe`; the first epoch's time
-    includes compiling the train step).
+    includes compiling the train programs).
     """
 
     def __init__(self, trainer):

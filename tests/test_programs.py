@@ -1,0 +1,193 @@
+"""The train programs, compiled once per call shape, the remainder ahead of time."""
+
+import time
+
+import jax
+import keras
+import numpy as np
+import pytest
+
+import keras_dp
+from keras_dp import placement
+from keras_dp import programs
+from keras_dp import timing
+from conftest import devices, mlp
+
+
+class Compiles:
+    """XLA compilations, each with the moment it ended (`jax.monitoring`)."""
+
+    def __init__(self):
+        self.ends = []
+        jax.monitoring.register_event_duration_secs_listener(self._record)
+
+    def _record(self, name, seconds, **kwargs):
+        if name == "/jax/core/compile/backend_compile_duration":
+            self.ends.append(time.perf_counter())
+
+
+COMPILES = Compiles()  # listeners cannot be removed: one for the module
+
+
+class CallTimes(keras.callbacks.Callback):
+    """When each train call began and how long it took, callbacks aside."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.calls.append((self._start, time.perf_counter() - self._start))
+
+
+def small_data(mnist, rows=200):
+    (x, y), _ = mnist
+    return x[:rows], y[:rows]
+
+
+# Resident behind --runslow: tests/test_resident.py's fits run its programs ahead too.
+@pytest.mark.parametrize("data_on_device", [
+    pytest.param(False, id="host"), pytest.param(True, id="resident", marks=pytest.mark.slow)])
+def test_every_program_compiles_once_and_none_at_the_epochs_end(
+        mnist, data_on_device, monkeypatch):
+    # In line, so that the moment each compile ends is known.
+    monkeypatch.setattr(programs.CompilingFeed, "background", False)
+    x, y = small_data(mnist)  # 3 full batches of 64, then 8 rows
+    trainer = keras_dp.ShardedTrainer(mlp(), devices=devices(2), steps_per_execution=2,
+                                      data_on_device=data_on_device)
+    calls = CallTimes()
+    trainer.fit(x, y, batch_size=64, epochs=2, verbose=0, callbacks=[calls])
+    # Calls per epoch: 2 steps of 64 rows, 1 of 64, 1 of 8: three programs.
+    assert placement.planned_calls(trainer._batches(x, y, None, 64, True), 2) == [
+        (2, 64), (1, 64), (1, 8)]
+    def compiled_during(call):
+        start, seconds = calls.calls[call]
+        return [end for end in COMPILES.ends if start <= end <= start + seconds]
+
+    # Each program once (jax.jit reused what was compiled), all three in the
+    # epoch's first call: its own program, then the rest.
+    assert len(compiled_during(0)) == 3
+    assert not any(compiled_during(call) for call in range(1, len(calls.calls)))
+    assert calls.calls[3][1] < 0.25 * calls.calls[0][1]  # the remainder's call
+
+
+def fit_small(x, y):
+    """A 1-epoch fit of three programs (2 steps of 64 rows, 1 of 64, 1 of 8), and its compiles."""
+    trainer = keras_dp.ShardedTrainer(mlp(), devices=devices(2), steps_per_execution=2,
+                                      data_on_device=False)
+    calls = CallTimes()
+    trainer.fit(x, y, batch_size=64, epochs=1, verbose=0, callbacks=[calls])
+    start, (last, seconds) = calls.calls[0][0], calls.calls[-1]
+    return trainer, [end for end in COMPILES.ends if start <= end <= last + seconds]
+
+
+def weights(trainer):
+    return [np.asarray(variable) for variable in trainer.model.weights]
+
+
+def test_ahead_of_time_trains_bitwise_as_jit_alone_and_counts_its_flops(mnist, monkeypatch):
+    x, y = small_data(mnist)
+    trainer, compiled = fit_small(x, y)  # the rest compiled in the background
+    assert len(compiled) == 3  # each program once, all before the epoch's last call ended
+    with monkeypatch.context() as patch:
+        patch.setattr(programs.CompilingFeed, "call",
+                      lambda self, state, steps, batch: self._feed.call(state, steps, batch))
+        plain, compiled = fit_small(x, y)
+    assert len(compiled) == 3  # jax.jit alone
+    assert all(np.array_equal(a, b)
+               for a, b in zip(weights(trainer), weights(plain), strict=True))
+
+    state = trainer.init_state()
+
+    def flops(steps, rows):  # the jit cache has each program: no compile here
+        batch = (x[:rows], y[:rows], None)
+        if steps == 1:
+            lowered = trainer._train_step.lower(state, placement.to_device(batch, trainer.mesh))
+        else:
+            lowered = trainer._train_steps.lower(
+                state, placement.to_device_stacked([batch] * steps, trainer.mesh))
+        return programs.cost_flops(lowered.compile())  # per device
+
+    per_call = {call: flops(*call) for call in [(2, 64), (1, 64), (1, 8)]}
+    entry = trainer.timings[0]
+    assert entry["flops"] == 2 * sum(per_call.values())  # 2 devices, one call each
+    # A call of K steps counts K steps (the scan is unrolled on CPU).
+    assert per_call[(2, 64)] == pytest.approx(2 * per_call[(1, 64)], rel=0.01)
+    training = entry["wall_s"] - entry["validation_s"]
+    assert entry["flops_per_s"] == pytest.approx(entry["flops"] / training)
+    assert entry["peak_flops_per_s"] is None and entry["fraction_of_peak"] is None  # CPU
+
+
+@pytest.mark.slow  # a third fit; the bitwise test covers the path that works
+def test_a_program_that_fails_to_compile_ahead_compiles_at_its_call(mnist, monkeypatch):
+    x, y = small_data(mnist)
+    plain, _ = fit_small(x, y)
+
+    def fail(*args):
+        raise RuntimeError("cannot compile ahead")
+
+    # As under jax.jit alone, and the state the first call made is kept.
+    monkeypatch.setattr(programs, "like_batch", fail)
+    late, _ = fit_small(x, y)
+    assert all(np.array_equal(a, b) for a, b in zip(weights(plain), weights(late), strict=True))
+
+
+class FakeCompiled:
+    def __init__(self, flops):
+        self.flops = flops
+
+    def cost_analysis(self):
+        return {"flops": self.flops}
+
+
+@pytest.mark.parametrize("unroll, steps, scale", [
+    (4, 4, 1), (0, 4, 1), (1, 4, 4), (2, 4, 2), (2, 5, 5 / 3), (3, 1, 1)])
+def test_a_rolled_scan_counts_every_step(unroll, steps, scale):
+    # XLA counts a loop body once: K steps scanned `unroll` at a time
+    # count `unroll + K % unroll` of them.
+    trainer = keras_dp.ShardedTrainer(mlp(), devices=devices(2), unroll=unroll)
+    feed = programs.CompilingFeed(None, trainer, None)
+    assert feed._call_flops(FakeCompiled(10.0), steps) == pytest.approx(2 * 10.0 * scale)
+    assert feed._call_flops(FakeCompiled(0), steps) is None
+
+
+class FakeDevice:
+    def __init__(self, kind):
+        self.device_kind = kind
+
+
+class FakeMesh:
+    def __init__(self, kind, count):
+        self.devices = np.array([FakeDevice(kind)] * count)
+
+
+@pytest.mark.parametrize("kind, policy, peak", [
+    ("NVIDIA H100 80GB HBM3", "mixed_bfloat16", 989e12),
+    ("NVIDIA H100 80GB HBM3", "float32", 494e12),
+    ("NVIDIA H100 PCIe", "mixed_float16", 756e12),
+    ("NVIDIA H200", "mixed_bfloat16", 989e12),
+    ("NVIDIA A100-SXM4-40GB", "float32", 156e12),
+    ("TPU v5 lite", "float32", 197e12),
+    ("TPU v4", "mixed_bfloat16", 275e12),
+    ("cpu", "float32", None),
+    ("NVIDIA GeForce RTX 3090", "float32", None),
+])
+def test_peak_flops_by_device_kind_and_dtype_policy(kind, policy, peak):
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.dtype_policy = keras.DTypePolicy(policy)
+    got = timing.peak_flops_per_s(FakeMesh(kind, 4), model)
+    assert got == (None if peak is None else 4 * peak)
+
+
+def test_describe_shows_flops_and_the_fraction_of_peak_where_known():
+    entry = {"epoch": 0, "wall_s": 2.0, "input_s": 0.1, "steps_s": 1.5, "callbacks_s": 0.1,
+             "validation_s": 0.2, "other_s": 0.1, "samples_per_s": 1000.0,
+             "flops_per_s": 3.5e12, "fraction_of_peak": 0.25}
+    assert timing.describe(entry).endswith("1,000 samples/s, 3.5 TFLOP/s (25.0% of peak)")
+    entry.update(flops_per_s=2.5e9, fraction_of_peak=None)
+    assert timing.describe(entry).endswith("1,000 samples/s, 2.5 GFLOP/s")
+    entry.update(flops_per_s=None)
+    assert timing.describe(entry).endswith("1,000 samples/s")
