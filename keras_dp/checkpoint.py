@@ -62,13 +62,17 @@ class Checkpoints:
         max_to_keep: how many of the newest checkpoints to keep.
         lock: hold `directory` for this run until `close` (see
             `keras_dp.checkpoint_guard`); across processes, process 0 locks.
+        source: an input whose position is saved with the state and set
+            on restore (`keras_dp.pipeline.grain_source.GrainEpochs`), or None.
 
     Raises:
         DirectoryInUseError: with `lock`, another live run holds `directory`.
     """
 
-    def __init__(self, directory, max_to_keep=2, lock=True):
+    def __init__(self, directory, max_to_keep=2, lock=True, source=None):
         import orbax.checkpoint as ocp
+
+        self.source = source
 
         self._ocp = ocp
         self.directory = os.path.abspath(os.fspath(directory))
@@ -97,6 +101,8 @@ class Checkpoints:
             "state": _model_state(model),
             "position": _position_tree(position.epoch, position.steps, seed),
         }
+        if self.source is not None:  # where the input stands, per process
+            tree["input"] = self.source.saved(position)
         tree["checksums"] = guard.checksums(tree)
         try:
             self._manager.save(index, args=self._ocp.args.StandardSave(tree), force=True)
@@ -112,7 +118,7 @@ class Checkpoints:
 
     def check_room(self, model):
         """Raise `OSError` if the directory's filesystem cannot take the checkpoints to come."""
-        leaves = guard.leaves(_template(model))
+        leaves = guard.leaves(_template(model, self.source))
         nbytes = sum(leaf.nbytes for _, leaf in leaves) + 8 * len(leaves)
         kept = len(self._manager.all_steps())
         guard.check_room(self.directory, nbytes, max(1, self.max_to_keep + 1 - kept))
@@ -132,7 +138,7 @@ class Checkpoints:
                 shuffle order would make the resumed run differ.
             DamagedCheckpointError: every checkpoint in the directory is damaged.
         """
-        template = _template(model)
+        template = _template(model, self.source)
         damaged = []
         for index in sorted(self._manager.all_steps(), reverse=True):
             problem, tree = guard.read_verified(
@@ -155,7 +161,10 @@ class Checkpoints:
                 RuntimeWarning, stacklevel=2)
         self._check_seed(tree, seed)
         write_back(TrainState(**tree["state"]), model)
-        return Position(int(tree["position"]["epoch"]), int(tree["position"]["steps"]))
+        position = Position(int(tree["position"]["epoch"]), int(tree["position"]["steps"]))
+        if self.source is not None:
+            self.source.restore(position, tree["input"])
+        return position
 
     def _check_seed(self, tree, seed):
         saved_seed = int(tree["position"]["seed"])
@@ -190,7 +199,7 @@ def closing(checkpoints):
 
 
 def open_for_fit(checkpoint_dir, model, seed, multiprocess, initial_epoch,
-                 steps_per_epoch=None):
+                 steps_per_epoch=None, source=None):
     """The `Checkpoints` of a fit and where it starts: `(checkpoints, Position)`.
 
     Without `checkpoint_dir`: `(None, Position(initial_epoch, 0))`. With one
@@ -199,7 +208,8 @@ def open_for_fit(checkpoint_dir, model, seed, multiprocess, initial_epoch,
 
     Across processes (`multiprocess`), every process must call this with
     the same `checkpoint_dir`, on a filesystem they share; each restores the
-    same newest checkpoint.
+    same newest checkpoint. A `source` (see `Checkpoints`) has its position
+    saved with each checkpoint and restored from it.
 
     The caller must `close` the `Checkpoints` (see `closing`): until then
     it holds the directory's lock. On an error here it is closed already.
@@ -224,7 +234,10 @@ def open_for_fit(checkpoint_dir, model, seed, multiprocess, initial_epoch,
         )
     # orbax's save and restore take part in every process alike; the lock
     # is process 0's, for all of them.
-    checkpoints = Checkpoints(checkpoint_dir, lock=not multiprocess or _process_index() == 0)
+    checkpoints = Checkpoints(checkpoint_dir, lock=not multiprocess or _process_index() == 0,
+                              source=source)
+    if source is not None:
+        source.recording = True
     with contextlib.ExitStack() as on_error:
         on_error.callback(checkpoints.close)
         position = checkpoints.restore(model, seed) or start
@@ -343,13 +356,15 @@ def _model_state(model):
     }
 
 
-def _template(model):
-    """A checkpoint's tree for `model`, of uninitialised arrays: their shapes and dtypes."""
+def _template(model, source=None):
+    """A checkpoint's tree for `model` (and `source`), of uninitialised arrays: shapes and dtypes."""
     state = {
         name: [np.empty(variable.shape, np.dtype(variable.dtype)) for variable in variables]
         for name, variables in TrainState.variables_of(model).groups()
     }
     tree = {"state": state, "position": _position_tree(0, 0, 0)}
+    if source is not None:
+        tree["input"] = source.template()
     tree["checksums"] = np.zeros(len(guard.leaves(tree)), np.int64)
     return tree
 

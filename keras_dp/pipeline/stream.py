@@ -45,8 +45,11 @@ class StepsPerEpoch:
         """Check the underlying data's labels (see its `check_labels`)."""
         self._batches.check_labels(check, what)
 
-    def epoch(self, epoch):
-        """Yield the next `steps` batches of the stream."""
+    def epoch(self, epoch, skip=0):
+        """Yield the next `steps` batches of the stream, the first `skip` dropped."""
+        return itertools.islice(self._epoch(epoch), skip, None)
+
+    def _epoch(self, epoch):
         for _ in range(self.steps):
             batch = next(self._stream, None)
             if batch is None:

@@ -1,0 +1,139 @@
+"""Grain as a source: one pass per epoch, resumable mid-epoch from a checkpoint.
+
+A `grain.MapDataset`, `grain.IterDataset` or `grain.DataLoader` of batches
+is read as `model.fit` reads it (Keras's Grain adapter): each epoch is a
+fresh pass, `iter(dataset)`, and each batch is `x`, `(x, y)` or
+`(x, y, sample_weight)`. Reshuffling per epoch is the pipeline's own
+(`MapDataset.shuffle` over a `.repeat(epochs)`, or an `IndexSampler`'s
+`num_epochs`); keras_dp never rewrites it.
+
+What Grain adds over any iterable is a position that can be saved: the
+iterator's `get_state()` (a small dict, or JSON bytes for a `DataLoader`).
+While a fit writes checkpoints (`record`), the state after each batch read
+is kept, a bounded window of them, because the look-ahead thread reads
+ahead of the step that is saved; a checkpoint after `n` steps of an epoch
+stores the state after batch `n`. Across processes each process's state is
+gathered into one array, `(processes, STATE_BYTES)` bytes, so that the
+checkpoint (written by process 0) holds every process's position. On
+resume, each process takes its row, and the epoch's iterator is
+`set_state` to it: it continues from the next element without reading
+the batches already trained on.
+
+`grain` is imported only when such a source is passed.
+"""
+
+import itertools
+import json
+
+import jax
+import numpy as np
+
+# Bytes of each process's saved state (JSON). A DataLoader's state names its
+# sampler and source and one index per worker: well under 1 KiB.
+STATE_BYTES = 16384
+# States kept behind the newest read: more than the look-ahead can hold.
+KEPT_STATES = 4096
+
+
+def is_grain(source):
+    """Whether `source` is a Grain dataset or DataLoader (without importing grain first)."""
+    if not type(source).__module__.startswith("grain"):
+        return False
+    import grain
+
+    return isinstance(source, (grain.MapDataset, grain.IterDataset, grain.DataLoader))
+
+
+class GrainEpochs:
+    """A Grain dataset or DataLoader as a re-iterable of batches, one pass per epoch."""
+
+    def __init__(self, dataset):
+        self._dataset = dataset
+        self._states = {}
+        self._restored = None  # (epoch, steps, state) read from a checkpoint
+        self.recording = False
+
+    def __iter__(self):
+        """A fresh pass from the first element."""
+        return self._read(iter(self._dataset), 0)
+
+    def resume(self, epoch, skip):
+        """Epoch `epoch`'s batches from batch `skip` on.
+
+        From the restored iterator state when a checkpoint saved this very
+        position (`restore`); otherwise read from the start and the first
+        `skip` dropped, as for any iterable.
+        """
+        if self._restored is not None and self._restored[:2] == (epoch, skip):
+            iterator = iter(self._dataset)
+            iterator.set_state(self._restored[2])
+            self._restored = None
+            return self._read(iterator, skip)
+        return itertools.islice(iter(self), skip, None)
+
+    def _read(self, iterator, first):
+        states = self._states = {}
+        for index, batch in enumerate(iterator, first + 1):
+            if self.recording:
+                states[index] = iterator.get_state()
+                states.pop(index - KEPT_STATES, None)
+            yield batch
+
+    def template(self):
+        """The saved states' array for a checkpoint's layout: its shape and dtype."""
+        return np.zeros((jax.process_count(), STATE_BYTES), np.uint8)
+
+    def saved(self, position):
+        """Every process's iterator state after `position.steps` steps of its epoch.
+
+        Across processes every process must call it at the same step (it
+        gathers). At an epoch's end (`steps == 0`) nothing is stored: the
+        next epoch starts a fresh pass.
+
+        Returns:
+            A `(processes, STATE_BYTES)` uint8 array, one JSON text per row.
+        """
+        state = None
+        if position.steps:
+            if position.steps not in self._states:
+                raise RuntimeError(
+                    f"keras_dp: the Grain iterator's state after {position.steps} "
+                    "batches was not kept, so the checkpoint could not say where the "
+                    "input stands. Please report this.")
+            state = self._states[position.steps]
+        row = _encode(state)
+        if jax.process_count() == 1:
+            return row[None]
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(row))
+
+    def restore(self, position, saved):
+        """Continue epoch `position.epoch` after `position.steps` steps from `saved` (see `saved`)."""
+        state = _decode(np.asarray(saved)[jax.process_index()])
+        self._restored = None if state is None else (position.epoch, position.steps, state)
+
+
+def _encode(state):
+    if state is None:
+        text = b""
+    elif isinstance(state, bytes):  # a DataLoader's iterator: JSON already
+        text = json.dumps({"bytes": state.decode()}).encode()
+    else:
+        text = json.dumps({"dict": state}).encode()
+    if len(text) > STATE_BYTES:
+        raise ValueError(
+            f"The Grain iterator's state is {len(text)} bytes as JSON, more than "
+            f"the {STATE_BYTES} a checkpoint keeps per process. Use fewer "
+            "workers, or drop checkpoint_dir.")
+    row = np.zeros(STATE_BYTES, np.uint8)
+    row[:len(text)] = np.frombuffer(text, np.uint8)
+    return row
+
+
+def _decode(row):
+    text = bytes(row).rstrip(b"\0")
+    if not text:
+        return None
+    saved = json.loads(text)
+    return saved["bytes"].encode() if "bytes" in saved else saved["dict"]

@@ -1,0 +1,136 @@
+"""Grain as a source: training, one pass per epoch, its position in checkpoints, per-process shares."""
+
+import numpy as np
+import pytest
+
+grain = pytest.importorskip("grain")
+
+import keras_dp  # noqa: E402
+from keras_dp import pipeline  # noqa: E402
+from keras_dp.checkpoint import Position  # noqa: E402
+from keras_dp.pipeline import grain_source  # noqa: E402
+from conftest import assert_weights_equal  # noqa: E402
+from conftest import devices  # noqa: E402
+from conftest import mlp  # noqa: E402
+from test_checkpoint import SigtermAt  # noqa: E402
+
+ROWS, BATCH = 512, 64  # 8 steps per epoch
+
+
+class Rows:
+    """A Grain data source over (x, y) rows that counts the rows read."""
+
+    def __init__(self, x, y):
+        self.x, self.y, self.read = x, y, []
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, index):
+        self.read.append(int(index))
+        return self.x[index], self.y[index]
+
+
+@pytest.fixture
+def data(mnist):
+    (x, y), _ = mnist
+    return x[:ROWS].astype("float32"), y[:ROWS]
+
+
+def batched(source, shuffle_seed=None):
+    """Batches of `BATCH` rows, read in this thread one at a time (no read-ahead)."""
+    dataset = grain.MapDataset.source(source)
+    if shuffle_seed is not None:
+        dataset = dataset.shuffle(seed=shuffle_seed)
+    options = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+    return dataset.batch(BATCH).to_iter_dataset(options)
+
+
+def fit(model, x, **kwargs):
+    kwargs = dict(dict(epochs=3, verbose=0, devices=devices(2)), **kwargs)
+    return keras_dp.fit_sharded(model, x, **kwargs)
+
+
+def test_a_map_dataset_trains_bitwise_as_the_same_batches_as_arrays(data):
+    # The same batches in the same order run the same compiled steps.
+    grain_model, array_model = mlp(dropout=0.25), mlp(dropout=0.25)
+    dataset = grain.MapDataset.source(Rows(*data)).batch(BATCH)
+    history = fit(grain_model, dataset, validation_data=dataset)
+    fit(array_model, data[0], y=data[1], batch_size=BATCH, shuffle=False,
+        validation_data=data)
+    assert_weights_equal(grain_model, array_model)
+    assert int(grain_model.optimizer.iterations.numpy()) == 3 * ROWS // BATCH
+    assert len(history.history["val_loss"]) == 3
+
+
+def test_every_element_once_per_epoch_and_a_fresh_pass_each_epoch(data):
+    ids = np.arange(ROWS, dtype=np.float32)
+    source = grain.MapDataset.source(ids).shuffle(seed=5).batch(48)  # 10 full, 1 of 32
+    batches = pipeline.make_batches(source)
+    epochs = [np.concatenate([x for x, _, _ in batches.epoch(epoch)]) for epoch in range(2)]
+    for seen in epochs:
+        np.testing.assert_array_equal(np.sort(seen), ids)  # 512 ids, each once
+    np.testing.assert_array_equal(epochs[0], epochs[1])  # Keras's semantics: iter() anew
+
+
+def test_a_dataloader_position_is_saved_and_restored_per_epoch(data):
+    source = Rows(*data)
+    sampler = grain.samplers.IndexSampler(
+        ROWS, shard_options=grain.sharding.NoSharding(), shuffle=True, seed=3, num_epochs=1)
+    loader = grain.DataLoader(data_source=source, sampler=sampler,
+                              operations=[grain.transforms.Batch(BATCH)], worker_count=0,
+                              read_options=grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+    batches = pipeline.make_batches(loader)
+    epochs = batches.resumable
+    epochs.recording = True
+    whole = [y for _, y, _ in batches.epoch(0)]
+    saved = epochs.saved(Position(0, 3))  # after batch 2 of epoch 0
+    assert saved.shape == (1, grain_source.STATE_BYTES) and saved.dtype == np.uint8
+    assert epochs.saved(Position(1, 0)).max() == 0  # an epoch's end: nothing to keep
+    epochs.restore(Position(0, 3), saved)
+    del source.read[:]
+    rest = [y for _, y, _ in batches.epoch(0, 3)]
+    assert len(source.read) == ROWS - 3 * BATCH  # batches 0-2 are not read again
+    np.testing.assert_array_equal(np.concatenate(rest), np.concatenate(whole[3:]))
+
+
+def test_sigterm_mid_epoch_resumes_bitwise_from_the_same_element(data, tmp_path):
+    source = Rows(*data)
+    unbroken = mlp(dropout=0.25)
+    unbroken_history = fit(unbroken, batched(source, shuffle_seed=7))
+    order = source.read[BATCH:BATCH + ROWS]  # epoch 0's rows (after the first batch, peeked)
+    model = mlp(dropout=0.25)
+    with pytest.raises(SystemExit) as exit_info:
+        fit(model, batched(Rows(*data), shuffle_seed=7), checkpoint_dir=tmp_path,
+            callbacks=[SigtermAt(1, 4)])
+    assert exit_info.value.code == 143
+    # Saved after 5 steps of epoch 1; the resumed run reads its first batch
+    # (to build the model), then epoch 1 from row 5 * BATCH of the order.
+    resumed_source = Rows(*data)
+    resumed = mlp(seed=7, dropout=0.25)
+    history = fit(resumed, batched(resumed_source, shuffle_seed=7), checkpoint_dir=tmp_path)
+    assert history.epoch == [1, 2]
+    assert_weights_equal(resumed, unbroken)
+    np.testing.assert_array_equal(history.history["loss"], unbroken_history.history["loss"][1:])
+    assert resumed_source.read[BATCH:BATCH + 3 * BATCH] == order[5 * BATCH:]
+    assert len(resumed_source.read) == BATCH + 3 * BATCH + ROWS
+
+
+def test_shard_for_processes_gives_each_process_its_share(monkeypatch):
+    tf = pytest.importorskip("tensorflow")
+    dataset = grain.MapDataset.source(np.arange(10))
+    assert keras_dp.shard_for_processes(dataset) is dataset  # one process: as it is
+    monkeypatch.setattr("jax.process_count", lambda: 3)
+    monkeypatch.setattr("jax.process_index", lambda: 1)
+    assert [int(value) for value in keras_dp.shard_for_processes(dataset)] == [1, 4, 7]
+    shard = keras_dp.shard_for_processes(tf.data.Dataset.range(10))
+    assert list(shard.as_numpy_iterator()) == [1, 4, 7]
+    with pytest.raises(TypeError, match="ShardByJaxProcess"):
+        keras_dp.shard_for_processes(dataset.to_iter_dataset())
+    with pytest.raises(TypeError, match="Received: ndarray"):
+        keras_dp.shard_for_processes(np.arange(10))
+
+
+def test_an_oversized_iterator_state_is_refused_with_the_limit():
+    with pytest.raises(ValueError, match="16384"):
+        grain_source._encode({"big": "x" * grain_source.STATE_BYTES})
