@@ -1,5 +1,12 @@
 """Grain as a source: training, one pass per epoch, its position in checkpoints, per-process shares."""
 
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
 import numpy as np
 import pytest
 
@@ -134,3 +141,74 @@ def test_shard_for_processes_gives_each_process_its_share(monkeypatch):
 def test_an_oversized_iterator_state_is_refused_with_the_limit():
     with pytest.raises(ValueError, match="16384"):
         grain_source._encode({"big": "x" * grain_source.STATE_BYTES})
+
+
+# -- Across processes ---------------------------------------------------------
+
+WORKER = pathlib.Path(__file__).parent / "scripts" / "grain_worker.py"
+LIMIT = 240
+
+
+def run_processes(out, *extra):
+    """2 processes of 2 simulated devices on loopback; their exit codes, logs and results."""
+    from keras_dp.cli.launch import _free_port
+    from keras_dp.cli.launch import child_environment
+
+    out.mkdir(parents=True)
+    address = f"127.0.0.1:{_free_port()}"
+    logs = [out / f"process{index}.log" for index in range(2)]
+    processes = [
+        subprocess.Popen([sys.executable, str(WORKER), "--out", str(out), *extra],
+                         env=child_environment(index, 2, address, cpu_devices=2),
+                         stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+        for index, log in enumerate(logs)]
+    try:
+        deadline = time.monotonic() + LIMIT
+        codes = [process.wait(timeout=max(1, deadline - time.monotonic()))
+                 for process in processes]  # TimeoutExpired here is the failure
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    results = [np.load(out / f"process{index}.npz") if code == 0 else None
+               for index, code in enumerate(codes)]
+    return codes, [log.read_text() for log in logs], results
+
+
+def arrays(result):
+    return [result[name] for name in result.files if name.startswith("arr_")]
+
+
+@pytest.mark.slow  # about 2 minutes on the shared 2-core VM: 3 runs of 2 processes
+def test_two_processes_read_their_shares_and_resume_mid_epoch_bitwise(tmp_path):
+    # 798 rows, process p reads rows p, p + 2, ...: 399 each, 13 batches of
+    # 32 per epoch (the last of 15).
+    codes, logs, (first, second) = run_processes(tmp_path / "unbroken")
+    assert codes == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    for mine, other in zip(arrays(first), arrays(second), strict=True):
+        np.testing.assert_array_equal(mine, other)
+    np.testing.assert_array_equal(first["counts"], np.ones(798))  # each row once, last epoch
+    assert set(first["read"]) == set(range(0, 798, 2))
+    assert set(second["read"]) == set(range(1, 798, 2))
+    checkpoints = str(tmp_path / "checkpoints")
+    codes, logs, _ = run_processes(tmp_path / "stopped", "--checkpoint-dir", checkpoints,
+                                   "--signal", "1:1:5")
+    assert codes == [143, 143], logs[1][-3000:]
+    import re
+
+    stops = [re.findall(r"after (\d+) steps of epoch (\d+)", log) for log in logs]
+    assert len(stops[0]) == 1 and stops[0] == stops[1], stops
+    steps_done, epoch = int(stops[0][0][0]), int(stops[0][0][1]) - 1
+    codes, logs, resumed = run_processes(tmp_path / "resumed", "--checkpoint-dir", checkpoints)
+    assert codes == [0, 0], logs[0][-3000:]
+    for result in resumed:
+        for mine, reference in zip(arrays(result), arrays(first), strict=True):
+            np.testing.assert_array_equal(mine, reference)  # bitwise the unbroken run
+        np.testing.assert_array_equal(result["counts"], np.ones(798))
+        # Read: the first batch (to build the model), the rest of the
+        # stopped epoch from its next row, then whole epochs.
+        rest = max(0, 399 - 32 * steps_done)
+        assert len(result["read"]) == 32 + rest + 399 * (2 - epoch), (steps_done, epoch)
+    np.testing.assert_array_equal(resumed[1]["read"][32:32 + rest],
+                                  second["read"][32 + 399 - rest:32 + 399])
