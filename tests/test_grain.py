@@ -1,11 +1,8 @@
 """Grain as a source: training, one pass per epoch, its position in checkpoints, per-process shares."""
 
-import os
 import pathlib
-import signal
-import subprocess
+import re
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -146,34 +143,17 @@ def test_an_oversized_iterator_state_is_refused_with_the_limit():
 # -- Across processes ---------------------------------------------------------
 
 WORKER = pathlib.Path(__file__).parent / "scripts" / "grain_worker.py"
-LIMIT = 240
 
 
 def run_processes(out, *extra):
     """2 processes of 2 simulated devices on loopback; their exit codes, logs and results."""
-    from keras_dp.cli.launch import _free_port
-    from keras_dp.cli.launch import child_environment
+    from test_distributed import run_pair
 
     out.mkdir(parents=True)
-    address = f"127.0.0.1:{_free_port()}"
-    logs = [out / f"process{index}.log" for index in range(2)]
-    processes = [
-        subprocess.Popen([sys.executable, str(WORKER), "--out", str(out), *extra],
-                         env=child_environment(index, 2, address, cpu_devices=2),
-                         stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
-        for index, log in enumerate(logs)]
-    try:
-        deadline = time.monotonic() + LIMIT
-        codes = [process.wait(timeout=max(1, deadline - time.monotonic()))
-                 for process in processes]  # TimeoutExpired here is the failure
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+    codes, logs = run_pair(out, command=[sys.executable, str(WORKER), "--out", str(out), *extra])
     results = [np.load(out / f"process{index}.npz") if code == 0 else None
                for index, code in enumerate(codes)]
-    return codes, [log.read_text() for log in logs], results
+    return codes, logs, results
 
 
 def arrays(result):
@@ -195,8 +175,6 @@ def test_two_processes_read_their_shares_and_resume_mid_epoch_bitwise(tmp_path):
     codes, logs, _ = run_processes(tmp_path / "stopped", "--checkpoint-dir", checkpoints,
                                    "--signal", "1:1:5")
     assert codes == [143, 143], logs[1][-3000:]
-    import re
-
     stops = [re.findall(r"after (\d+) steps of epoch (\d+)", log) for log in logs]
     assert len(stops[0]) == 1 and stops[0] == stops[1], stops
     steps_done, epoch = int(stops[0][0][0]), int(stops[0][0][1]) - 1

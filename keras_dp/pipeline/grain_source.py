@@ -28,8 +28,7 @@ import json
 import jax
 import numpy as np
 
-# Bytes of each process's saved state (JSON). A DataLoader's state names its
-# sampler and source and one index per worker: well under 1 KiB.
+# Bytes kept per process for its iterator state as JSON (a DataLoader's, the largest, is under 1 KiB).
 STATE_BYTES = 16384
 # States kept behind the newest read: more than the look-ahead can hold.
 KEPT_STATES = 4096
