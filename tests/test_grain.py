@@ -190,3 +190,17 @@ def test_two_processes_read_their_shares_and_resume_mid_epoch_bitwise(tmp_path):
         assert len(result["read"]) == 32 + rest + 399 * (2 - epoch), (steps_done, epoch)
     np.testing.assert_array_equal(resumed[1]["read"][32:32 + rest],
                                   second["read"][32 + 399 - rest:32 + 399])
+
+
+def test_a_dataloader_with_workers_and_unparsed_flags_says_how_to_parse_them(data):
+    from absl import flags
+
+    if flags.FLAGS.is_parsed():
+        pytest.skip("absl flags are parsed in this process")
+    sampler = grain.samplers.IndexSampler(ROWS, shard_options=grain.sharding.NoSharding(),
+                                          num_epochs=1)
+    loader = grain.DataLoader(data_source=Rows(*data), sampler=sampler,
+                              operations=[grain.transforms.Batch(BATCH)], worker_count=1)
+    with pytest.raises(RuntimeError, match=r"mark_as_parsed\(\)") as error:
+        pipeline.make_batches(loader).peek()
+    assert error.value.__cause__ is None

@@ -22,6 +22,7 @@ the batches already trained on.
 `grain` is imported only when such a source is passed.
 """
 
+import contextlib
 import itertools
 import json
 
@@ -72,11 +73,12 @@ class GrainEpochs:
 
     def _read(self, iterator, first):
         states = self._states = {}
-        for index, batch in enumerate(iterator, first + 1):
-            if self.recording:
-                states[index] = iterator.get_state()
-                states.pop(index - KEPT_STATES, None)
-            yield batch
+        with _flags_explained():
+            for index, batch in enumerate(iterator, first + 1):
+                if self.recording:
+                    states[index] = iterator.get_state()
+                    states.pop(index - KEPT_STATES, None)
+                yield batch
 
     def template(self):
         """The saved states' array for a checkpoint's layout: its shape and dtype."""
@@ -111,6 +113,21 @@ class GrainEpochs:
         """Continue epoch `position.epoch` after `position.steps` steps from `saved` (see `saved`)."""
         state = _decode(np.asarray(saved)[jax.process_index()])
         self._restored = None if state is None else (position.epoch, position.steps, state)
+
+
+@contextlib.contextmanager
+def _flags_explained():
+    """Grain's worker processes read absl flags: say how to parse them, in one line."""
+    try:
+        yield
+    except Exception as error:
+        if type(error).__name__ != "UnparsedFlagAccessError":
+            raise
+        raise RuntimeError(
+            "A grain.DataLoader with worker_count > 0 reads absl flags, which "
+            "this program has not parsed (absl.app.run parses them). Call "
+            "`absl.flags.FLAGS.mark_as_parsed()` before fit, or use "
+            f"worker_count=0. Grain said: {error}") from None
 
 
 def _encode(state):
