@@ -204,3 +204,15 @@ def test_a_dataloader_with_workers_and_unparsed_flags_says_how_to_parse_them(dat
     with pytest.raises(RuntimeError, match=r"mark_as_parsed\(\)") as error:
         pipeline.make_batches(loader).peek()
     assert error.value.__cause__ is None
+
+
+def test_a_grain_checkpoint_resumed_with_arrays_is_refused_naming_the_input(data, tmp_path):
+    from keras_dp import checkpoint as checkpoint_lib
+
+    model = mlp()
+    keras_dp.ShardedTrainer(model, devices=devices(2)).build((data[0][:8], data[1][:8]))
+    source = pipeline.make_batches(grain.MapDataset.source(Rows(*data)).batch(BATCH)).resumable
+    with checkpoint_lib.closing(checkpoint_lib.Checkpoints(tmp_path, source=source)) as saved:
+        saved.save(model, Position(1, 0), seed=0)
+    with pytest.raises(ValueError, match="does not fit this model.*another input"):
+        checkpoint_lib.open_for_fit(tmp_path, model, 0, False, 0)  # arrays: no source
