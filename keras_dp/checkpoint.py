@@ -215,7 +215,7 @@ def open_for_fit(checkpoint_dir, model, seed, multiprocess, initial_epoch,
     it holds the directory's lock. On an error here it is closed already.
 
     Raises:
-        ValueError: `checkpoint_dir` with `steps_per_epoch`, or a checkpoint
+        ValueError: `checkpoint_dir` with `steps_per_epoch` and no `source`, or a checkpoint
             that does not fit (see `Checkpoints.restore`).
         DirectoryInUseError: another live run holds `checkpoint_dir`.
         OSError: its filesystem has no room for the checkpoints to come.
@@ -223,14 +223,14 @@ def open_for_fit(checkpoint_dir, model, seed, multiprocess, initial_epoch,
     start = Position(initial_epoch, 0)
     if checkpoint_dir is None:
         return None, start
-    if steps_per_epoch is not None:
+    if steps_per_epoch is not None and source is None:
         raise ValueError(
-            "checkpoint_dir cannot be combined with steps_per_epoch yet: "
-            "epochs of a fixed length draw from one continuing stream, and a "
-            "checkpoint does not record the stream's position, so a resumed run "
-            "would train on other batches than an unbroken one. Drop "
-            "steps_per_epoch (an epoch is then one pass over the data), or "
-            "drop checkpoint_dir."
+            "checkpoint_dir combines with steps_per_epoch only for a Grain "
+            "source: epochs of a fixed length draw from one continuing stream, "
+            "and a checkpoint records the stream's position only for Grain, so "
+            "a resumed run would train on other batches than an unbroken one. "
+            "Drop steps_per_epoch (an epoch is then one pass over the data), "
+            "drop checkpoint_dir, or read the data through Grain."
         )
     # orbax's save and restore take part in every process alike; the lock
     # is process 0's, for all of them.

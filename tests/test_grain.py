@@ -216,3 +216,31 @@ def test_a_grain_checkpoint_resumed_with_arrays_is_refused_naming_the_input(data
         saved.save(model, Position(1, 0), seed=0)
     with pytest.raises(ValueError, match="does not fit this model.*another input"):
         checkpoint_lib.open_for_fit(tmp_path, model, 0, False, 0)  # arrays: no source
+
+
+def test_steps_per_epoch_over_a_repeated_dataset_resumes_bitwise_mid_stream(data, tmp_path):
+    # `.shuffle().repeat()`: Grain reshuffles each repetition; epochs of 5
+    # steps cut across its passes of 8 batches, so the stream's position,
+    # not an epoch's, is what the checkpoint must hold.
+    def stream(source):
+        return grain.MapDataset.source(source).shuffle(seed=7).repeat().batch(BATCH) \
+            .to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+
+    unbroken = mlp(dropout=0.25)
+    fit(unbroken, stream(Rows(*data)), steps_per_epoch=5)
+    with pytest.raises(SystemExit):
+        fit(mlp(dropout=0.25), stream(Rows(*data)), steps_per_epoch=5,
+            checkpoint_dir=tmp_path, callbacks=[SigtermAt(1, 2)])
+    source = Rows(*data)
+    resumed = mlp(seed=7, dropout=0.25)
+    assert fit(resumed, stream(source), steps_per_epoch=5,
+               checkpoint_dir=tmp_path).epoch == [1, 2]
+    assert_weights_equal(resumed, unbroken)
+    assert len(source.read) == BATCH + (2 + 5) * BATCH  # the first batch, then 7 steps
+    # Stopped at an epoch's end, the stream goes on from there too.
+    fit(mlp(dropout=0.25), stream(Rows(*data)), steps_per_epoch=5, epochs=2,
+        checkpoint_dir=tmp_path / "at_the_end")
+    resumed = mlp(seed=7, dropout=0.25)
+    assert fit(resumed, stream(Rows(*data)), steps_per_epoch=5,
+               checkpoint_dir=tmp_path / "at_the_end").epoch == [2]
+    assert_weights_equal(resumed, unbroken)

@@ -52,6 +52,7 @@ class GrainEpochs:
         self._states = {}
         self._restored = None  # (epoch, steps, state) read from a checkpoint
         self.recording = False
+        self.last = None  # while recording: the state after the newest batch read
 
     def __iter__(self):
         """A fresh pass from the first element."""
@@ -76,7 +77,7 @@ class GrainEpochs:
         with _flags_explained():
             for index, batch in enumerate(iterator, first + 1):
                 if self.recording:
-                    states[index] = iterator.get_state()
+                    states[index] = self.last = iterator.get_state()
                     states.pop(index - KEPT_STATES, None)
                 yield batch
 
@@ -94,14 +95,13 @@ class GrainEpochs:
         Returns:
             A `(processes, STATE_BYTES)` uint8 array, one JSON text per row.
         """
-        state = None
-        if position.steps:
-            if position.steps not in self._states:
-                raise RuntimeError(
-                    f"keras_dp: the Grain iterator's state after {position.steps} "
-                    "batches was not kept, so the checkpoint could not say where the "
-                    "input stands. Please report this.")
-            state = self._states[position.steps]
+        return self.pack(kept(self._states, position.steps) if position.steps else None)
+
+    def pack(self, state):
+        """Every process's `state` (None: a fresh pass) as the array `saved` describes.
+
+        Across processes every process must call it at the same step (it gathers).
+        """
         row = _encode(state)
         if jax.process_count() == 1:
             return row[None]
@@ -128,6 +128,49 @@ def _flags_explained():
             "this program has not parsed (absl.app.run parses them). Call "
             "`absl.flags.FLAGS.mark_as_parsed()` before fit, or use "
             f"worker_count=0. Grain said: {error}") from None
+
+
+def kept(states, key):
+    """`states[key]`, or a `RuntimeError` saying that the state was not kept."""
+    if key not in states:
+        raise RuntimeError(
+            f"keras_dp: the Grain iterator's state at {key} was not kept, so the "
+            "checkpoint could not say where the input stands. Please report this.")
+    return states[key]
+
+
+class StreamPosition:
+    """The position of a Grain stream under `steps_per_epoch` (`pipeline.StepsPerEpoch`).
+
+    Epochs of a fixed length draw from one continuing stream, so every
+    position, an epoch's end included, has a state: `states[(epoch, steps)]`,
+    kept by the `StepsPerEpoch` as it hands out each batch. Restoring it
+    makes the stream start there.
+    """
+
+    def __init__(self, epochs, states):
+        self._epochs, self._states = epochs, states
+
+    @property
+    def recording(self):
+        """Whether states are kept (set by `keras_dp.checkpoint.open_for_fit`)."""
+        return self._epochs.recording
+
+    @recording.setter
+    def recording(self, value):
+        self._epochs.recording = value
+
+    def template(self):
+        """See `GrainEpochs.template`."""
+        return self._epochs.template()
+
+    def saved(self, position):
+        """Every process's stream state at `position` (see `GrainEpochs.saved`)."""
+        return self._epochs.pack(kept(self._states, (position.epoch, position.steps)))
+
+    def restore(self, position, saved):
+        """Start the stream at `position` from `saved`."""
+        self._epochs.restore(position, saved)
 
 
 def _encode(state):

@@ -74,7 +74,7 @@ class IterableBatches:
         """
         self.peek()
         resume = getattr(self._source, "resume", None)
-        if skip and resume is not None:
+        if resume is not None:
             return self._read(resume(epoch, skip), epoch, skip)
         return itertools.islice(self._read(iter(self._source), epoch, 0), skip, None)
 
