@@ -95,6 +95,7 @@ def test_a_dataloader_position_is_saved_and_restored_per_epoch(data):
     del source.read[:]
     rest = [y for _, y, _ in batches.epoch(0, 3)]
     assert len(source.read) == ROWS - 3 * BATCH  # batches 0-2 are not read again
+    np.testing.assert_array_equal(epochs.saved(Position(0, 3)), saved)  # stopped again there
     np.testing.assert_array_equal(np.concatenate(rest), np.concatenate(whole[3:]))
 
 
@@ -244,3 +245,26 @@ def test_steps_per_epoch_over_a_repeated_dataset_resumes_bitwise_mid_stream(data
     assert fit(resumed, stream(Rows(*data)), steps_per_epoch=5,
                checkpoint_dir=tmp_path / "at_the_end").epoch == [2]
     assert_weights_equal(resumed, unbroken)
+
+
+def test_a_stream_restored_at_an_epochs_end_continues_with_the_next_element():
+    ids = np.arange(40, dtype=np.float32)
+    stream = grain.MapDataset.source(ids).shuffle(seed=1).repeat().batch(8)  # 5 per pass
+
+    def steps(position=None, saved=None):
+        epochs = pipeline.StepsPerEpoch(pipeline.make_batches(stream), 3)  # across passes
+        epochs.resumable.recording = True
+        if position is not None:
+            epochs.resumable.restore(position, saved)
+        return epochs
+
+    unbroken = steps()
+    first = [x for x, _, _ in unbroken.epoch(0)]
+    saved = unbroken.resumable.saved(Position(1, 0))
+    second = [x for x, _, _ in unbroken.epoch(1)]
+    resumed = steps(Position(1, 0), saved)
+    rest = resumed.epoch(1, 0)
+    np.testing.assert_array_equal(resumed.resumable.saved(Position(1, 0)), saved)
+    np.testing.assert_array_equal(np.concatenate(list(x for x, _, _ in rest)),
+                                  np.concatenate(second))
+    assert len(first) == len(second) == 3

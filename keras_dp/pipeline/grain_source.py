@@ -65,21 +65,30 @@ class GrainEpochs:
         position (`restore`); otherwise read from the start and the first
         `skip` dropped, as for any iterable.
         """
-        if self._restored is not None and self._restored[:2] == (epoch, skip):
+        state = self.restored(epoch, skip)
+        if state is not None:
             iterator = iter(self._dataset)
-            iterator.set_state(self._restored[2])
+            iterator.set_state(state)
             self._restored = None
             return self._read(iterator, skip)
         return itertools.islice(iter(self), skip, None)
 
     def _read(self, iterator, first):
         states = self._states = {}
+        if self.recording and first:  # a restored position can be saved again as it is
+            states[first] = self.last = iterator.get_state()
         with _flags_explained():
             for index, batch in enumerate(iterator, first + 1):
                 if self.recording:
                     states[index] = self.last = iterator.get_state()
                     states.pop(index - KEPT_STATES, None)
                 yield batch
+
+    def restored(self, epoch, skip):
+        """The state restored for `(epoch, skip)` (see `restore`), or None: a fresh start."""
+        if self._restored is not None and self._restored[:2] == (epoch, skip):
+            return self._restored[2]
+        return None
 
     def template(self):
         """The saved states' array for a checkpoint's layout: its shape and dtype."""

@@ -61,6 +61,9 @@ class StepsPerEpoch:
         first `skip` batches dropped.
         """
         if self._stream is None:
+            epochs = getattr(self._batches, "resumable", None)
+            if epochs is not None:  # where the stream starts, to save again if stopped there
+                self._states[(epoch, skip)] = epochs.restored(epoch, skip)
             self._stream = self._passes(epoch, skip)
         return self._epoch(epoch, skip)
 
