@@ -69,6 +69,8 @@ class StepsPerEpoch:
 
     def _epoch(self, epoch, skip):
         epochs = getattr(self._batches, "resumable", None)
+        for old in [key for key in self._states if key[0] < epoch - 1]:
+            del self._states[old]  # no checkpoint will name them
         for steps in range(skip + 1, self.steps + 1):
             batch = next(self._stream, None)
             if batch is None:
@@ -86,7 +88,6 @@ class StepsPerEpoch:
                 self._states[(epoch, steps)] = epochs.last
                 if steps == self.steps:
                     self._states[(epoch + 1, 0)] = epochs.last
-                self._states.pop((epoch - 2, steps), None)
             yield batch
 
     def _passes(self, epoch, skip):
