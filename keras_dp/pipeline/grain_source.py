@@ -17,7 +17,9 @@ gathered into one array, `(processes, STATE_BYTES)` bytes, so that the
 checkpoint (written by process 0) holds every process's position. On
 resume, each process takes its row, and the epoch's iterator is
 `set_state` to it: it continues from the next element without reading
-the batches already trained on.
+the batches already trained on. Under `steps_per_epoch` the epochs draw from
+one continuing stream, and `StreamPosition` names its states by the stream's
+`(epoch, steps)`, an epoch's end included, so the stream restarts there.
 
 `grain` is imported only when such a source is passed.
 """
