@@ -32,6 +32,7 @@ _PUBLIC = {
     "fit_sharded": "keras_dp.fit",
     "make_mesh": "keras_dp.mesh",
     "memory_plan": "keras_dp.memory",
+    "shard_for_processes": "keras_dp.pipeline.shards",
 }
 _MODULES = ("datasets", "distributed", "models")
 

@@ -70,13 +70,17 @@ class Checkpoints:
         max_to_keep: how many of the newest checkpoints to keep.
         lock: hold `directory` for this run until `close` (see
             `keras_dp.checkpoint_guard`); across processes, process 0 locks.
+        source: an input whose position is saved with the state and set
+            on restore (`keras_dp.pipeline.grain_source.GrainEpochs`), or None.
 
     Raises:
         DirectoryInUseError: with `lock`, another live run holds `directory`.
     """
 
-    def __init__(self, directory, max_to_keep=2, lock=True):
+    def __init__(self, directory, max_to_keep=2, lock=True, source=None):
         import orbax.checkpoint as ocp
+
+        self.source = source
 
         self._ocp = ocp
         self.directory = os.path.abspath(os.fspath(directory))
@@ -108,6 +112,8 @@ class Checkpoints:
             "state": dict(state._asdict()),
             "position": _position_tree(position.epoch, position.steps, seed),
         }
+        if self.source is not None:  # where the input stands, per process
+            tree["input"] = self.source.saved(position)
         tree[guard.SUMS] = guard.bitsums(tree)
         try:
             self._manager.save(index, args=self._ocp.args.StandardSave(tree), force=True)
@@ -131,7 +137,7 @@ class Checkpoints:
 
     def check_room(self, model):
         """Raise `OSError` if the directory's filesystem cannot take the checkpoints to come."""
-        leaves = guard.leaves(_template(abstract_state(model)))
+        leaves = guard.leaves(_template(abstract_state(model), self.source))
         nbytes = sum(leaf.size * np.dtype(leaf.dtype).itemsize for _, leaf in leaves)
         kept = len(self._manager.all_steps())
         guard.check_room(self.directory, nbytes + 8 * len(leaves),
@@ -167,12 +173,14 @@ class Checkpoints:
                 shuffle order would make the resumed run differ.
             DamagedCheckpointError: every checkpoint in the directory is damaged.
         """
-        tree = guard.newest_intact(self._manager, _template(abstract),
+        tree = guard.newest_intact(self._manager, _template(abstract, self.source),
                                    self._ocp.args.StandardRestore)
         if tree is None:
             return None, None
         self._check_seed(tree, seed)
         position = Position(int(tree["position"]["epoch"]), int(tree["position"]["steps"]))
+        if self.source is not None:
+            self.source.restore(position, tree["input"])
         return TrainState(**tree["state"]), position
 
     def _check_seed(self, tree, seed):
@@ -208,7 +216,7 @@ def closing(checkpoints):
 
 
 def open_for_fit(checkpoint_dir, model, seed, multiprocess, initial_epoch,
-                 steps_per_epoch=None):
+                 steps_per_epoch=None, source=None):
     """The `Checkpoints` of a fit and where it starts: `(checkpoints, Position)`.
 
     Without `checkpoint_dir`: `(None, Position(initial_epoch, 0))`. With one
@@ -217,13 +225,14 @@ def open_for_fit(checkpoint_dir, model, seed, multiprocess, initial_epoch,
 
     Across processes (`multiprocess`), every process must call this with
     the same `checkpoint_dir`, on a filesystem they share; each restores the
-    same newest checkpoint.
+    same newest checkpoint. A `source` (see `Checkpoints`) has its position
+    saved with each checkpoint and restored from it.
 
     The caller must `close` the `Checkpoints` (see `closing`): until then
     it holds the directory's lock. On an error here it is closed already.
 
     Raises:
-        ValueError: `checkpoint_dir` with `steps_per_epoch`, or a checkpoint
+        ValueError: `checkpoint_dir` with `steps_per_epoch` and no `source`, or a checkpoint
             that does not fit (see `Checkpoints.restore`).
         DirectoryInUseError: another live run holds `checkpoint_dir`.
         OSError: its filesystem has no room for the checkpoints to come.
@@ -231,18 +240,21 @@ def open_for_fit(checkpoint_dir, model, seed, multiprocess, initial_epoch,
     start = Position(initial_epoch, 0)
     if checkpoint_dir is None:
         return None, start
-    if steps_per_epoch is not None:
+    if steps_per_epoch is not None and source is None:
         raise ValueError(
-            "checkpoint_dir cannot be combined with steps_per_epoch yet: "
-            "epochs of a fixed length draw from one continuing stream, and a "
-            "checkpoint does not record the stream's position, so a resumed run "
-            "would train on other batches than an unbroken one. Drop "
-            "steps_per_epoch (an epoch is then one pass over the data), or "
-            "drop checkpoint_dir."
+            "checkpoint_dir combines with steps_per_epoch only for a Grain "
+            "source: epochs of a fixed length draw from one continuing stream, "
+            "and a checkpoint records the stream's position only for Grain, so "
+            "a resumed run would train on other batches than an unbroken one. "
+            "Drop steps_per_epoch (an epoch is then one pass over the data), "
+            "drop checkpoint_dir, or read the data through Grain."
         )
     # orbax's save and restore take part in every process alike; the lock
     # is process 0's, for all of them.
-    checkpoints = Checkpoints(checkpoint_dir, lock=not multiprocess or _process_index() == 0)
+    checkpoints = Checkpoints(checkpoint_dir, lock=not multiprocess or _process_index() == 0,
+                              source=source)
+    if source is not None:
+        source.recording = True
     with contextlib.ExitStack() as on_error:
         on_error.callback(checkpoints.close)
         position = checkpoints.restore(model, seed) or start
@@ -368,9 +380,12 @@ def abstract_state(model, shardings=None):
         for group, group_shardings in zip(variables, shardings)))
 
 
-def _template(abstract):
-    """A checkpoint's tree (without checksums) for an `abstract_state`."""
-    return {"state": dict(abstract._asdict()), "position": _position_tree(0, 0, 0)}
+def _template(abstract, source=None):
+    """A checkpoint's tree (without checksums) for an `abstract_state` (and `source`)."""
+    tree = {"state": dict(abstract._asdict()), "position": _position_tree(0, 0, 0)}
+    if source is not None:
+        tree["input"] = source.template()
+    return tree
 
 
 def _position_tree(epoch, steps, seed):

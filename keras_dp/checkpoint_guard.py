@@ -175,9 +175,10 @@ def read_verified(manager, index, template, restore_args):
     if layout(saved) != layout(template):
         raise ValueError(
             f"The checkpoint in {path} does not fit this model: it was written "
-            "for another model, optimizer or set of metrics (its arrays' names "
-            "or shapes differ). Resume with the same model and compile "
-            "arguments, or pass a new checkpoint_dir.")
+            "for another model, optimizer or set of metrics, or with another "
+            "input (a Grain source's position is saved with it, one row per "
+            "process), so its arrays' names or shapes differ. Resume with the "
+            "same model, compile arguments and input, or pass a new checkpoint_dir.")
     kind = next((key for key in (SUMS, LEGACY_SUMS) if key in saved), None)
     if kind is not None:
         count = len(leaves(template))

@@ -18,7 +18,6 @@ Every function takes the `ShardedTrainer` whose parts it runs: its `model`,
 
 import contextlib
 import dataclasses
-import itertools
 
 import jax
 import numpy as np
@@ -69,7 +68,7 @@ class HostFeed:
 
     def epoch(self, epoch, skip):
         """Yield `(steps, DeviceBatch)` for epoch `epoch` after its first `skip` steps."""
-        host_batches = itertools.islice(self._batches.epoch(epoch), skip, None)
+        host_batches = self._batches.epoch(epoch, skip)
         return self._trainer.placement.steps(
             host_batches, self._trainer.steps_per_execution, self._batches.peek(),
             placement_lib.planned_rows(self._batches, skip))

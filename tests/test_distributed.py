@@ -51,10 +51,13 @@ def worker(task, out, *extra):
     return [sys.executable, str(WORKER), task, "--out", str(out), *extra]
 
 
-def run_pair(out, *extra, env=None, timeout=LIMIT):
-    """Start 2 processes of 2 devices by hand; return both exit codes and logs."""
+def run_pair(out, *extra, env=None, timeout=LIMIT, command=None):
+    """Start 2 processes of 2 devices by hand; return both exit codes and logs.
+
+    They run `command` (default: the worker's `fit` with `extra`).
+    """
     address = f"127.0.0.1:{_free_port()}"
-    command = worker("fit", out, *extra)
+    command = command or worker("fit", out, *extra)
     logs = [out / f"process{index}.log" for index in range(2)]
     processes = [
         subprocess.Popen(command,

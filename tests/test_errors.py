@@ -99,7 +99,7 @@ def test_steps_in_flight_must_be_a_positive_int(bad):
 def test_checkpoints_with_steps_per_epoch_are_refused_before_training(mnist, tmp_path):
     (x, y), _ = mnist
     model = mlp()
-    with pytest.raises(ValueError, match="checkpoint_dir cannot be combined with steps_per_epoch"):
+    with pytest.raises(ValueError, match="checkpoint_dir combines with steps_per_epoch only for a Grain source"):
         keras_dp.fit_sharded(model, x[:64], y[:64], steps_per_epoch=2, verbose=0,
                              checkpoint_dir=tmp_path / "ckpt", devices=devices(2))
     assert int(model.optimizer.iterations.value) == 0

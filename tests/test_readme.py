@@ -49,7 +49,7 @@ def test_the_set_up_commands_install_what_they_need():
     # The main job draws its curves; the tests read tf.data and run the notebooks.
     assert main_job == {"plot"} and "matplotlib" in extras["plot"]
     assert tests == {"test"}
-    for needed in ("tensorflow-cpu", "matplotlib", "pytest", "nbclient"):
+    for needed in ("tensorflow-cpu", "grain", "matplotlib", "pytest", "nbclient"):
         assert needed in extras["test"]
 
 
@@ -85,8 +85,8 @@ SESSIONS = sessions()
 
 
 def test_the_blocks_group_into_sessions():
-    # The quickstart and the blocks that build on it, then two standalone ones.
-    assert [len(blocks) for _, blocks in SESSIONS] == [4, 1, 1]
+    # The quickstart and the blocks that build on it, then three standalone ones.
+    assert [len(blocks) for _, blocks in SESSIONS] == [4, 1, 1, 1]
 
 
 @pytest.fixture

@@ -60,10 +60,10 @@ class ArrayBatches:
             return None
         return np.random.default_rng([self._seed, epoch]).permutation(self.num_samples)
 
-    def epoch(self, epoch):
-        """Yield this epoch's host batches; every row exactly once."""
+    def epoch(self, epoch, skip=0):
+        """Yield this epoch's host batches from batch `skip` on; every row exactly once."""
         order = self.order(epoch)
-        for start in range(0, self.num_samples, self.batch_size):
+        for start in range(skip * self.batch_size, self.num_samples, self.batch_size):
             rows = slice(start, start + self.batch_size)
             if order is not None:
                 rows = order[rows]

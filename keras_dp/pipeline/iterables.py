@@ -1,4 +1,4 @@
-"""Datasets and iterables as batches: tf.data, `keras.utils.PyDataset`, any iterable."""
+"""Datasets and iterables as batches: tf.data, Grain, `keras.utils.PyDataset`, any iterable."""
 
 import collections.abc as collections_abc
 import itertools
@@ -7,6 +7,7 @@ import jax
 import keras
 import numpy as np
 
+from keras_dp.pipeline import grain_source
 from keras_dp.pipeline.batch import apply_class_weight
 from keras_dp.pipeline.batch import batch_rows
 from keras_dp.pipeline.batch import check_dtypes
@@ -64,15 +65,31 @@ class IterableBatches:
         if self._label_check is not None and self._first is not None:
             self._label_check(self._first[1], 0, 0)
 
-    def epoch(self, epoch):
-        """Yield this epoch's host batches as `(x, y, sample_weight)`."""
+    def epoch(self, epoch, skip=0):
+        """Yield this epoch's host batches as `(x, y, sample_weight)`, from batch `skip` on.
+
+        A Grain source restored from a checkpoint continues from its saved
+        position (`grain_source.GrainEpochs.resume`); any other source is
+        read from the start and its first `skip` batches dropped.
+        """
         self.peek()
-        count = 0
+        resume = getattr(self._source, "resume", None)
+        if resume is not None:
+            return self._read(resume(epoch, skip), epoch, skip)
+        return itertools.islice(self._read(iter(self._source), epoch, 0), skip, None)
+
+    @property
+    def resumable(self):
+        """The source whose position a checkpoint saves (a Grain one), or None."""
+        return self._source if isinstance(self._source, grain_source.GrainEpochs) else None
+
+    def _read(self, iterator, epoch, first):
+        count = first
         if self._replay is not None:
             replay, self._replay = self._replay, None
             count += 1
             yield replay
-        for batch in iter(self._source):
+        for batch in iterator:
             yield self._host_batch(batch, count, epoch)
             count += 1
         if count == 0:
@@ -129,6 +146,8 @@ def _as_numpy_iterable(source):
         return _TFEpochs(source)
     if isinstance(source, keras.utils.PyDataset):
         return _PyDatasetEpochs(source)
+    if grain_source.is_grain(source):
+        return grain_source.GrainEpochs(source)
     return source
 
 

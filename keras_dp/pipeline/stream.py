@@ -9,6 +9,7 @@ import warnings
 import jax
 import numpy as np
 
+from keras_dp.pipeline import grain_source
 from keras_dp.pipeline.batch import batch_rows
 
 
@@ -30,7 +31,8 @@ class StepsPerEpoch:
         self.steps = int(steps)
         self.exhausted = False
         self._batches = batches
-        self._stream = self._passes()
+        self._stream = None  # started by the first `epoch`
+        self._states = {}  # a Grain source's state at each (epoch, steps), while recording
 
     def peek(self):
         """The first batch of the underlying data."""
@@ -45,9 +47,31 @@ class StepsPerEpoch:
         """Check the underlying data's labels (see its `check_labels`)."""
         self._batches.check_labels(check, what)
 
-    def epoch(self, epoch):
-        """Yield the next `steps` batches of the stream."""
-        for _ in range(self.steps):
+    @property
+    def resumable(self):
+        """The stream's position for checkpoints, for a Grain source; else None."""
+        epochs = getattr(self._batches, "resumable", None)
+        return None if epochs is None else grain_source.StreamPosition(epochs, self._states)
+
+    def epoch(self, epoch, skip=0):
+        """Yield the stream's batches for epoch `epoch`, from its batch `skip` on.
+
+        The stream starts at the first call: at a Grain source's position
+        restored for `(epoch, skip)`, else at the data's start with the
+        first `skip` batches dropped.
+        """
+        if self._stream is None:
+            epochs = getattr(self._batches, "resumable", None)
+            if epochs is not None:  # where the stream starts, to save again if stopped there
+                self._states[(epoch, skip)] = epochs.restored(epoch, skip)
+            self._stream = self._passes(epoch, skip)
+        return self._epoch(epoch, skip)
+
+    def _epoch(self, epoch, skip):
+        epochs = getattr(self._batches, "resumable", None)
+        for old in [key for key in self._states if key[0] < epoch - 1]:
+            del self._states[old]  # no checkpoint will name them
+        for steps in range(skip + 1, self.steps + 1):
             batch = next(self._stream, None)
             if batch is None:
                 self.exhausted = True
@@ -59,13 +83,22 @@ class StepsPerEpoch:
                     stacklevel=2,
                 )
                 return
+            if epochs is not None and epochs.recording:
+                # The state after this batch, under both names of its position.
+                self._states[(epoch, steps)] = epochs.last
+                if steps == self.steps:
+                    self._states[(epoch + 1, 0)] = epochs.last
             yield batch
 
-    def _passes(self):
-        for data_pass in itertools.count():
-            yield from self._batches.epoch(data_pass)
+    def _passes(self, epoch, skip):
+        if getattr(self._batches, "resumable", None) is not None:
+            yield from self._batches.epoch(epoch, skip)  # from a restored position
+        else:
+            yield from itertools.islice(self._batches.epoch(0), skip, None)
+        for data_pass in itertools.count(1):
             if not self._batches.reiterable:
                 return
+            yield from self._batches.epoch(data_pass)
 
 
 # How long closing a `prefetch` waits for its producer to finish an item.
