@@ -31,17 +31,13 @@ model's variables, which it then lays out anew.
 
 Across processes, every process takes part in each save and restore, and
 `checkpoint_dir` must be one directory every process sees (a shared
-filesystem). A SIGTERM that reaches any one process makes every process
-save at the same step boundary and exit 143 (`SyncedPreemption`).
+filesystem). When to save on SIGTERM is `keras_dp.preemption`'s business.
 """
 
 import contextlib
 import dataclasses
 import errno
 import os
-import signal
-import sys
-import threading
 
 import jax
 import numpy as np
@@ -273,96 +269,6 @@ def _process_index():
     import jax
 
     return jax.process_index()
-
-
-class Preemption:
-    """Turns SIGTERM into a request to save and stop, for a `with` block.
-
-    The handler only records the signal; the trainer acts on it between two
-    steps. So the signal never interrupts a checkpoint being written, and
-    the state saved is one the run really reached. Outside the main thread,
-    where Python cannot install handlers, it does nothing.
-    """
-
-    def __init__(self):
-        self.requested = False
-        self._previous = None
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
-        return self
-
-    def __exit__(self, *exc_info):
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
-
-    def _handle(self, signum, frame):
-        self.requested = True
-
-
-def preemption(multiprocess):
-    """The SIGTERM watcher of a fit: `Preemption`, or `SyncedPreemption` across processes."""
-    return SyncedPreemption() if multiprocess else Preemption()
-
-
-class SyncedPreemption:
-    """SIGTERM to any process, acted on by every process at the same step boundary.
-
-    JAX's runtime catches SIGTERM in every process that joined it (its
-    preemption notifier, installed by `jax.distributed.initialize`) and
-    tells the coordination service. `requested` asks JAX's
-    `multihost_utils.reached_preemption_sync_point`, which turns true in
-    every process at the same call: one past the furthest any process had
-    reached. So every process must read `requested` at the same points, as
-    the trainer's loop does (before each compiled call and at each epoch's
-    end). No Python handler is installed: it would replace JAX's.
-    """
-
-    def __init__(self):
-        self._calls = 0
-        self._reached = False
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc_info):
-        return None
-
-    @property
-    def requested(self):
-        """Whether every process stops here (reading it is a sync-point step)."""
-        if not self._reached and _preemption_service_enabled():
-            from jax.experimental import multihost_utils
-
-            self._reached = multihost_utils.reached_preemption_sync_point(self._calls)
-            self._calls += 1
-        return self._reached
-
-
-def _preemption_service_enabled():
-    import jax
-
-    return bool(jax.config.jax_enable_preemption_service)
-
-
-def exit_after_preemption(directory, position):
-    """Say where the run stopped and end the process as SIGTERM would (143).
-
-    `directory` is where the checkpoint was saved, or None when there is
-    none (a run across processes without `checkpoint_dir`).
-    """
-    where = f"{position.steps} steps of epoch {position.epoch + 1}"
-    print(
-        f"keras_dp: SIGTERM received; saved a checkpoint in {directory} after "
-        f"{where}. Run the same fit with the same checkpoint_dir to resume "
-        "from there." if directory is not None else
-        f"keras_dp: SIGTERM received; every process stopped after {where}. "
-        "Nothing was saved: pass checkpoint_dir to fit to resume after a SIGTERM.",
-        file=sys.stderr, flush=True,
-    )
-    raise SystemExit(128 + signal.SIGTERM)
 
 
 def abstract_state(model, shardings=None):

@@ -29,6 +29,7 @@ from keras_dp import checkpoint as checkpoint_lib
 from keras_dp import inflight
 from keras_dp import labels as labels_lib
 from keras_dp import placement as placement_lib
+from keras_dp import preemption as preemption_lib
 from keras_dp import programs as programs_lib
 from keras_dp import timing
 from keras_dp.state import LiveModel
@@ -119,7 +120,7 @@ def fit(trainer, batches, val, callbacks, *, epochs, resume, validation_freq,
     callbacks.on_train_begin()
     start = _compat.take_initial_epoch(model) or resume.epoch
     try:
-        with run.live.attached(), checkpoint_lib.preemption(trainer.multiprocess) as preemption:
+        with run.live.attached(), preemption_lib.preemption(trainer.multiprocess) as preemption:
             # Across processes JAX's runtime takes SIGTERM: act on it, saved or not.
             run.preemption = (preemption if checkpoints is not None or trainer.multiprocess
                               else None)
@@ -295,7 +296,7 @@ def save_and_exit(run, position):
 
 def _exit(run, position):
     directory = None if run.checkpoints is None else run.checkpoints.directory
-    checkpoint_lib.exit_after_preemption(directory, position)
+    preemption_lib.exit_after_preemption(directory, position)
 
 
 def evaluate(trainer, weights, batches, callbacks):

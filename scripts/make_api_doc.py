@@ -29,6 +29,7 @@ MODULES = [
     "keras_dp.trainer",
     "keras_dp.ensemble",
     "keras_dp.checkpoint",
+    "keras_dp.preemption",
     "keras_dp.distributed",
     "keras_dp.models",
     "keras_dp.datasets",

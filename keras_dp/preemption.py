@@ -1,0 +1,104 @@
+"""SIGTERM as a request to save and stop at the next step boundary.
+
+A preempted job gets SIGTERM and some seconds before it is killed. `fit`
+watches for it (`preemption(multiprocess)`) and, between two steps, saves a
+checkpoint and ends the process with status 143 (`exit_after_preemption`),
+as SIGTERM's default action would. One process uses a Python handler
+(`Preemption`); across processes JAX's runtime catches the signal in every
+process and they agree on one step at which all of them stop
+(`SyncedPreemption`), so the checkpoint they write together is whole.
+"""
+
+import signal
+import sys
+import threading
+
+
+class Preemption:
+    """Turns SIGTERM into a request to save and stop, for a `with` block.
+
+    The handler only records the signal; the trainer acts on it between two
+    steps. So the signal never interrupts a checkpoint being written, and
+    the state saved is one the run really reached. Outside the main thread,
+    where Python cannot install handlers, it does nothing.
+    """
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def __exit__(self, *exc_info):
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+
+def preemption(multiprocess):
+    """The SIGTERM watcher of a fit: `Preemption`, or `SyncedPreemption` across processes."""
+    return SyncedPreemption() if multiprocess else Preemption()
+
+
+class SyncedPreemption:
+    """SIGTERM to any process, acted on by every process at the same step boundary.
+
+    JAX's runtime catches SIGTERM in every process that joined it (its
+    preemption notifier, installed by `jax.distributed.initialize`) and
+    tells the coordination service. `requested` asks JAX's
+    `multihost_utils.reached_preemption_sync_point`, which turns true in
+    every process at the same call: one past the furthest any process had
+    reached. So every process must read `requested` at the same points, as
+    the trainer's loop does (before each compiled call and at each epoch's
+    end). No Python handler is installed: it would replace JAX's.
+    """
+
+    def __init__(self):
+        self._calls = 0
+        self._reached = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        return None
+
+    @property
+    def requested(self):
+        """Whether every process stops here (reading it is a sync-point step)."""
+        if not self._reached and _preemption_service_enabled():
+            from jax.experimental import multihost_utils
+
+            self._reached = multihost_utils.reached_preemption_sync_point(self._calls)
+            self._calls += 1
+        return self._reached
+
+
+def _preemption_service_enabled():
+    import jax
+
+    return bool(jax.config.jax_enable_preemption_service)
+
+
+def exit_after_preemption(directory, position):
+    """Say where the run stopped and end the process as SIGTERM would (143).
+
+    `directory` is where the checkpoint was saved, or None when there is
+    none (a run across processes without `checkpoint_dir`).
+    """
+    where = f"{position.steps} steps of epoch {position.epoch + 1}"
+    print(
+        f"keras_dp: SIGTERM received; saved a checkpoint in {directory} after "
+        f"{where}. Run the same fit with the same checkpoint_dir to resume "
+        "from there." if directory is not None else
+        f"keras_dp: SIGTERM received; every process stopped after {where}. "
+        "Nothing was saved: pass checkpoint_dir to fit to resume after a SIGTERM.",
+        file=sys.stderr, flush=True,
+    )
+    raise SystemExit(128 + signal.SIGTERM)
