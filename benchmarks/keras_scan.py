@@ -42,8 +42,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
 from keras_dp import _compat
-from systems import Unsupported
 from systems import compiled_convnet
+from systems import require_even_split
 from systems import waits_each_step
 
 KERAS_SCAN = "keras merged scan (emulated)"
@@ -68,11 +68,7 @@ class KerasScan:
     name = KERAS_SCAN
 
     def __init__(self, batch, k, devices, seed, model=None):
-        if batch % len(devices):
-            raise Unsupported(
-                f"Keras DataParallel needs the batch size to divide by the device "
-                f"count. Received: batch={batch}, devices={len(devices)}."
-            )
+        require_even_split(batch, devices)
         self.batch, self.k = batch, k
         self.wait = waits_each_step(devices)
         self.model = compiled_convnet(seed) if model is None else model
