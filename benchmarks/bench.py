@@ -174,6 +174,8 @@ def bench_batch_size(args, batch, devices, x, y, notes, counter):
                          "samples": samples, **warm_up(system, x, y, counter),
                          "seconds": [], "compiles": []}
         system.prepare(x[:samples], y[:samples])
+        print(f"warm: {system.name} batch={batch} K={system.k} "
+              f"first call {system.record['first_call_s']:.1f} s", flush=True)
     for rep in range(args.reps):
         for system in built if rep % 2 == 0 else built[::-1]:
             with counter.count() as compiled:
