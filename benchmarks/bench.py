@@ -33,7 +33,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 # Where this project's checkouts keep full MNIST (as tests/conftest.py does).
 SHARED_DATA = HERE.parents[1] / "shared" / "data"
 QUICK = {"batch_sizes": [32], "ks": [1, 2], "reps": 2, "samples": 128}
-SYSTEM_KINDS = ("keras_dp", "keras", "guide", "bound")  # the default set
+SYSTEM_KINDS = ("keras_dp", "keras", "guide", "bound", "scan")  # the default set
 OPT_IN_KINDS = ("rolled", "unrolled", "host")  # keras_dp: scan (un)rolled, host-fed data
 FULL = {"batch_sizes": [64, 256], "ks": [1, 4, 16], "reps": 3, "samples": 6400}
 
@@ -57,9 +57,10 @@ def parse_args(argv=None):
                         help="rows per timed repetition, rounded to whole calls "
                              "of the largest K (default 6400)")
     parser.add_argument("--systems", type=_system_list, default=None,
-                        help="comma-separated subset of: keras_dp, keras, guide, bound (the "
-                             "default), rolled, unrolled (keras_dp's scan with unroll=1 "
-                             "or unroll=K), host (keras_dp with data_on_device=False)")
+                        help="comma-separated subset of: keras_dp, keras, guide, bound, "
+                             "scan (Keras's merged lax.scan, emulated) (the default), "
+                             "rolled, unrolled (keras_dp's scan with unroll=1 or "
+                             "unroll=K), host (keras_dp with data_on_device=False)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny smoke run: batch 32, K in 1,2, 2 reps of 128 rows")
     parser.add_argument("--seed", type=int, default=0)
@@ -173,6 +174,8 @@ def bench_batch_size(args, batch, devices, x, y, notes, counter):
                          "samples": samples, **warm_up(system, x, y, counter),
                          "seconds": [], "compiles": []}
         system.prepare(x[:samples], y[:samples])
+        print(f"warm: {system.name} batch={batch} K={system.k} "
+              f"first call {system.record['first_call_s']:.1f} s", flush=True)
     for rep in range(args.reps):
         for system in built if rep % 2 == 0 else built[::-1]:
             with counter.count() as compiled:
@@ -236,6 +239,7 @@ class CompileCounter:
 
 def build_systems(args, batch, devices, notes):
     """One system per (kind, K) asked for; those that cannot run become notes."""
+    import keras_scan  # noqa: PLC0415
     import systems  # noqa: PLC0415
 
     wanted = args.systems or SYSTEM_KINDS
@@ -243,7 +247,7 @@ def build_systems(args, batch, devices, notes):
              "guide": (systems.GuideLoop, [1]), "bound": (systems.ComputeBound, [1]),
              "rolled": (systems.KerasDPRolled, args.ks),
              "unrolled": (systems.KerasDPUnrolled, args.ks),
-             "host": (systems.KerasDPHost, args.ks)}
+             "host": (systems.KerasDPHost, args.ks), "scan": (keras_scan.KerasScan, args.ks)}
     built = []
     for kind in wanted:
         cls, ks = kinds[kind]

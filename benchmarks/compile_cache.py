@@ -10,7 +10,9 @@ cache directory each; warm runs share one that a first run filled.
 
     python benchmarks/compile_cache.py --devices 2 --runs 3
 
-Prints one JSON line per run and a summary with the medians and their ratio.
+Prints one JSON line per run and a summary with the medians and their ratio,
+and the median split of each kind of run into importing, building the model,
+and `fit_sharded` up to the end of the first step.
 """
 
 import argparse
@@ -27,6 +29,7 @@ import sys, time
 import numpy as np
 import keras_dp
 import keras
+print("MARK imported", time.time(), flush=True)
 
 cache, batch_size, early = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "early"
 if early:  # as `keras-dp train` does: before the model's initializers compile
@@ -35,12 +38,13 @@ rng = np.random.default_rng(0)
 x = rng.random((4 * batch_size, 28, 28, 1), dtype=np.float32)
 y = rng.integers(0, 10, 4 * batch_size)
 model = keras_dp.models.compile_classifier(keras_dp.models.convnet())
+print("MARK built", time.time(), flush=True)
 
 
 class FirstStep(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         float(logs["loss"])  # the step has finished
-        print("FIRST_STEP_END", time.time(), flush=True)
+        print("MARK first_step_end", time.time(), flush=True)
         self.model.stop_training = True
 
 
@@ -50,8 +54,17 @@ keras_dp.fit_sharded(model, x, y, batch_size=batch_size, epochs=1, verbose=0,
 """
 
 
+PHASES = ("imports", "build", "to_first_step_end")  # what each stretch of a run ends with
+
+
 def run_once(cache_dir, devices, batch_size, early):
-    """Seconds from starting a process to the end of its first step."""
+    """Seconds from starting a process to the end of its first step, and its split.
+
+    Returns `(total, {"imports": s, "build": s, "to_first_step_end": s})`:
+    interpreter start and importing keras_dp, Keras and JAX; building and
+    compiling the model (its initializers run here); then `fit_sharded` up
+    to the end of the first step (tracing, compiling or loading, the step).
+    """
     env = dict(os.environ, KERAS_BACKEND="jax",
                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     start = time.time()
@@ -60,8 +73,11 @@ def run_once(cache_dir, devices, batch_size, early):
                             capture_output=True, text=True, env=env, timeout=600)
     if result.returncode != 0:
         raise RuntimeError(f"the timed process failed:\n{result.stderr[-3000:]}")
-    line = next(line for line in result.stdout.splitlines() if line.startswith("FIRST_STEP_END"))
-    return float(line.split()[1]) - start
+    marks = dict(line.split()[1:] for line in result.stdout.splitlines()
+                 if line.startswith("MARK "))
+    times = [start] + [float(marks[name]) for name in ("imported", "built", "first_step_end")]
+    return times[-1] - start, {phase: later - earlier for phase, earlier, later
+                               in zip(PHASES, times, times[1:])}
 
 
 def main():
@@ -75,8 +91,10 @@ def main():
 
 
 def measure(args, early):
-    """`(cache_entries, {"cold": [s], "warm": [s]})` for one way of enabling the cache."""
+    """`(cache_entries, {"cold": [s], "warm": [s]}, {"cold": [split], "warm": [split]})`
+    for one way of enabling the cache, `split` as `run_once` returns it."""
     times = {"cold": [], "warm": []}
+    phases = {"cold": [], "warm": []}
     with tempfile.TemporaryDirectory() as root:
         warm_dir = os.path.join(root, "warm")
         run_once(warm_dir, args.devices, args.batch_size, early)  # fills the warm cache
@@ -84,21 +102,27 @@ def measure(args, early):
         for index in range(args.runs):  # interleaved, so load drifts hit both
             cold_dir = os.path.join(root, f"cold{index}")
             for kind, path in (("cold", cold_dir), ("warm", warm_dir)):
-                seconds = run_once(path, args.devices, args.batch_size, early)
+                seconds, split = run_once(path, args.devices, args.batch_size, early)
                 times[kind].append(seconds)
+                phases[kind].append(split)
                 print(json.dumps({"enabled": "early" if early else "by the trainer",
-                                  "kind": kind, "run": index, "seconds": round(seconds, 3)}),
+                                  "kind": kind, "run": index, "seconds": round(seconds, 3),
+                                  **{phase: round(s, 3) for phase, s in split.items()}}),
                       flush=True)
-    return entries, times
+    return entries, times, phases
 
 
-def summarise(early, args, entries, times):
+def summarise(early, args, entries, times, phases):
     cold, warm = (statistics.median(times[kind]) for kind in ("cold", "warm"))
+    split = {f"{kind}_{phase}_median_s": round(statistics.median(
+                 run[phase] for run in phases[kind]), 3)
+             for kind in ("cold", "warm") for phase in PHASES}
     print(json.dumps({
         "enabled": "before building the model" if early else "by the trainer",
         "devices": args.devices, "batch_size": args.batch_size, "runs": args.runs,
         "cache_entries": entries, "cold_median_s": round(cold, 3),
         "warm_median_s": round(warm, 3), "cold_over_warm": round(cold / warm, 2),
+        **split,
     }), flush=True)
 
 if __name__ == "__main__":

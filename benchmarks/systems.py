@@ -77,6 +77,19 @@ def compiled_convnet(seed, steps_per_execution=1):
     return model
 
 
+def require_even_split(batch, devices):
+    """Raise `Unsupported` unless `batch` divides by the device count.
+
+    Keras's `DataParallel` splits each batch evenly, or raises later with
+    an IndivisibleError.
+    """
+    if batch % len(devices):
+        raise Unsupported(
+            f"Keras DataParallel needs the batch size to divide by the "
+            f"device count. Received: batch={batch}, devices={len(devices)}."
+        )
+
+
 def waits_each_step(devices):
     """Whether loops over `devices` must wait for each step (XLA:CPU only)."""
     return devices[0].platform == "cpu"
@@ -183,11 +196,7 @@ class KerasDataParallel:
     name = KERAS
 
     def __init__(self, batch, k, devices, seed):
-        if batch % len(devices):
-            raise Unsupported(
-                f"Keras DataParallel needs the batch size to divide by the "
-                f"device count. Received: batch={batch}, devices={len(devices)}."
-            )
+        require_even_split(batch, devices)
         self.batch, self.k = batch, k
         self.wait = waits_each_step(devices)
         self.distribution = keras.distribution.DataParallel(devices=devices)

@@ -5,7 +5,11 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+
+from conftest import devices
+from conftest import sgd_mlp
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -21,7 +25,8 @@ def test_bench_quick_times_every_system(tmp_path):
     report = json.loads(out.read_text())
     systems = {(row["system"], row["k"]) for row in report["rows"]}
     assert systems == {("keras_dp", 1), ("keras_dp", 2), ("keras DataParallel", 1),
-                       ("keras DataParallel", 2), ("guide jit loop", 1), ("compute bound", 1)}
+                       ("keras DataParallel", 2), ("guide jit loop", 1), ("compute bound", 1),
+                       ("keras merged scan (emulated)", 1), ("keras merged scan (emulated)", 2)}
     assert all(row["median"] > 0 for row in report["rows"])
     assert report["machine"]["devices"] == 2
 
@@ -54,3 +59,52 @@ def test_bench_names_its_results_by_platform_and_device_count():
     assert bench.default_out(gpu).endswith("results-gpu-1dev.json")
     assert gpu.systems == ["keras_dp", "unrolled"]
     assert bench.parse_args(["--devices", "2"]).out.endswith("results-2dev.json")
+
+
+def test_emulated_keras_scan_trains_as_keras_fit_does(mnist):
+    """K-step scans, then a last group of fewer than K batches as single steps,
+    on 2 devices: the weights Keras's own single-device `fit` reaches."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import keras_scan
+
+    (x, y), _ = mnist
+    x, y = x[:5 * 32], y[:5 * 32]  # 5 batches: 2 scans of K=2, then 1 single step
+    system = keras_scan.KerasScan(32, 2, devices(2), seed=None, model=sgd_mlp())
+    system.prepare(x, y)
+    system.run(x, y)
+    reference = sgd_mlp()
+    initial = [np.asarray(weight) for weight in reference.trainable_weights]
+    reference.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    assert int(system.state[2][0]) == 5  # the optimizer's iteration count: every batch ran
+    assert min(np.abs(after - before).max() for after, before in
+               zip(keras_scan.weights(system), initial)) > 1e-3  # every variable trained
+    for ours, keras_weight in zip(keras_scan.weights(system), reference.trainable_weights,
+                                  strict=True):
+        keras_weight = np.asarray(keras_weight)
+        scale = np.abs(keras_weight).max()
+        np.testing.assert_allclose(ours, keras_weight, rtol=0, atol=1e-5 * scale)
+
+
+def test_targets_takes_each_ratio_within_a_run_then_the_median():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import targets
+
+    def run(ours, host, scan_k1, scan_k4):
+        return {"rows": [
+            {"system": "keras_dp", "batch": 64, "k": 1, "median": ours / 2},
+            {"system": "keras_dp", "batch": 64, "k": 4, "median": ours},
+            {"system": "keras_dp host-fed", "batch": 64, "k": 1, "median": host},
+            {"system": targets.SCAN, "batch": 64, "k": 1, "median": scan_k1},
+            {"system": targets.SCAN, "batch": 64, "k": 4, "median": scan_k4},
+        ]}
+
+    reports = [run(1000, 800, 900, 100), run(500, 500, 400, 50), run(3000, 2000, 2000, 600)]
+    found = targets.ratios(reports)
+    assert found[("keras_dp best / host-fed best", 64)] == [1.25, 1.0, 1.5]
+    assert found[("keras_dp best / Keras merged scan best", 64)] == [1000 / 900, 1.25, 1.5]
+    assert found[("keras_dp best / Keras merged scan best K>1", 64)] == [10.0, 10.0, 5.0]
+    table = targets.verdict_table(reports)
+    assert "| keras_dp best / host-fed best | 64 | 1.25 | 1.00-1.50 | 3 | 1.00 | yes |" in table
+    assert "| keras_dp best / Keras merged scan best | 64 | 1.25 | 1.11-1.50 | 3 | 1.20 | yes |" \
+        in table
+    assert ("keras_dp best / compute bound", 64) not in found  # no bound rows, no ratio
