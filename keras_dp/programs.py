@@ -13,8 +13,9 @@ right before its first call, and, once the epoch's first call is
 dispatched, the plan's other shapes, in a background thread while the
 epoch's steps run (a call that needs one first waits for it). On
 accelerators the host is idle while the devices run; on XLA:CPU, where
-the devices are the host's own cores, the thread still measured faster
-than compiling in line (README, "Where the time goes").
+the devices are the host's own cores, the thread competes with the steps,
+and whether it beats compiling in line was not settled by the runs made
+(README, "Where the time goes").
 
 Each compiled program also says what it costs: `Compiled.cost_analysis()`
 gives the FLOPs one device runs per call, so the feed counts the FLOPs of
