@@ -8,6 +8,7 @@ only feed across processes), one warm-up epoch then `--epochs` timed ones
 made to agree on their row counts (`placement.exchange.rounds`).
 
     python benchmarks/many_hosts.py --reps 2
+    python benchmarks/many_hosts.py --reps 3 --xla-flags=--xla_cpu_multi_thread_eigen=false
 
 The driver starts the runs (`keras-dp launch --processes 2 --cpu-devices 1`
 and one process with 2 simulated CPU devices); `--worker` is one run.
@@ -26,6 +27,9 @@ parser.add_argument("--batch-size", type=int, default=128)
 parser.add_argument("--steps-per-execution", type=int, default=4)
 parser.add_argument("--epochs", type=int, default=3)
 parser.add_argument("--reps", type=int, default=2)
+parser.add_argument("--xla-flags", default="",
+                    help="extra XLA_FLAGS for both set-ups, e.g. "
+                         "--xla_cpu_multi_thread_eigen=false (one thread per device)")
 parser.add_argument("--worker", action="store_true")
 args = parser.parse_args()
 
@@ -71,14 +75,15 @@ def run(command, env):
 def driver():
     here = [sys.executable, os.path.abspath(__file__), "--worker",
             *[f"--{name.replace('_', '-')}={value}" for name, value in vars(args).items()
-              if name not in ("worker", "reps")]]
+              if name not in ("worker", "reps", "xla_flags")]]
     launch = [sys.executable, "-m", "keras_dp", "launch", "--processes", "2",
               "--cpu-devices", "1", "--", *here]
+    extra = dict(os.environ, XLA_FLAGS=args.xla_flags) if args.xla_flags else dict(os.environ)
     one = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=2")
+               XLA_FLAGS=f"{args.xla_flags} --xla_force_host_platform_device_count=2".strip())
     results = {"2 processes x 1 device": [], "1 process x 2 devices": []}
     for _ in range(args.reps):
-        results["2 processes x 1 device"].append(run(launch, dict(os.environ)))
+        results["2 processes x 1 device"].append(run(launch, extra))
         results["1 process x 2 devices"].append(run(here, one))
     for name, runs in results.items():
         rates = [result["samples_per_s"] for result in runs]
