@@ -333,3 +333,16 @@ def test_terminate_on_nan_stops_without_an_error(data):
                   callbacks=[keras.callbacks.TerminateOnNaN()])
     assert history.epoch == [0] and np.isnan(history.history["loss"][0])
     assert_weights_equal(model, five_steps)
+
+
+def test_a_save_never_asks_jax_for_the_preemption_sync_point(data, tmp_path, monkeypatch):
+    # JAX's sync point is reached by one call only; keras_dp's SyncedPreemption
+    # must be the only caller, or a preempted multi-process run may miss it.
+    from jax.experimental import multihost_utils
+
+    asked = []
+    monkeypatch.setattr(multihost_utils, "reached_preemption_sync_point",
+                        lambda step: asked.append(step) or False)
+    fit(mlp(), data, epochs=2, checkpoint_dir=tmp_path)
+    assert sorted(int(name) for name in os.listdir(tmp_path) if name.isdigit()) == [0, 1]
+    assert asked == []
