@@ -23,6 +23,7 @@ def run_many(mnist, runs):
     return finals
 
 
+@pytest.mark.slow  # 8.5 s; every 8-device fit of the suite runs under the same bound in CI
 def test_three_back_to_back_runs_on_8_devices(mnist):
     losses = run_many(mnist, 3)
     assert len(losses) == 3 and all(0 < loss < 2.3 for loss in losses)
