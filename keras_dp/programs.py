@@ -57,6 +57,7 @@ class CompilingFeed:
         self._steps_per_execution, self._unroll = trainer.steps_per_execution, trainer.unroll
         self._multiprocess = trainer.multiprocess
         self._programs = {}  # call key -> Compiled, or a Future of one
+        self._flops = {}  # call key -> FLOPs of one call (None: unknown), once compiled
         self._plan = None
         self.flops = 0.0
 
@@ -69,7 +70,10 @@ class CompilingFeed:
 
     def call(self, state, steps, batch):
         """Run one call as the feed does, its program compiled first if new."""
-        flops = self._call_flops(self._compiled(state, steps, batch), steps)
+        key = call_key(steps, batch)
+        if key not in self._flops:  # cost analysis walks the program: once per program
+            self._flops[key] = self._call_flops(self._compiled(state, steps, batch, key), steps)
+        flops = self._flops[key]
         self.flops = None if flops is None or self.flops is None else self.flops + flops
         result = self._feed.call(state, steps, batch)
         if self._plan is not None:  # the epoch's first call is on its way
@@ -80,9 +84,8 @@ class CompilingFeed:
                 pass  # never lose the state `result` holds to an early compile
         return result
 
-    def _compiled(self, state, steps, batch):
-        """The program of this call, compiled now unless it was ahead of time."""
-        key = call_key(steps, batch)
+    def _compiled(self, state, steps, batch, key):
+        """The program of a call (`key`: its `call_key`), compiled now unless ahead of time."""
         program = self._programs.get(key)
         if isinstance(program, concurrent.futures.Future):
             try:
