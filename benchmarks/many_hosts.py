@@ -5,10 +5,15 @@ The guide's convnet on MNIST (`--samples` rows), global batch `--batch-size`,
 only feed across processes), one warm-up epoch then `--epochs` timed ones
 (`trainer.timings`' samples per second, median). The two set-ups alternate
 `--reps` times. Also prints the host round trips per epoch the processes
-made to agree on their row counts (`placement.exchange.rounds`).
+made to agree on their row counts (`placement.exchange.rounds`), and the
+all-reduces in one train step's compiled program: each is a collective
+between the processes, and the convnet's exact BatchNorm statistics make
+most of them (`--model mlp` has none).
 
     python benchmarks/many_hosts.py --reps 2
     python benchmarks/many_hosts.py --reps 3 --xla-flags=--xla_cpu_multi_thread_eigen=false
+    python benchmarks/many_hosts.py --reps 3 --batch-size 512
+    python benchmarks/many_hosts.py --reps 3 --model mlp
 
 The driver starts the runs (`keras-dp launch --processes 2 --cpu-devices 1`
 and one process with 2 simulated CPU devices); `--worker` is one run.
@@ -27,6 +32,9 @@ parser.add_argument("--batch-size", type=int, default=128)
 parser.add_argument("--steps-per-execution", type=int, default=4)
 parser.add_argument("--epochs", type=int, default=3)
 parser.add_argument("--reps", type=int, default=2)
+parser.add_argument("--model", default="convnet", choices=["convnet", "mlp"],
+                    help="convnet: the guide's, with 3 BatchNorm layers; mlp: "
+                         "Flatten-Dense(256)-Dense(10), no BatchNorm")
 parser.add_argument("--xla-flags", default="",
                     help="extra XLA_FLAGS for both set-ups, e.g. "
                          "--xla_cpu_multi_thread_eigen=false (one thread per device)")
@@ -48,12 +56,27 @@ def worker():
     x, y = x[: args.samples, ..., None], y[: args.samples]
     if jax.process_count() > 1:
         x, y = distributed.process_share(x, y)
-    model = keras_dp.models.compile_classifier(keras_dp.models.convnet())
+    import keras
+
+    if args.model == "mlp":
+        network = keras.Sequential([keras.Input((28, 28, 1)), keras.layers.Flatten(),
+                                    keras.layers.Dense(256, activation="relu"),
+                                    keras.layers.Dense(10, activation="softmax")])
+    else:
+        network = keras_dp.models.convnet()
+    model = keras_dp.models.compile_classifier(network)
     trainer = keras_dp.ShardedTrainer(model, steps_per_execution=args.steps_per_execution,
                                       data_on_device=False)
     trainer.fit(x, y, batch_size=args.batch_size, epochs=1 + args.epochs, verbose=0)
     rates = [entry["samples_per_s"] for entry in trainer.timings[1:]]
     rounds = getattr(getattr(trainer.placement, "exchange", None), "rounds", 0)
+    # The all-reduces in one step's program, each a collective between the
+    # processes (through gloo over TCP across processes, in memory in one).
+    rows = args.batch_size // jax.process_count()
+    hlo = trainer.compiled_train_step(trainer.init_state(),
+                                      trainer.shard((x[:rows], y[:rows]))).as_text()
+    all_reduces = sum(line.count(" all-reduce(") + line.count(" all-reduce-start(")
+                      for line in hlo.splitlines())
     if distributed.is_primary():
         # Samples counts global rows in every process, so the rate is global.
         print("RESULT " + json.dumps({
@@ -62,6 +85,7 @@ def worker():
             "last_epoch": timing.describe(trainer.timings[-1]),
             "exchange_rounds_per_epoch": rounds / (1 + args.epochs),
             "steps_per_epoch": -(-args.samples // args.batch_size),
+            "all_reduces_per_step": all_reduces,
         }), flush=True)
 
 
@@ -90,7 +114,8 @@ def driver():
         print(f"{name}: {statistics.median(rates):,.0f} samples/s (runs: "
               f"{', '.join(f'{rate:,.0f}' for rate in rates)}); host round trips per "
               f"epoch of {runs[0]['steps_per_epoch']} steps: "
-              f"{runs[0]['exchange_rounds_per_epoch']:g}\n  last run's last epoch: "
+              f"{runs[0]['exchange_rounds_per_epoch']:g}; all-reduces per step: "
+              f"{runs[0]['all_reduces_per_step']}\n  last run's last epoch: "
               f"{runs[-1]['last_epoch']}")
     ratio = (statistics.median(r["samples_per_s"] for r in results["2 processes x 1 device"])
              / statistics.median(r["samples_per_s"] for r in results["1 process x 2 devices"]))

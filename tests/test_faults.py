@@ -64,6 +64,7 @@ def test_sigterm_saves_and_exits_143_cleanly(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # 30 processes: over setup.cfg's 300 s on a loaded machine
 def test_sigterm_soak(tmp_path):
     for seed in range(30):
         sigterm_exit(tmp_path / str(seed), seed, host=seed % 2 == 0)
@@ -77,6 +78,7 @@ def test_sigint_at_random_moments_never_loses_a_completed_step():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("options", [
     ["--trials", "60"],
     ["--trials", "40", "--host"],
