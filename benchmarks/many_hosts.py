@@ -14,6 +14,7 @@ most of them (`--model mlp` has none).
     python benchmarks/many_hosts.py --reps 3 --xla-flags=--xla_cpu_multi_thread_eigen=false
     python benchmarks/many_hosts.py --reps 3 --batch-size 512
     python benchmarks/many_hosts.py --reps 3 --model mlp
+    python benchmarks/many_hosts.py --reps 3 --profile
 
 The driver starts the runs (`keras-dp launch --processes 2 --cpu-devices 1`
 and one process with 2 simulated CPU devices); `--worker` is one run.
@@ -38,6 +39,10 @@ parser.add_argument("--model", default="convnet", choices=["convnet", "mlp"],
 parser.add_argument("--xla-flags", default="",
                     help="extra XLA_FLAGS for both set-ups, e.g. "
                          "--xla_cpu_multi_thread_eigen=false (one thread per device)")
+parser.add_argument("--profile", action="store_true",
+                    help="trace the last epoch with jax.profiler in every run and "
+                         "report process 0's seconds in all-reduces and in the rest "
+                         "of the compiled steps")
 parser.add_argument("--worker", action="store_true")
 args = parser.parse_args()
 
@@ -67,7 +72,9 @@ def worker():
     model = keras_dp.models.compile_classifier(network)
     trainer = keras_dp.ShardedTrainer(model, steps_per_execution=args.steps_per_execution,
                                       data_on_device=False)
-    trainer.fit(x, y, batch_size=args.batch_size, epochs=1 + args.epochs, verbose=0)
+    callbacks = [TraceLastEpoch(args.epochs)] if args.profile else []
+    trainer.fit(x, y, batch_size=args.batch_size, epochs=1 + args.epochs, verbose=0,
+                callbacks=callbacks)
     rates = [entry["samples_per_s"] for entry in trainer.timings[1:]]
     rounds = getattr(getattr(trainer.placement, "exchange", None), "rounds", 0)
     # The all-reduces in one step's program, each a collective between the
@@ -86,7 +93,67 @@ def worker():
             "exchange_rounds_per_epoch": rounds / (1 + args.epochs),
             "steps_per_epoch": -(-args.samples // args.batch_size),
             "all_reduces_per_step": all_reduces,
+            "profile": callbacks[0].summary() if callbacks else None,
         }), flush=True)
+
+
+class TraceLastEpoch:
+    """A Keras callback tracing epoch `epoch` (0-based) with `jax.profiler`.
+
+    `summary()` reads the trace back (its Perfetto JSON) and sums the
+    compiled programs' operations by kind: the all-reduces (each waits for
+    the other devices or processes to arrive, so it includes their skew)
+    and everything else.
+    """
+
+    def __new__(cls, epoch):
+        import keras
+
+        class Callback(keras.callbacks.Callback):
+            def on_epoch_begin(self, index, logs=None):
+                if index == epoch:
+                    import jax
+                    import tempfile
+                    self.directory = tempfile.mkdtemp(prefix="many_hosts_trace_")
+                    jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
+
+            def on_epoch_end(self, index, logs=None):
+                if index == epoch:
+                    import jax
+                    jax.profiler.stop_trace()
+
+            def summary(self):
+                return summarise_trace(self.directory)
+
+        return Callback()
+
+
+def summarise_trace(directory):
+    """Seconds and counts of the trace's all-reduce and other XLA operations."""
+    import glob
+    import gzip
+    import re
+
+    path = glob.glob(f"{directory}/plugins/profile/*/perfetto_trace.json.gz")[0]
+    trace = json.load(gzip.open(path))
+    totals = {"all_reduce_s": 0.0, "all_reduces": 0, "other_ops_s": 0.0}
+    for event in trace["traceEvents"]:
+        name = event.get("name", "")
+        # XLA's operations are named for the HLO instruction (`all-reduce.118`,
+        # `ynn_fusion.84`); Python frames start with "$", runtime spans are
+        # "ThunkExecutor::Execute", "PjitFunction(...)" and the like.
+        if (event.get("ph") != "X" or name.startswith("$")
+                or not re.fullmatch(r"[a-z][\w-]*\.?\d*", name)):
+            continue
+        if name.startswith("all-reduce"):
+            totals["all_reduce_s"] += event["dur"] / 1e6
+            totals["all_reduces"] += 1
+        else:
+            totals["other_ops_s"] += event["dur"] / 1e6
+    import jax
+
+    # Summed over this process's devices: per device, as each runs the step.
+    return {key: value / jax.local_device_count() for key, value in totals.items()}
 
 
 def run(command, env):
@@ -99,7 +166,8 @@ def run(command, env):
 def driver():
     here = [sys.executable, os.path.abspath(__file__), "--worker",
             *[f"--{name.replace('_', '-')}={value}" for name, value in vars(args).items()
-              if name not in ("worker", "reps", "xla_flags")]]
+              if name not in ("worker", "reps", "xla_flags", "profile")],
+            *(["--profile"] if args.profile else [])]
     launch = [sys.executable, "-m", "keras_dp", "launch", "--processes", "2",
               "--cpu-devices", "1", "--", *here]
     extra = dict(os.environ, XLA_FLAGS=args.xla_flags) if args.xla_flags else dict(os.environ)
@@ -117,6 +185,13 @@ def driver():
               f"{runs[0]['exchange_rounds_per_epoch']:g}; all-reduces per step: "
               f"{runs[0]['all_reduces_per_step']}\n  last run's last epoch: "
               f"{runs[-1]['last_epoch']}")
+        if runs[-1]["profile"]:
+            profile = runs[-1]["profile"]
+            print(f"  last run's last epoch, process 0's trace, per device: "
+                  f"{profile['all_reduces']:.0f} all-reduces, {profile['all_reduce_s']:.2f} s "
+                  f"in them (with the wait for the other device to arrive), "
+                  f"{profile['other_ops_s']:.2f} s in the other compiled operations "
+                  f"(tracing slows the traced epoch: take rates from runs without --profile)")
     ratio = (statistics.median(r["samples_per_s"] for r in results["2 processes x 1 device"])
              / statistics.median(r["samples_per_s"] for r in results["1 process x 2 devices"]))
     print(f"ratio: {ratio:.2f}x; load average {os.getloadavg()[0]:.2f}")
