@@ -231,16 +231,23 @@ def keep_last_good(trainer, plan=None):
     free memory now (so data already placed there counts) and `plan` (a
     `MemoryPlan` of the donating step, where fit made one). Across
     processes the answer decides the compiled programs, which must be the
-    same everywhere: the state is kept only if every process would keep it
-    (one host round trip).
+    same everywhere. On XLA:CPU the rule reads only what every process
+    computes alike (the state's layout, `steps_in_flight`, the mesh's
+    devices per process), so no exchange is needed; where free memory is
+    read, the state is kept only if every process would keep it (one host
+    round trip per fit).
     """
     if trainer.keep_last_good != "auto":
         return trainer.keep_last_good
-    local = [device for device in trainer.mesh.devices.flat
-             if device.process_index == jax.process_index()]
-    keep = keeps_fit(sum(state_bytes(trainer).values()), trainer.steps_in_flight,
-                     free=least_free(local),
-                     peak=None if plan is None else plan.peak, local_devices=len(local))
+    devices = list(trainer.mesh.devices.flat)
+    state = sum(state_bytes(trainer).values())
+    free = least_free([device for device in devices
+                       if device.process_index == jax.process_index()])
+    if free is None:
+        processes = len({device.process_index for device in devices})
+        return keeps_fit(state, trainer.steps_in_flight, local_devices=len(devices) // processes)
+    keep = keeps_fit(state, trainer.steps_in_flight, free=free,
+                     peak=None if plan is None else plan.peak)
     if trainer.multiprocess:
         keep = not trainer.placement.any_process(not keep)
     return keep
