@@ -77,7 +77,7 @@ class DeviceBytes(keras.callbacks.Callback):
         self.bytes.append(sum(buffers.values()))
 
 
-@pytest.mark.parametrize("steps_in_flight", [1, 2])
+@pytest.mark.parametrize("steps_in_flight", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_keeping_costs_one_state_per_call_in_flight_and_no_more(mnist, steps_in_flight):
     (x, y), _ = mnist
     recorded, state_bytes = {}, None
