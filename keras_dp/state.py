@@ -247,10 +247,12 @@ class LiveModel:
         with self._interrupts.held():
             self._last_good.confirm()  # drop what is no longer the last good, first
             given = self.state
-            new_state, *rest = call(given)
-            # A call donates all of its state or none of it: one leaf tells.
-            if jax.tree.leaves(given)[0].is_deleted():
-                self._last_good.stop()
+            try:
+                new_state, *rest = call(given)
+            finally:  # failed or not, a call that donated left nothing to keep
+                # A call donates all of its state or none of it: one leaf tells.
+                if jax.tree.leaves(given)[0].is_deleted():
+                    self._last_good.stop()
             self.stepped(new_state, position)
         return rest
 
