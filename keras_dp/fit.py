@@ -10,7 +10,7 @@ def fit_sharded(model, x=None, y=None, *, epochs=1, batch_size=None,
                 validation_freq=1, steps_per_execution=None, optimizer=None,
                 loss=None, metrics=None, mesh=None, devices=None, seed=0,
                 checkpoint_dir=None, state_sharding="replicated", data_on_device="auto",
-                compilation_cache=True, profile_dir=None):
+                keep_last_good="auto", compilation_cache=True, profile_dir=None):
     """Train `model` with synchronous data parallelism and return its History.
 
     Each global batch is split by rows over the devices, every device holds
@@ -49,6 +49,10 @@ def fit_sharded(model, x=None, y=None, *, epochs=1, batch_size=None,
         data_on_device: keep array data on the devices and gather each
             step's rows there (`"auto"`, the default: when it fits; `True`;
             `False`); see `ShardedTrainer` and `keras_dp.resident`.
+        keep_last_good: keep the last completed step's state on the devices,
+            so that a step failing at run time loses no completed step
+            (`"auto"`, the default: when it fits; `True`; `False`: donate
+            it); see `ShardedTrainer`.
         compilation_cache: JAX's persistent compilation cache in a per-user
             directory (`True`, the default), a directory, or `False`; see
             `keras_dp.compilation_cache`.
@@ -71,7 +75,7 @@ def fit_sharded(model, x=None, y=None, *, epochs=1, batch_size=None,
         model, optimizer=optimizer, loss=loss, metrics=metrics, mesh=mesh,
         devices=devices, seed=seed, steps_per_execution=steps_per_execution,
         state_sharding=state_sharding, data_on_device=data_on_device,
-        compilation_cache=compilation_cache,
+        keep_last_good=keep_last_good, compilation_cache=compilation_cache,
     )
     return trainer.fit(
         x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,

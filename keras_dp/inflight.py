@@ -1,4 +1,4 @@
-"""A bound on dispatched but unfinished steps, and the check of their loss.
+"""A bound on dispatched but unfinished steps, the check of their loss, the last good state.
 
 JAX dispatches a step and returns at once. On XLA:CPU, several queued steps
 with cross-device all-reduces can deadlock its thread pool (measured: about
@@ -6,6 +6,8 @@ half of the runs with 2 or 8 simulated devices hung), so the trainer keeps
 at most 1 step in flight there, 2 elsewhere. Each step is checked for a
 non-finite loss when it is retired, which costs no extra wait (the step
 makes its loss NaN after a non-finite update too: `steps.keep_if_not_finite`).
+When the steps do not donate their state, `LastGood` keeps the newest state
+known to have completed, for when a later step fails at run time.
 """
 
 import collections
@@ -49,6 +51,69 @@ class Throttle:
             loss = float(logs["loss"])
             if not np.isfinite(loss):
                 self.failure = (first_step + int(finite), loss)
+
+
+class LastGood:
+    """The newest of a fit's states known to have completed, and those not known yet.
+
+    Each dispatched state is pending until it is known to have completed.
+    `confirm` promotes the pending states that are ready, oldest first,
+    without waiting: the `Throttle` has waited for every call but the
+    newest `steps_in_flight - 1`, so those it retired are ready. It stops at
+    the first state not ready, or failed. So while a call is dispatched,
+    the states held are those of the calls in flight plus the last good
+    one: `steps_in_flight + 1` at most. A state read from, or written into,
+    the model is good at once (`reset`). Once a call has donated its input
+    (`stop`), no earlier state exists to keep, and tracking stops.
+
+    Attributes:
+        state, position: the last good state and its `(epoch, steps)`, or None.
+    """
+
+    def __init__(self):
+        self.state = self.position = None
+        self._pending = collections.deque()
+        self._tracking = True
+
+    def reset(self, state, position):
+        """Take `state`, at `position`, as good; forget the pending states before it."""
+        self._pending.clear()
+        if self._tracking:
+            self.state, self.position = state, position
+
+    def dispatched(self, state, position):
+        """Track `state`, the result of a call dispatched just now, at `position`."""
+        if self._tracking:
+            self._pending.append((state, position))
+
+    def stop(self):
+        """Keep no more states: a call consumed its input (none before it survives)."""
+        self._tracking = False
+        self.state = self.position = None
+        self._pending.clear()
+
+    def confirm(self, wait=False):
+        """Promote the pending states that completed; with `wait`, wait for each first.
+
+        Returns `(state, position)`, the last good. A pending state that
+        failed (its arrays raise the step's error) is dropped with every
+        one after it, since each of those was computed from it.
+        """
+        while self._pending:
+            state, position = self._pending[0]
+            leaves = jax.tree.leaves(state)
+            # The outputs of a call are ready together: its first one tells,
+            # at a fraction of the cost of asking each.
+            if not wait and not leaves[0].is_ready():
+                break
+            try:
+                jax.block_until_ready(leaves)  # no wait: ready, unless `wait`
+            except Exception:  # noqa: BLE001 - the step's error, raised where it is awaited
+                self._pending.clear()
+                break
+            self._pending.popleft()
+            self.state, self.position = state, position
+        return self.state, self.position
 
 
 # What to check after a non-finite step, for one model or an ensemble's members.

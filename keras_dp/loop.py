@@ -105,9 +105,11 @@ def fit(trainer, batches, val, callbacks, *, epochs, resume, validation_freq,
     first; with `profile_dir`, a few calls of the first epoch are traced
     there (`timing.Profile`). Whatever ends the loop (an exception, Ctrl-C
     at any moment), the model holds the state of the last completed step
-    when this returns or raises; if that state was lost with a step that
-    failed after consuming it, the model holds the last one written back,
-    and the exception's note says which (`LiveModel.report`).
+    when this returns or raises, a step that failed at run time included
+    when the steps keep their input (`trainer.keeps_last_good`); if the
+    failing step had consumed that state (it was donated), the model holds
+    the last one written back. The exception's note says which
+    (`LiveModel.report`).
     """
     model = trainer.model
     model.stop_training = False

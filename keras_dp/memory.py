@@ -4,6 +4,9 @@
 without placing it, compiles the train step for one global batch against
 abstract arrays (`jax.ShapeDtypeStruct`s with their shardings), and reads
 XLA's own memory analysis of that program. Nothing is put on a device.
+
+`keep_last_good` decides, from the same numbers, whether a fit's steps
+keep the last completed state (see `ShardedTrainer`'s `keep_last_good`).
 """
 
 import dataclasses
@@ -15,6 +18,14 @@ from keras_dp import mesh as mesh_lib
 from keras_dp import pipeline
 from keras_dp import placement
 from keras_dp.state import TrainState
+
+# keep_last_good="auto" keeps the state of the last completed step when, where
+# the devices report their memory, a step plus the states kept needs at most
+# this fraction of every device's free memory.
+KEEP_FRACTION = 0.5
+# XLA:CPU reports no memory; its devices are host RAM, so there the states
+# kept on all of the process's devices together may take at most this much.
+CPU_KEEP_CAP_BYTES = 1 << 30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +80,9 @@ class MemoryPlan:
 def plan(trainer, batch):
     """The `MemoryPlan` of `trainer`'s train step on one global host `batch`.
 
-    The model must be built (`trainer.build(batch)`).
+    Of the step in use: it donates its state unless a fit chose to keep
+    the last completed state (`trainer.keeps_last_good`). The model must be
+    built (`trainer.build(batch)`).
     """
     shardings = trainer.state_layout()
     variables = TrainState.variables_of(trainer.model)
@@ -77,8 +90,7 @@ def plan(trainer, batch):
         lambda variable, sharding: jax.ShapeDtypeStruct(
             variable.shape, variable.dtype, sharding=sharding),
         variables, shardings, is_leaf=lambda leaf: hasattr(leaf, "shape"))
-    per_group = {name: sum(_bytes_per_device(v, s) for v, s in zip(values, group))
-                 for (name, values), group in zip(variables.groups(), shardings)}
+    per_group = state_bytes(trainer)
     analysis = trainer._train_step.lower(state, _abstract_batch(batch, trainer.mesh)) \
         .compile().memory_analysis()
     peak = (analysis.argument_size_in_bytes + analysis.output_size_in_bytes
@@ -91,6 +103,13 @@ def plan(trainer, batch):
         temporaries=analysis.temp_size_in_bytes, peak=peak,
         capacity=device_capacity(trainer.mesh.devices.flat[0]),
     )
+
+
+def state_bytes(trainer):
+    """`{group: bytes per device}` of the built model's training state, as laid out."""
+    variables = TrainState.variables_of(trainer.model)
+    return {name: sum(_bytes_per_device(v, s) for v, s in zip(values, group))
+            for (name, values), group in zip(variables.groups(), trainer.state_layout())}
 
 
 def memory_plan(model, x, y=None, *, batch_size=32, sample_weight=None, devices=None,
@@ -161,3 +180,88 @@ def check_fits(memory_plan):
         "'optimizer'), use a smaller batch_size, or compute in bfloat16 "
         "(keras.mixed_precision.set_global_policy('mixed_bfloat16'))."
     )
+
+
+def check_keep_option(keep_last_good):
+    """`keep_last_good` normalised: `"auto"`, `True` or `False` (`None` is `"auto"`).
+
+    Raises:
+        ValueError: any other value.
+    """
+    if keep_last_good is None or keep_last_good == "auto":
+        return "auto"
+    if keep_last_good is True or keep_last_good is False:
+        return keep_last_good
+    raise ValueError(
+        "`keep_last_good` is 'auto' (the default, also None), True or False. "
+        f"Received: keep_last_good={keep_last_good!r}."
+    )
+
+
+def keeps_fit(state_bytes, steps_in_flight, *, free=None, peak=None, local_devices=1):
+    """Whether keeping the last completed state fits: the rule of `keep_last_good="auto"`.
+
+    Kept, a fit holds `steps_in_flight` states per device more than when
+    they are donated (each call in flight makes a new one while the last
+    completed one stays). Where the devices report their memory, the step's
+    peak with its state donated plus those states must take at most
+    `KEEP_FRACTION` of `free`; where they do not (XLA:CPU), the states kept
+    on all `local_devices` at most `CPU_KEEP_CAP_BYTES`.
+
+    Args:
+        state_bytes: the training state's bytes per device, as laid out.
+        steps_in_flight: the bound on unfinished calls (`inflight.bound`).
+        free: the least free memory of the process's devices, in bytes;
+            None where they do not report it.
+        peak: the train step's peak per device with its state donated
+            (`MemoryPlan.peak`); default `state_bytes` (the state alone).
+        local_devices: how many devices share the host (XLA:CPU).
+    """
+    extra = steps_in_flight * state_bytes
+    if free is None:
+        return extra * local_devices <= CPU_KEEP_CAP_BYTES
+    return (state_bytes if peak is None else peak) + extra <= KEEP_FRACTION * free
+
+
+def keep_last_good(trainer, plan=None):
+    """Whether `trainer`'s next fit keeps the last completed state (True) or donates it.
+
+    `trainer.keep_last_good` if it is True or False; for `"auto"`, the rule
+    of `keeps_fit` on the built model's state as laid out, the devices'
+    free memory now (so data already placed there counts) and `plan` (a
+    `MemoryPlan` of the donating step, where fit made one). Across
+    processes the answer decides the compiled programs, which must be the
+    same everywhere. On XLA:CPU the rule reads only what every process
+    computes alike (the state's layout, `steps_in_flight`, the mesh's
+    devices per process), so no exchange is needed; where free memory is
+    read, the state is kept only if every process would keep it (one host
+    round trip per fit).
+    """
+    if trainer.keep_last_good != "auto":
+        return trainer.keep_last_good
+    devices = list(trainer.mesh.devices.flat)
+    state = sum(state_bytes(trainer).values())
+    free = least_free([device for device in devices
+                       if device.process_index == jax.process_index()])
+    if free is None:
+        processes = len({device.process_index for device in devices})
+        return keeps_fit(state, trainer.steps_in_flight, local_devices=len(devices) // processes)
+    keep = keeps_fit(state, trainer.steps_in_flight, free=free,
+                     peak=None if plan is None else plan.peak)
+    if trainer.multiprocess:
+        keep = not trainer.placement.any_process(not keep)
+    return keep
+
+
+def least_free(devices):
+    """The least free memory of `devices` (`bytes_limit - bytes_in_use`), or None if unreported."""
+    free = []
+    for device in devices:
+        try:
+            stats = device.memory_stats()
+        except Exception:  # noqa: BLE001 - some platforms raise instead of returning None
+            stats = None
+        if not stats or "bytes_limit" not in stats:
+            return None
+        free.append(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+    return min(free, default=None)

@@ -209,13 +209,14 @@ class ResidentFeed:
         return self._trainer._resident_steps(state, self._arrays, rows)
 
 
-def make_steps(model, mesh, unroll=1, state_sharding="replicated"):
+def make_steps(model, mesh, unroll=1, state_sharding="replicated", donate=True):
     """Return the jitted resident programs `(train_step, train_steps)`.
 
     `train_step(state, arrays, rows) -> (state, logs)` and
     `train_steps(state, arrays, rows) -> (state, logs, finite)` are
     `steps.make_train_step` and `steps.make_multi_train_step` on the batch
-    `gather` takes from `arrays`; `state` is donated, `arrays` only read.
+    `gather` takes from `arrays`; `state` is donated (unless `donate` is
+    False), `arrays` only read.
     """
     step = steps_lib.sharded_train_step(model, mesh, state_sharding)
 
@@ -229,7 +230,9 @@ def make_steps(model, mesh, unroll=1, state_sharding="replicated"):
         return steps_lib.scan_train_steps(one, state, rows.start, unroll, mesh)
 
     # The step lays the state out (`state_sharding`) and replicates the logs.
-    return (jax.jit(train_step, donate_argnums=0), jax.jit(train_steps, donate_argnums=0))
+    donate_argnums = steps_lib.donated(donate)
+    return (jax.jit(train_step, donate_argnums=donate_argnums),
+            jax.jit(train_steps, donate_argnums=donate_argnums))
 
 
 def gather(arrays, order, start, rows, mesh):

@@ -15,6 +15,7 @@ from typing import NamedTuple
 import jax
 
 from keras_dp import _compat
+from keras_dp import inflight
 from keras_dp import interrupts
 from keras_dp import mesh as mesh_lib
 
@@ -139,7 +140,10 @@ class LiveModel:
 
     The state and the model are each labelled with their position, `(epoch,
     steps done in it)`: `position` for the live state, `model_position` for
-    what the model holds (None until the first read).
+    what the model holds (None until the first read). When the steps do not
+    donate their state (`keep_last_good`), the newest state known to have
+    completed is kept too (`inflight.LastGood`), and written back if a later
+    step fails at run time.
     """
 
     def __init__(self, model):
@@ -149,6 +153,8 @@ class LiveModel:
         self.touched = False  # a callback has seen the model since the last read
         self.position = self.model_position = None
         self.lost = None  # why the live state could not be written back, if so
+        self.kept = False  # the model got the last good state instead (`finish`)
+        self._last_good = inflight.LastGood()
         self._exchanged = []  # the model's arrays when it last met `state`
         self._interrupts = interrupts.Deferred()
 
@@ -174,6 +180,7 @@ class LiveModel:
         self.state, self.synced, self.touched = state, True, False
         self.position = self.model_position = position
         self._exchanged = self._arrays()
+        self._last_good.reset(state, position)
 
     def needs_read(self):
         """Whether the model must be read again before the next step.
@@ -232,13 +239,20 @@ class LiveModel:
     def advance(self, call, position):
         """Run `call(state) -> (new_state, *rest)` on the live state; return `rest`.
 
-        `call` donates the live state, so its successor, at `position`, is
-        recorded before a KeyboardInterrupt can be raised: SIGINT is held
+        `call` may donate the live state, so its successor, at `position`,
+        is recorded before a KeyboardInterrupt can be raised: SIGINT is held
         back from the call until the new state is stored. If `call` raises,
         the live state stays what it was (deleted if the call donated it).
         """
         with self._interrupts.held():
-            new_state, *rest = call(self.state)
+            self._last_good.confirm()  # drop what is no longer the last good, first
+            given = self.state
+            try:
+                new_state, *rest = call(given)
+            finally:  # failed or not, a call that donated left nothing to keep
+                # A call donates all of its state or none of it: one leaf tells.
+                if jax.tree.leaves(given)[0].is_deleted():
+                    self._last_good.stop()
             self.stepped(new_state, position)
         return rest
 
@@ -247,6 +261,7 @@ class LiveModel:
         self.state, self.synced = state, False
         if position is not None:
             self.position = position
+        self._last_good.dispatched(state, self.position)
 
     def sync(self):
         """Write the live state into the model if it is behind (Keras calls this)."""
@@ -259,8 +274,9 @@ class LiveModel:
         Never when the model is in step: a callback may have changed it
         after the last step (ReduceLROnPlateau at the last epoch's end). A
         state that was donated to a step that then failed, or that holds a
-        failed step's result, is not written: `lost` says which, and the
-        model keeps what it held (`model_position`).
+        failed step's result, is not written: `lost` says which. The model
+        then gets the last state that completed if the steps kept it
+        (`kept`), else keeps what it held (`model_position` says which).
         """
         if self.synced:
             return
@@ -270,6 +286,14 @@ class LiveModel:
                 self._write(self.state)
                 self.synced, self.model_position = True, self.position
                 self._exchanged = self._arrays()
+                self._last_good.reset(self.state, self.position)
+                return
+            state, position = self._last_good.confirm(wait=True)
+            if state is not None:
+                self._write(state)
+                self.model_position, self.kept = position, True
+                self._exchanged = self._arrays()
+                self._last_good.stop()  # written once: nothing more to keep
 
     def report(self):
         """A sentence for an error that ends fit: which step's weights the model holds."""
@@ -280,6 +304,12 @@ class LiveModel:
         if self.lost is None or self.position == self.model_position:
             return f"keras_dp: the model holds {held}, the last step that completed."
         at_epoch, at_steps = self.position
+        if self.kept:
+            return (
+                f"keras_dp: {self.lost}, so the model holds {held}, the last step "
+                f"that completed; no completed step is lost (the steps after it, up "
+                f"to {at_steps} steps of epoch {at_epoch + 1}, did not complete)."
+            )
         return (
             f"keras_dp: {self.lost}, so the model holds {held}, the last state "
             f"written back to it; the steps completed after it, up to {at_steps} "

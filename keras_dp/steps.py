@@ -24,13 +24,14 @@ from keras_dp import placement
 from keras_dp.state import TrainState
 
 
-def make_train_step(model, mesh, state_sharding="replicated"):
+def make_train_step(model, mesh, state_sharding="replicated", donate=True):
     """Return the jitted `train_step(state, batch) -> (state, logs)`.
 
     The forward pass and loss are Keras's own stateless
     `model.compute_loss_and_updates` (`stateless_call` plus
     `stateless_compute_loss`, with regularisation losses and loss scaling);
-    the update is `optimizer.stateless_apply`. `state` is donated; the new
+    the update is `optimizer.stateless_apply`. `state` is donated (its
+    buffers reused for the new state) unless `donate` is False; the new
     state comes back laid out as `state_sharding` says (`keras_dp.layout`:
     replicated by default), the logs replicated. Under `"optimizer"` and
     `"full"` the gradients are constrained to the split layout before the
@@ -49,11 +50,18 @@ def make_train_step(model, mesh, state_sharding="replicated"):
         model: a built, compiled Keras model; only read while tracing.
         mesh: the `"batch"` mesh.
         state_sharding: `"replicated"`, `"optimizer"` or `"full"`.
+        donate: consume `state` (False keeps it valid: `keep_last_good`).
     """
-    return jax.jit(sharded_train_step(model, mesh, state_sharding), donate_argnums=0)
+    return jax.jit(sharded_train_step(model, mesh, state_sharding),
+                   donate_argnums=donated(donate))
 
 
-def make_multi_train_step(model, mesh, unroll=1, state_sharding="replicated"):
+def donated(donate):
+    """`donate_argnums` of a train program: its state (argument 0), or nothing."""
+    return 0 if donate else ()
+
+
+def make_multi_train_step(model, mesh, unroll=1, state_sharding="replicated", donate=True):
     """Return the jitted `train_steps(state, batches) -> (state, logs, finite)`.
 
     `batches` is a stacked `DeviceBatch` (`placement.to_device_stacked`): K
@@ -65,14 +73,15 @@ def make_multi_train_step(model, mesh, unroll=1, state_sharding="replicated"):
     logs are those after the last step, as Keras reports them under
     `steps_per_execution`: the metrics' running values over the epoch so far.
     The third output counts the steps whose loss was finite (K unless one
-    failed; see `make_train_step` for what a non-finite loss does).
+    failed; see `make_train_step` for what a non-finite loss does). `state`
+    is donated unless `donate` is False.
     """
     step = sharded_train_step(model, mesh, state_sharding)
 
     def train_steps(state, batches):
         return scan_train_steps(step, state, batches, unroll, mesh)
 
-    return jax.jit(train_steps, donate_argnums=0)
+    return jax.jit(train_steps, donate_argnums=donated(donate))
 
 
 def scan_train_steps(step, state, batches, unroll, mesh):

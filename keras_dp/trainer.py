@@ -78,6 +78,14 @@ class ShardedTrainer:
             `keras_dp.resident`): `"auto"` (default; `None` too) when the
             data is arrays on one process and fits, with a warning when it
             does not fit; `True` or raise; `False` never.
+        keep_last_good: keep the last completed step's state while the next
+            runs, so that a step failing at run time (a device error, a host
+            callback that raises) loses no completed step. It costs
+            `steps_in_flight` more states per device (the steps no longer
+            donate their input): `"auto"` (default; `None` too) when that
+            fits comfortably (`keras_dp.memory.keeps_fit`), `True`, or
+            `False` (donated: a failure loses the steps since the model last
+            received the state). `keeps_last_good` says what fit chose.
         compilation_cache: JAX's persistent compilation cache, so that a
             rerun loads its compiled steps from disk: `True` (default) sets
             a per-user directory unless `KERAS_DP_COMPILATION_CACHE=0` or
@@ -90,6 +98,8 @@ class ShardedTrainer:
             seconds waiting for input, in compiled steps, in callbacks and
             in validation, samples and FLOPs per second, and the fraction
             of the devices' peak where known (`keras_dp.timing`).
+        keeps_last_good: whether the train programs keep their input state
+            (chosen by each fit, from `keep_last_good`).
 
     Raises:
         TypeError: `model` is not a `keras.Model`.
@@ -100,7 +110,7 @@ class ShardedTrainer:
     def __init__(self, model, optimizer=None, loss=None, metrics=None, mesh=None,
                  devices=None, seed=0, steps_per_execution=None, unroll=None,
                  prefetch=2, steps_in_flight=None, state_sharding="replicated",
-                 data_on_device="auto", compilation_cache=True):
+                 data_on_device="auto", keep_last_good="auto", compilation_cache=True):
         build_lib.check_model(model)
         mesh_lib.check_keras_distribution()
         self.compilation_cache_dir = compilation_cache_lib.enable(compilation_cache)
@@ -116,18 +126,29 @@ class ShardedTrainer:
         self.steps_per_execution = pipeline.steps_per_execution(model, steps_per_execution)
         self.placement = placement_lib.make_placement(self.mesh, prefetch)
         self.data_on_device = resident.check_option(data_on_device, self.placement.multiprocess)
+        self.keep_last_good = memory_lib.check_keep_option(keep_last_good)
         if unroll is None:
             unroll = self.steps_per_execution if on_cpu else 1
         self.unroll = unroll
         mode = self.state_sharding
-        self._train_step = steps_lib.make_train_step(model, self.mesh, mode)
-        self._train_steps = steps_lib.make_multi_train_step(model, self.mesh, unroll, mode)
+        self._train_programs = {}  # donate -> the four train programs
+        self._use_train_programs(donate=self.keep_last_good is not True)
         self._test_step = steps_lib.make_test_step(model, self.mesh, mode)
         self._test_steps = steps_lib.make_multi_test_step(model, self.mesh, unroll, mode)
         self._predict_step = steps_lib.make_predict_step(model, self.mesh)
         self._predict_steps = steps_lib.make_multi_predict_step(model, self.mesh, unroll)
-        self._resident_step, self._resident_steps = resident.make_steps(
-            model, self.mesh, unroll, mode)
+
+    def _use_train_programs(self, donate):
+        """Train with the programs that donate their state, or keep it; each made once."""
+        if donate not in self._train_programs:
+            model, mesh, unroll, mode = self.model, self.mesh, self.unroll, self.state_sharding
+            self._train_programs[donate] = (
+                steps_lib.make_train_step(model, mesh, mode, donate=donate),
+                steps_lib.make_multi_train_step(model, mesh, unroll, mode, donate=donate),
+                *resident.make_steps(model, mesh, unroll, mode, donate=donate))
+        (self._train_step, self._train_steps, self._resident_step,
+         self._resident_steps) = self._train_programs[donate]
+        self.keeps_last_good = not donate
 
     @property
     def num_devices(self):
@@ -192,7 +213,8 @@ class ShardedTrainer:
     def train_step(self, state, batch):
         """Run one compiled step on a sharded batch: `(state, logs)`.
 
-        `state` is donated: use the returned state, never the old one.
+        `state` is donated unless the trainer keeps the last good state
+        (`keeps_last_good`): use the returned state, never the old one.
         """
         return self._train_step(state, batch)
 
@@ -305,8 +327,11 @@ class ShardedTrainer:
         if steps_per_epoch is not None:
             batches = pipeline.StepsPerEpoch(batches, steps_per_epoch)
         self.build(batches.peek())
+        self._use_train_programs(donate=self.keep_last_good is not True)
+        plan = None
         if self.mesh.devices.flat[0].platform != "cpu":  # accelerators report capacity
-            memory_lib.check_fits(memory_lib.plan(self, batches.peek()))
+            plan = memory_lib.plan(self, batches.peek())
+            memory_lib.check_fits(plan)
         val = None
         if validation_data is not None:
             val = self._batches(validation_data, None, None, batch_size, False)
@@ -319,10 +344,12 @@ class ShardedTrainer:
             callbacks = callbacks_lib.callback_list(
                 callbacks, self.model, verbose, epochs=epochs, steps=batches.steps
             )
+            feed = resident.make_feed(self, batches)  # first: its data takes memory
+            self._use_train_programs(donate=not memory_lib.keep_last_good(self, plan))
             return loop.fit(
                 self, batches, val, callbacks, epochs=epochs, resume=resume,
                 validation_freq=validation_freq, checkpoints=checkpoints,
-                feed=resident.make_feed(self, batches), profile_dir=profile_dir,
+                feed=feed, profile_dir=profile_dir,
             )
 
     def evaluate(self, x=None, y=None, *, batch_size=None, verbose="auto",

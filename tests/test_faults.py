@@ -123,15 +123,53 @@ def synthetic():
     return rng.normal(size=(256, 16)).astype("float32"), rng.integers(0, 10, 256)
 
 
-def test_a_step_failing_at_run_time_leaves_the_model_readable_at_a_completed_step(synthetic):
+class StopAfter(keras.callbacks.Callback):
+    """Stops training after `steps` steps of (0-based) `epoch`."""
+
+    def __init__(self, epoch, steps):
+        super().__init__()
+        self.at, self.epoch = (epoch, steps), None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch + 1) == self.at:
+            self.model.stop_training = True
+
+
+@pytest.mark.parametrize("steps_per_execution, completed", [(1, 6), (4, 4)])
+def test_a_step_failing_at_run_time_leaves_the_model_at_the_last_completed_step(
+        synthetic, steps_per_execution, completed):
     # One device: on XLA:CPU a callback failing on one of several devices
     # leaves the others waiting at the gradient all-reduce, and XLA aborts
     # the process (its rendezvous timeout), before Python sees an error.
+    fit = dict(batch_size=32, verbose=0, shuffle=False)
+    options = dict(devices=devices(1), steps_per_execution=steps_per_execution)
+    fails = FailsAtCall(at=15)  # the 7th step of epoch 2 (8 steps per epoch)
+    model = small_model(fails)
+    trainer = keras_dp.ShardedTrainer(model, **options)  # keep_last_good="auto"
+    with pytest.raises(jax.errors.JaxRuntimeError, match="simulated device fault") as raised:
+        trainer.fit(*synthetic, epochs=3, **fit)
+    assert fails.calls == 15 and trainer.keeps_last_good  # small: kept on CPU
+    # K=1: steps 9 to 14 completed; K=4: the call of steps 13 to 16 failed.
+    assert raised.value.__notes__[-1] == (
+        f"keras_dp: the model holds the weights after {completed} steps of epoch 2, "
+        "the last step that completed.")
+    reference = small_model(FailsAtCall(at=0))
+    keras_dp.ShardedTrainer(reference, **options).fit(
+        *synthetic, epochs=2, callbacks=[StopAfter(1, completed)], **fit)
+    assert int(model.optimizer.iterations.numpy()) == 8 + completed
+    assert_weights_equal(model, reference)  # bitwise the unbroken run's
+
+
+def test_a_failing_step_that_donated_its_state_loses_the_steps_since_the_last_write_back(
+        synthetic):
     fit = dict(batch_size=32, verbose=0, devices=devices(1), shuffle=False)
     fails = FailsAtCall(at=11)  # the 3rd step of epoch 2
     model = small_model(fails)
     with pytest.raises(jax.errors.JaxRuntimeError, match="simulated device fault") as raised:
-        keras_dp.fit_sharded(model, *synthetic, epochs=3, **fit)
+        keras_dp.fit_sharded(model, *synthetic, epochs=3, keep_last_good=False, **fit)
     assert fails.calls == 11
     # The failing step had consumed the state of step 10 (donation); the
     # newest state left is the one written back at epoch 1's end (History
@@ -143,6 +181,51 @@ def test_a_step_failing_at_run_time_leaves_the_model_readable_at_a_completed_ste
     keras_dp.fit_sharded(one_epoch, *synthetic, epochs=1, **fit)
     assert int(model.optimizer.iterations.numpy()) == 8
     assert_weights_equal(model, one_epoch)  # readable, and bitwise epoch 1's end
+
+
+class HugeOnRows(keras.layers.Layer):
+    """Passes its input through; a training batch of `rows` rows also sorts 16 TiB.
+
+    XLA compiles that step, and fails to allocate its memory when it runs:
+    a real fault that, unlike a host callback's, leaves the call's outputs
+    as arrays that raise when awaited (as a device error on a GPU does).
+    """
+
+    def __init__(self, rows, **kwargs):
+        super().__init__(**kwargs)
+        self.rows = rows
+
+    def call(self, inputs, training=False):
+        if training and inputs.shape[0] == self.rows:
+            start = jax.lax.stop_gradient(inputs[0, 0])
+            huge = start - jax.lax.iota("float32", 2**42)  # to sort: 16 TiB
+            inputs = inputs + jax.lax.slice(jax.lax.sort(huge), (0,), (1,)) * 0
+        return inputs
+
+
+@pytest.mark.parametrize("options", [
+    dict(devices=1, steps_in_flight=2),  # two calls in flight when it fails
+    # 8 s: behind --runslow to keep the suite under 10 minutes.
+    pytest.param(dict(devices=2, steps_per_execution=4, data_on_device=False),
+                 marks=pytest.mark.slow),
+])
+def test_a_step_failing_on_the_device_leaves_the_model_at_the_last_completed_step(options):
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(263, 16)).astype("float32"), rng.integers(0, 10, 263)
+    options = dict(options, devices=devices(options["devices"]))
+    fit = dict(batch_size=32, verbose=0, shuffle=False)
+    model = small_model(HugeOnRows(7))  # 8 batches of 32 rows, then the failing one of 7
+    with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED") as raised:
+        keras_dp.ShardedTrainer(model, **options).fit(x, y, epochs=2, **fit)
+    assert raised.value.__notes__[-1] == (
+        "keras_dp: the step that made the state failed (JaxRuntimeError), so the "
+        "model holds the weights after 8 steps of epoch 1, the last step that "
+        "completed; no completed step is lost (the steps after it, up to 9 steps "
+        "of epoch 1, did not complete).")
+    reference = small_model(HugeOnRows(7))
+    keras_dp.ShardedTrainer(reference, **options).fit(x[:256], y[:256], **fit)
+    assert int(model.optimizer.iterations.numpy()) == 8
+    assert_weights_equal(model, reference)
 
 
 class Norm(keras.layers.Layer):
