@@ -34,7 +34,8 @@ HERE = pathlib.Path(__file__).resolve().parent
 SHARED_DATA = HERE.parents[1] / "shared" / "data"
 QUICK = {"batch_sizes": [32], "ks": [1, 2], "reps": 2, "samples": 128}
 SYSTEM_KINDS = ("keras_dp", "keras", "guide", "bound", "scan")  # the default set
-OPT_IN_KINDS = ("rolled", "unrolled", "host")  # keras_dp: scan (un)rolled, host-fed data
+# keras_dp: scan (un)rolled, host-fed data, state donated (keep_last_good=False)
+OPT_IN_KINDS = ("rolled", "unrolled", "host", "donate")
 FULL = {"batch_sizes": [64, 256], "ks": [1, 4, 16], "reps": 3, "samples": 6400}
 
 
@@ -247,7 +248,8 @@ def build_systems(args, batch, devices, notes):
              "guide": (systems.GuideLoop, [1]), "bound": (systems.ComputeBound, [1]),
              "rolled": (systems.KerasDPRolled, args.ks),
              "unrolled": (systems.KerasDPUnrolled, args.ks),
-             "host": (systems.KerasDPHost, args.ks), "scan": (keras_scan.KerasScan, args.ks)}
+             "host": (systems.KerasDPHost, args.ks),
+             "donate": (systems.KerasDPDonating, args.ks), "scan": (keras_scan.KerasScan, args.ks)}
     built = []
     for kind in wanted:
         cls, ks = kinds[kind]

@@ -21,6 +21,9 @@ first call compiles:
 - `KerasDPHost`: keras_dp with `data_on_device=False`, every batch copied
   from the host, to measure what device-resident data (`keras_dp.resident`,
   the default for arrays that fit) buys (opt-in: `--systems keras_dp,host`).
+- `KerasDPDonating`: keras_dp with `keep_last_good=False`, the state
+  donated to each step, to measure what keeping the last completed state
+  costs (opt-in: `--systems keras_dp,donate`).
 - `ComputeBound`: keras_dp's compiled train step over batches already on the
   devices: no host input, no callbacks, no Python data pipeline.
 
@@ -57,6 +60,7 @@ BOUND = "compute bound"
 ROLLED = "keras_dp rolled scan"
 UNROLLED = "keras_dp unrolled scan"
 HOST = "keras_dp host-fed"
+DONATING = "keras_dp donating"
 
 
 class Unsupported(Exception):
@@ -106,12 +110,14 @@ class KerasDP:
     name = KERAS_DP
     unroll = None  # the trainer's default: unrolled on CPU, rolled elsewhere
     data_on_device = "auto"  # the default: resident arrays when they fit
+    keep_last_good = "auto"  # the default: undonated state when it fits
 
     def __init__(self, batch, k, devices, seed):
         self.batch, self.k = batch, k
         self.trainer = keras_dp.ShardedTrainer(
             compiled_convnet(seed), devices=devices, steps_per_execution=k,
             unroll=self.unroll, data_on_device=self.data_on_device,
+            keep_last_good=self.keep_last_good,
         )
 
     def prepare(self, x, y):
@@ -165,6 +171,18 @@ class KerasDPHost(KerasDP):
 
     name = HOST
     data_on_device = False
+
+
+class KerasDPDonating(KerasDP):
+    """keras_dp donating its state to each step (`keep_last_good=False`).
+
+    The default keeps the last completed state when it fits (on CPU, when
+    it is under 1 GiB), which costs XLA the reuse of the state's buffers:
+    this system measures that cost.
+    """
+
+    name = DONATING
+    keep_last_good = False
 
 
 class _WaitEachCall(keras.callbacks.Callback):
