@@ -49,6 +49,7 @@ class FitRun:
     preemption: object = None
     profile: object = None  # a `timing.Profile` of the first epoch
     timer: object = None  # the `timing.EpochTimer` of the epoch in progress
+    validation: object = None  # the validation's `programs.EvalPrograms`
 
     @property
     def model(self):
@@ -100,7 +101,8 @@ def fit(trainer, batches, val, callbacks, *, epochs, resume, validation_freq,
     `on_train_begin` moves the start, as under `model.fit`. `feed` brings
     the batches to the steps (default: a `HostFeed`; its programs are
     compiled ahead where the epoch's plan is known,
-    `programs.CompilingFeed`). Each epoch's
+    `programs.CompilingFeed`, and with them, during the first epoch, the
+    validation's, if any epoch validates). Each epoch's
     `timing.EpochTimer.result()` is appended to `trainer.timings`, emptied
     first; with `profile_dir`, a few calls of the first epoch are traced
     there (`timing.Profile`). Whatever ends the loop (an exception, Ctrl-C
@@ -114,8 +116,11 @@ def fit(trainer, batches, val, callbacks, *, epochs, resume, validation_freq,
     model = trainer.model
     model.stop_training = False
     labels_lib.check_data(model, (batches, "the training data"), (val, "the validation data"))
-    feed = programs_lib.CompilingFeed(feed or HostFeed(trainer, batches), trainer, batches)
-    run = FitRun(trainer, batches, LiveModel(model), callbacks, feed, checkpoints)
+    validation = _validation_programs(trainer, val, range(resume.epoch, epochs), validation_freq)
+    feed = programs_lib.CompilingFeed(feed or HostFeed(trainer, batches), trainer, batches,
+                                      validation)
+    run = FitRun(trainer, batches, LiveModel(model), callbacks, feed, checkpoints,
+                 validation=validation)
     run.profile = timing.Profile(profile_dir) if profile_dir is not None else None
     trainer.timings = []
     epoch_logs, finished = {}, False
@@ -154,6 +159,14 @@ def fit(trainer, batches, val, callbacks, *, epochs, resume, validation_freq,
     if finished:
         callbacks.on_train_end(epoch_logs)
     return model.history
+
+
+def _validation_programs(trainer, val, epochs, validation_freq):
+    """The `programs.EvalPrograms` of `val` if one of `epochs` validates, else None."""
+    if val is None or not any(callbacks_lib.should_validate(epoch, validation_freq)
+                              for epoch in epochs):
+        return None
+    return programs_lib.EvalPrograms(trainer, val)
 
 
 def run_epoch(run, epoch, skip, val):
@@ -275,7 +288,8 @@ def validate(run, val):
     As under `model.fit`, the non-trainable values the test steps leave (a
     seed generator advanced in inference mode) carry into the next epoch.
     """
-    logs, non_trainable, _ = evaluate(run.trainer, run.live.state.weights, val, run.callbacks)
+    logs, non_trainable, _ = evaluate(run.trainer, run.live.state.weights, val, run.callbacks,
+                                      run.validation)
     run.live.stepped(run.live.state._replace(non_trainable=non_trainable))
     return {f"val_{name}": value for name, value in logs.items()}
 
@@ -301,12 +315,15 @@ def _exit(run, position):
     preemption_lib.exit_after_preemption(directory, position)
 
 
-def evaluate(trainer, weights, batches, callbacks):
+def evaluate(trainer, weights, batches, callbacks, programs=None):
     """Score `batches` with `weights` (`(trainable, non_trainable)`).
 
     Runs `steps_per_execution` test steps per compiled call over stacked
     batches of one row count, and the rest (a partial batch, the last
     fewer than K) one by one, as `fit` does; callbacks see each call.
+    The calls run through `programs` (a `programs.EvalPrograms` of
+    `batches`, made here if None), which compiles each call shape's
+    program once, ahead of its first call where it can.
 
     Returns:
         `(logs, non_trainable, metrics)`: the final logs as python floats in
@@ -314,6 +331,7 @@ def evaluate(trainer, weights, batches, callbacks):
         step left.
     """
     labels_lib.check_data(trainer.model, (batches, "the data"))
+    programs = programs or programs_lib.EvalPrograms(trainer, batches)
     trainable, non_trainable = weights
     metrics = fresh_metrics(trainer.model, trainer.mesh, trainer.state_layout().metrics)
     throttle = inflight.Throttle(trainer.steps_in_flight)
@@ -325,9 +343,8 @@ def evaluate(trainer, weights, batches, callbacks):
     with contextlib.closing(placed):
         for steps, device_batch in placed:
             callbacks.on_test_batch_begin(index)
-            test_step = trainer._test_step if steps == 1 else trainer._test_steps
-            non_trainable, metrics, logs = test_step(
-                (trainable, non_trainable), metrics, device_batch)
+            non_trainable, metrics, logs = programs.call(
+                (trainable, non_trainable), metrics, steps, device_batch)
             throttle.add(logs)
             index += steps
             callbacks.on_test_batch_end(index - 1, logs)

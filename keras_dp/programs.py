@@ -1,4 +1,4 @@
-"""The train programs of a fit: compiled once per call shape, the epoch's rest ahead of time.
+"""The programs of a fit and an evaluation: compiled once per call shape, the rest ahead.
 
 An epoch of array data has a plan known before it starts: its calls of K
 steps, then the remainder (a partial last batch, or the last steps that do
@@ -17,6 +17,16 @@ the devices are the host's own cores, the thread competes with the steps,
 and whether it beats compiling in line was not settled by the runs made
 (README, "Where the time goes").
 
+The validation's test programs are planned the same way (`EvalPrograms`:
+every call shape of array data, the first batch's calls of a dataset), and
+`CompilingFeed` lowers them right after the fit's first train call too;
+one background thread compiles them after the epoch's train programs, in
+the order they are needed (`compile_ahead`), so that validation at the
+end of epoch 1 finds them compiled instead of compiling while the devices
+wait. `keras_dp.loop.evaluate` runs its calls through an `EvalPrograms`
+in any case: a plain `evaluate` compiles its other call shapes after its
+first call, as an epoch does.
+
 Each compiled program also says what it costs: `Compiled.cost_analysis()`
 gives the FLOPs one device runs per call, so the feed counts the FLOPs of
 every call of an epoch (`flops`) at no extra compile, for
@@ -29,6 +39,7 @@ import threading
 import jax
 
 from keras_dp import mesh as mesh_lib
+from keras_dp import pipeline
 from keras_dp import placement
 from keras_dp import resident
 
@@ -47,12 +58,14 @@ class CompilingFeed:
             `unroll`).
         batches: the fit's host batches, for the epoch's plan
             (`placement.planned_calls`).
+        validation: the validation's `EvalPrograms`, compiled ahead after
+            the fit's first call (after the train programs), or None.
     """
 
-    background = True  # compile the plan's programs in a thread (False: in line)
+    background = True  # compile ahead in a thread (False: in line); test programs too
 
-    def __init__(self, feed, trainer, batches):
-        self._feed, self._batches = feed, batches
+    def __init__(self, feed, trainer, batches, validation=None):
+        self._feed, self._batches, self._validation = feed, batches, validation
         self._mesh = trainer.mesh
         self._steps_per_execution, self._unroll = trainer.steps_per_execution, trainer.unroll
         self._multiprocess = trainer.multiprocess
@@ -76,44 +89,41 @@ class CompilingFeed:
         flops = self._flops[key]
         self.flops = None if flops is None or self.flops is None else self.flops + flops
         result = self._feed.call(state, steps, batch)
-        if self._plan is not None:  # the epoch's first call is on its way
-            plan, self._plan = self._plan, None
+        if self._plan is not None or self._validation is not None:  # a first call is on its way
+            plan, self._plan = self._plan or [], None
+            validation, self._validation = self._validation, None
             try:
-                self._ahead(result[0], steps, batch, plan)
+                compile_ahead(self._lowered(result[0], steps, batch, plan, validation))
             except Exception:  # noqa: BLE001 - it compiles, or raises, at its first call
                 pass  # never lose the state `result` holds to an early compile
         return result
 
     def _compiled(self, state, steps, batch, key):
         """The program of a call (`key`: its `call_key`), compiled now unless ahead of time."""
-        program = self._programs.get(key)
-        if isinstance(program, concurrent.futures.Future):
-            try:
-                program = program.result()
-            except Exception:  # noqa: BLE001 - compiled again below, where it raises
-                program = None
+        program = finished(self._programs, key)
         if program is None:
             jitted, leading = self._feed.program(steps)
             program = jitted.lower(state, *leading, batch).compile()
         self._programs[key] = program
         return program
 
-    def _ahead(self, state, steps, batch, plan):
-        """Compile the plan's programs not compiled yet, for calls like `batch`.
+    def _lowered(self, state, steps, batch, plan, validation):
+        """The plan's programs not compiled yet, for calls like `batch`, then `validation`'s.
 
-        Traced here (Keras's tracing stays on this thread); compiled here
-        or in a background thread (`background`).
+        Lowered here (Keras's tracing stays on this thread), for
+        `compile_ahead`: a list of `(store, key, lowered)`.
         """
         state = jax.tree.map(abstract, state)
+        entries = []
         for plan_steps, rows in plan:
             like = like_batch(batch, steps, plan_steps, rows, self._mesh)
             key = call_key(plan_steps, like)
-            if key in self._programs:
-                continue
-            jitted, leading = self._feed.program(plan_steps)
-            lowered = jitted.lower(state, *leading, like)
-            self._programs[key] = (_in_background(lowered.compile) if self.background
-                                   else lowered.compile())
+            if key not in self._programs:
+                jitted, leading = self._feed.program(plan_steps)
+                entries.append((self._programs, key, jitted.lower(state, *leading, like)))
+        if validation is not None:  # its first call's arguments: the state's weights
+            entries += validation.lowered(state.weights, state.metrics)
+        return entries
 
     def _call_flops(self, compiled, steps):
         """FLOPs of one call of `compiled`, all devices, or None if XLA gives none.
@@ -130,6 +140,80 @@ class CompilingFeed:
         if 0 < self._unroll < steps:
             counted = self._unroll + steps % self._unroll
         return flops * mesh_lib.num_devices(self._mesh) * steps / counted
+
+
+class EvalPrograms:
+    """The test programs of one evaluation's data, the planned ones compiled ahead.
+
+    `call` runs a test call as `keras_dp.loop.evaluate` does, once its
+    program is ready if it is being compiled ahead (then `jax.jit` finds
+    it compiled: no second compile). The plan's programs are compiled
+    ahead once (`lowered`, then `compile_ahead`): during a fit's first
+    epoch for its validation (`CompilingFeed`), else after the first call.
+
+    Args:
+        trainer: the `ShardedTrainer` (its test programs, mesh and
+            `steps_per_execution`).
+        batches: the evaluation's host batches, for the plan (`eval_plan`).
+    """
+
+    ahead = True  # False: each program compiles at its first call (`jax.jit`'s own way)
+
+    def __init__(self, trainer, batches):
+        self._trainer, self._template = trainer, batches.peek()
+        self._plan = None if trainer.multiprocess or not self.ahead else eval_plan(
+            batches, trainer.steps_per_execution)
+        self._programs = {}  # call key -> Compiled, a Future of one, or None (jax.jit's)
+
+    def call(self, weights, metrics, steps, batch):
+        """One test call: `(non_trainable, metrics, logs)`, as the trainer's test step gives."""
+        key = call_key(steps, batch)
+        finished(self._programs, key)  # compiling ahead: wait for it
+        self._programs.setdefault(key, None)
+        result = self._program(steps)(weights, metrics, batch)
+        if self._plan is not None:  # the first call: compile the rest ahead
+            like = jax.tree.map(abstract, ((weights[0], result[0]), result[1]))
+            try:
+                compile_ahead(self.lowered(*like))
+            except Exception:  # noqa: BLE001 - it compiles, or raises, at its first call
+                pass
+        return result
+
+    def lowered(self, weights, metrics):
+        """The plan's programs not compiled yet, lowered for `compile_ahead`, once.
+
+        `weights` and `metrics` are like (`abstract`) those of the calls.
+        Lowered here: call it on the thread that traces Keras.
+        """
+        plan, self._plan = self._plan or [], None
+        entries = []
+        for steps, rows in plan:
+            like = like_host_batch(self._template, steps, rows, self._trainer.mesh)
+            key = call_key(steps, like)
+            if key not in self._programs:
+                entries.append((self._programs, key,
+                                self._program(steps).lower(weights, metrics, like)))
+        return entries
+
+    def _program(self, steps):
+        return self._trainer._test_step if steps == 1 else self._trainer._test_steps
+
+
+def eval_plan(batches, steps_per_execution):
+    """The distinct `(steps, rows)` of an evaluation's calls, as far as known before it.
+
+    Arrays: all of them (`placement.planned_calls`). A dataset: the calls
+    of its first batch's rows, K at a time (one at a time where K is 1 or
+    the dataset has fewer batches); its other shapes (a partial last
+    batch) are seen only when they come, and compile then.
+    """
+    plan = placement.planned_calls(batches, steps_per_execution)
+    if plan is not None:
+        return plan
+    steps = steps_per_execution
+    if batches.steps is not None and batches.steps < steps:
+        steps = 1
+    return [(steps, pipeline.batch_rows(batches.peek()))]
 
 
 def cost_flops(compiled):
@@ -167,28 +251,67 @@ def like_batch(batch, steps, new_steps, rows, mesh):
         start = jax.ShapeDtypeStruct(() if new_steps == 1 else (new_steps,), "int32",
                                      sharding=mesh_lib.replicated(mesh))
         return resident.Rows(batch.order, start, rows)
+    return _placed_like(batch.data, 1 if steps == 1 else 2, new_steps, rows, mesh)
+
+
+def like_host_batch(batch, new_steps, rows, mesh):
+    """An abstract `DeviceBatch` of `new_steps` host batches like `batch`, of `rows` rows.
+
+    As `placement.Placement.steps` places them: padded and split over the
+    mesh (stacked for `new_steps` > 1), in JAX's dtypes (int64 becomes
+    int32 unless x64 is on), never weakly typed (they come from numpy).
+    """
+    return _placed_like(batch, 1, new_steps, rows, mesh)
+
+
+def _placed_like(data, drop, new_steps, rows, mesh):
+    """`data`'s arrays as a placed call's: `drop` leading axes replaced by its own."""
     padded = rows + -rows % mesh_lib.num_devices(mesh)
     lead = (padded,) if new_steps == 1 else (new_steps, padded)
     sharding = (mesh_lib.batch_sharded(mesh) if new_steps == 1
                 else mesh_lib.stacked_batch_sharded(mesh))
-    drop = 1 if steps == 1 else 2
 
     def like(array):
-        return jax.ShapeDtypeStruct(lead + tuple(array.shape[drop:]), array.dtype,
-                                    sharding=sharding, weak_type=jax.typeof(array).weak_type)
+        return jax.ShapeDtypeStruct(
+            lead + tuple(array.shape[drop:]), jax.dtypes.canonicalize_dtype(array.dtype),
+            sharding=sharding, weak_type=getattr(array, "weak_type", False))
 
-    return placement.DeviceBatch(jax.tree.map(like, batch.data), rows)
+    return placement.DeviceBatch(jax.tree.map(like, data), rows)
 
 
-def _in_background(compile_fn):
-    """A Future of `compile_fn()`, run by a daemon thread (a fit never waits on it to end)."""
-    future = concurrent.futures.Future()
+def compile_ahead(entries):
+    """Compile `entries`, `(store, key, lowered)`, in order; `store[key]` gets each.
+
+    In one daemon thread (a fit never waits on it to end), each
+    `store[key]` a Future of its program, when `CompilingFeed.background`;
+    else here. Where compiling fails, `finished` gives None and the call
+    compiles, and raises, itself.
+    """
+    if not CompilingFeed.background:
+        for store, key, lowered in entries:
+            store[key] = lowered.compile()
+        return
+    futures = [concurrent.futures.Future() for _ in entries]
+    for (store, key, _), future in zip(entries, futures):
+        store[key] = future
 
     def run():
-        try:
-            future.set_result(compile_fn())
-        except Exception as error:  # noqa: BLE001 - raised where the program is needed
-            future.set_exception(error)
+        for (_, _, lowered), future in zip(entries, futures):
+            try:
+                future.set_result(lowered.compile())
+            except Exception as error:  # noqa: BLE001 - raised where the program is needed
+                future.set_exception(error)
 
-    threading.Thread(target=run, name="keras_dp-compile", daemon=True).start()
-    return future
+    if entries:
+        threading.Thread(target=run, name="keras_dp-compile", daemon=True).start()
+
+
+def finished(store, key):
+    """`store[key]`'s compiled program once ready (waiting for a Future), or None."""
+    program = store.get(key)
+    if isinstance(program, concurrent.futures.Future):
+        try:
+            program = program.result()
+        except Exception:  # noqa: BLE001 - the call compiles again, where it raises
+            program = None
+    return program

@@ -1,4 +1,4 @@
-"""The train programs, compiled once per call shape, the remainder ahead of time."""
+"""The train and test programs, compiled once per call shape, the rest ahead of time."""
 
 import time
 
@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import keras_dp
+from keras_dp import pipeline
 from keras_dp import placement
 from keras_dp import programs
 from keras_dp import timing
@@ -15,15 +16,21 @@ from conftest import devices, mlp
 
 
 class Compiles:
-    """XLA compilations, each with the moment it ended (`jax.monitoring`)."""
+    """XLA compilations, each with the moment it ended and its function (`jax.monitoring`)."""
 
     def __init__(self):
-        self.ends = []
+        self.ends, self.names = [], []
         jax.monitoring.register_event_duration_secs_listener(self._record)
 
-    def _record(self, name, seconds, **kwargs):
+    def _record(self, name, seconds, fun_name=None, **kwargs):
         if name == "/jax/core/compile/backend_compile_duration":
             self.ends.append(time.perf_counter())
+            self.names.append(fun_name)
+
+    def since(self, count, prefix):
+        """The names after the first `count` compiles that start with `prefix`, and their ends."""
+        return [(name, end) for name, end in zip(self.names[count:], self.ends[count:])
+                if name.startswith(prefix)]
 
 
 COMPILES = Compiles()  # listeners cannot be removed: one for the module
@@ -191,3 +198,88 @@ def test_describe_shows_flops_and_the_fraction_of_peak_where_known():
     assert timing.describe(entry).endswith("1,000 samples/s, 2.5 GFLOP/s")
     entry.update(flops_per_s=None)
     assert timing.describe(entry).endswith("1,000 samples/s")
+
+
+class ValidationTimes(keras.callbacks.Callback):
+    """When each validation (or evaluation) began."""
+
+    def __init__(self):
+        super().__init__()
+        self.begins = []
+
+    def on_test_begin(self, logs=None):
+        self.begins.append(time.perf_counter())
+
+
+def fit_validated(mnist, data_on_device=False):
+    """2 epochs, K=4: train calls (4, 64) and (1, 44); validation (4, 64), (1, 64), (1, 8)."""
+    (x, y), (x_val, y_val) = mnist
+    trainer = keras_dp.ShardedTrainer(mlp(), devices=devices(2), steps_per_execution=4,
+                                      data_on_device=data_on_device)
+    calls, tests, before = CallTimes(), ValidationTimes(), len(COMPILES.names)
+    history = trainer.fit(x[:300], y[:300], batch_size=64, epochs=2, verbose=0,
+                          validation_data=(x_val[:328], y_val[:328]), callbacks=[calls, tests])
+    return trainer, history.history, calls, tests, before
+
+
+@pytest.mark.parametrize("data_on_device", [
+    pytest.param(False, id="host"), pytest.param(True, id="resident", marks=pytest.mark.slow)])
+def test_validation_programs_compile_once_during_the_first_call_and_score_as_before(
+        mnist, data_on_device, monkeypatch):
+    monkeypatch.setattr(programs.CompilingFeed, "background", False)  # ends in a known call
+    trainer, history, calls, tests, before = fit_validated(mnist, data_on_device)
+    x_val, y_val = mnist[1]
+    val = trainer._batches(x_val[:328], y_val[:328], None, 64, False)
+    assert programs.eval_plan(val, 4) == [(4, 64), (1, 64), (1, 8)]
+    test_compiles = COMPILES.since(before, "jit(test_step")
+    # Each validation program once, all in epoch 1's first train call.
+    assert sorted(name for name, _ in test_compiles) == [
+        "jit(test_step)", "jit(test_step)", "jit(test_steps)"]
+    start, seconds = calls.calls[0]
+    assert all(start <= end <= start + seconds < tests.begins[0] for _, end in test_compiles)
+    assert not COMPILES.since(before, "jit(test")[3:]
+
+    # Validation as it ran before: each program compiled by jax.jit at its first call.
+    monkeypatch.setattr(programs.EvalPrograms, "ahead", False)
+    _, plain, _, plain_tests, before = fit_validated(mnist, data_on_device)
+    late = COMPILES.since(before, "jit(test_step")
+    assert len(late) == 3 and all(end > plain_tests.begins[0] for _, end in late)
+    for name in ("val_loss", "val_accuracy"):
+        assert history[name] == plain[name]  # python floats, bitwise
+
+
+def test_evaluate_and_predict_compile_each_program_once(mnist):
+    _, (x, y) = mnist
+    x, y = x[:328], y[:328]  # calls of 4 batches of 64, 1 of 64, 1 of 8
+    trainer = keras_dp.ShardedTrainer(mlp(), devices=devices(2), steps_per_execution=4)
+    before = len(COMPILES.names)
+    first = trainer.evaluate(x, y, batch_size=64, verbose=0, return_dict=True)
+    again = trainer.evaluate(x, y, batch_size=64, verbose=0, return_dict=True)
+    outputs = trainer.predict(x, batch_size=64, verbose=0)
+    trainer.predict(x, batch_size=64, verbose=0)
+    assert sorted(name for name, _ in COMPILES.since(before, "jit(test")) == [
+        "jit(test_step)", "jit(test_step)", "jit(test_steps)"]
+    assert sorted(name for name, _ in COMPILES.since(before, "jit(predict")) == [
+        "jit(predict_step)", "jit(predict_step)", "jit(predict_steps)"]
+    assert first == again
+    correct = np.sum(np.argmax(outputs, axis=1) == y)
+    assert first["accuracy"] == pytest.approx(correct / len(y), abs=1e-6)
+
+
+def test_a_datasets_plan_is_its_first_batchs_calls():
+    batch = (np.zeros((64, 28, 28, 1), "uint8"), np.zeros(64, "int64"), None)
+    dataset = pipeline.make_batches([batch[:2]] * 5)
+    assert programs.eval_plan(dataset, 4) == [(4, 64)]
+    assert programs.eval_plan(dataset, 1) == [(1, 64)]
+
+    class Two(keras.utils.PyDataset):  # known to hold fewer batches than K
+        def __len__(self):
+            return 2
+
+        def __getitem__(self, index):
+            return batch[:2]
+
+    assert programs.eval_plan(pipeline.make_batches(Two()), 4) == [(1, 64)]
+    like = programs.like_host_batch(dataset.peek(), 4, 64, keras_dp.make_mesh(devices(2)))
+    assert [(leaf.shape, str(leaf.dtype)) for leaf in jax.tree.leaves(like)] == [
+        ((4, 64, 28, 28, 1), "uint8"), ((4, 64), "int32")]  # as JAX places them
