@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from keras_dp import memory as memory_lib
 from keras_dp import mesh as mesh_lib
 from keras_dp import pipeline
 from keras_dp import placement
@@ -84,9 +85,8 @@ def fits(nbytes, mesh):
     that do not (XLA:CPU), its copies together at most `CPU_CAP_BYTES`.
     """
     devices = list(mesh.devices.flat)
-    stats = [device.memory_stats() or {} for device in devices]
-    if all("bytes_limit" in stat for stat in stats):
-        free = min(stat["bytes_limit"] - stat.get("bytes_in_use", 0) for stat in stats)
+    free = memory_lib.least_free(devices)
+    if free is not None:
         limit = int(MEMORY_FRACTION * free)
         why = f"{MEMORY_FRACTION:.0%} of the {free:,} bytes free on a device"
         return nbytes <= limit, f"{nbytes:,} bytes of data exceed {limit:,}, {why}"

@@ -283,17 +283,21 @@ class LiveModel:
         with self._interrupts.held():
             self.lost = _unusable(self.state)
             if self.lost is None:
-                self._write(self.state)
-                self.synced, self.model_position = True, self.position
-                self._exchanged = self._arrays()
+                self._give_model(self.state, self.position)
+                self.synced = True
                 self._last_good.reset(self.state, self.position)
                 return
             state, position = self._last_good.confirm(wait=True)
             if state is not None:
-                self._write(state)
-                self.model_position, self.kept = position, True
-                self._exchanged = self._arrays()
+                self._give_model(state, position)
+                self.kept = True
                 self._last_good.stop()  # written once: nothing more to keep
+
+    def _give_model(self, state, position):
+        """Write `state`, at `position`, into the model and note what the model now holds."""
+        self._write(state)
+        self.model_position = position
+        self._exchanged = self._arrays()
 
     def report(self):
         """A sentence for an error that ends fit: which step's weights the model holds."""
