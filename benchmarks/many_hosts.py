@@ -8,7 +8,7 @@ only feed across processes), one warm-up epoch then `--epochs` timed ones
 made to agree on their row counts (`placement.exchange.rounds`), and the
 all-reduces in one train step's compiled program: each is a collective
 between the processes, and the convnet's exact BatchNorm statistics make
-most of them (`--model mlp` has none).
+most of them (`--model mlp`, without BatchNorm, has only its gradients').
 
     python benchmarks/many_hosts.py --reps 2
     python benchmarks/many_hosts.py --reps 3 --xla-flags=--xla_cpu_multi_thread_eigen=false
@@ -72,7 +72,7 @@ def worker():
     model = keras_dp.models.compile_classifier(network)
     trainer = keras_dp.ShardedTrainer(model, steps_per_execution=args.steps_per_execution,
                                       data_on_device=False)
-    callbacks = [TraceLastEpoch(args.epochs)] if args.profile else []
+    callbacks = [trace_epoch(args.epochs)] if args.profile else []
     trainer.fit(x, y, batch_size=args.batch_size, epochs=1 + args.epochs, verbose=0,
                 callbacks=callbacks)
     rates = [entry["samples_per_s"] for entry in trainer.timings[1:]]
@@ -97,35 +97,33 @@ def worker():
         }), flush=True)
 
 
-class TraceLastEpoch:
+def trace_epoch(epoch):
     """A Keras callback tracing epoch `epoch` (0-based) with `jax.profiler`.
 
-    `summary()` reads the trace back (its Perfetto JSON) and sums the
+    Its `summary()` reads the trace back (its Perfetto JSON) and sums the
     compiled programs' operations by kind: the all-reduces (each waits for
     the other devices or processes to arrive, so it includes their skew)
-    and everything else.
+    and everything else. Made in the worker, once Keras may be imported.
     """
+    import tempfile
 
-    def __new__(cls, epoch):
-        import keras
+    import jax
+    import keras
 
-        class Callback(keras.callbacks.Callback):
-            def on_epoch_begin(self, index, logs=None):
-                if index == epoch:
-                    import jax
-                    import tempfile
-                    self.directory = tempfile.mkdtemp(prefix="many_hosts_trace_")
-                    jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
+    class TraceEpoch(keras.callbacks.Callback):
+        def on_epoch_begin(self, index, logs=None):
+            if index == epoch:
+                self.directory = tempfile.mkdtemp(prefix="many_hosts_trace_")
+                jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
 
-            def on_epoch_end(self, index, logs=None):
-                if index == epoch:
-                    import jax
-                    jax.profiler.stop_trace()
+        def on_epoch_end(self, index, logs=None):
+            if index == epoch:
+                jax.profiler.stop_trace()
 
-            def summary(self):
-                return summarise_trace(self.directory)
+        def summary(self):
+            return summarise_trace(self.directory)
 
-        return Callback()
+    return TraceEpoch()
 
 
 def summarise_trace(directory):
