@@ -3,7 +3,7 @@
     python benchmarks/guard_compile.py --model resnet18
     python benchmarks/guard_compile.py --model convnet
 
-`keras_dp.steps.keep_if_not_finite` checks that every new weight and
+`keras_dp.finite.keep_if_not_finite` checks that every new weight and
 optimizer value is finite. Checked with one reduction per variable, that
 check made ResNet-18's train step compile about 3x slower on XLA:CPU; the
 trainer now checks the replicated values of each dtype as one joined vector
@@ -35,9 +35,9 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import keras_dp  # noqa: E402
-from keras_dp import steps as step_lib  # noqa: E402
+from keras_dp import finite  # noqa: E402
 
-guard = step_lib.keep_if_not_finite
+guard = finite.keep_if_not_finite
 VARIANTS = {
     "joined": guard,
     "per variable": lambda new, old, logs, join=True: guard(new, old, logs, join=False),
@@ -49,7 +49,7 @@ batch = (rng.integers(0, 255, (args.batch_size, 28, 28, 1)).astype("uint8"),
 print(f"{args.model}, batch {args.batch_size}, 1 {jax.devices()[0].platform} device, "
       f"jax {jax.__version__}")
 for name, variant in VARIANTS.items():
-    step_lib.keep_if_not_finite = variant  # read when the step is traced
+    finite.keep_if_not_finite = variant  # read when the step is traced
     keras.utils.set_random_seed(0)
     model = keras_dp.models.compile_classifier(keras_dp.models.MODELS[args.model]())
     trainer = keras_dp.ShardedTrainer(model, devices=jax.devices()[:1])
@@ -68,4 +68,4 @@ for name, variant in VARIANTS.items():
     print(f"{name:13s} compile {compile_s:6.1f} s  temp "
           f"{compiled.memory_analysis().temp_size_in_bytes / 1e6:7.1f} MB  "
           f"step {1000 * statistics.median(times[1:]):7.1f} ms", flush=True)
-step_lib.keep_if_not_finite = guard
+finite.keep_if_not_finite = guard

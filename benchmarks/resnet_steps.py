@@ -43,7 +43,7 @@ def main(argv=None):
     import numpy as np
 
     import keras_dp
-    from keras_dp import steps as step_lib
+    from keras_dp import finite
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from systems import _guide_train_step
@@ -78,15 +78,15 @@ def main(argv=None):
     trainer.build(host[0])
     sharded = [trainer.shard(b) for b in host]
     time_steps("keras_dp train_step", trainer.train_step, trainer.init_state(), sharded)
-    guard = step_lib._keep_if_not_finite
-    step_lib._keep_if_not_finite = lambda new, old, logs: new
+    guard = finite.keep_if_not_finite
+    finite.keep_if_not_finite = lambda new, old, logs, join=True: (new, logs)
     try:
         bare_dp = keras_dp.ShardedTrainer(new_model())
         bare_dp.build(host[0])
         time_steps("keras_dp without non-finite guard", bare_dp.train_step,
                    bare_dp.init_state(), sharded)
     finally:
-        step_lib._keep_if_not_finite = guard
+        finite.keep_if_not_finite = guard
 
     model = new_model()
     model.build((None, 28, 28, 1))

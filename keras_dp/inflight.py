@@ -5,7 +5,7 @@ with cross-device all-reduces can deadlock its thread pool (measured: about
 half of the runs with 2 or 8 simulated devices hung), so the trainer keeps
 at most 1 step in flight there, 2 elsewhere. Each step is checked for a
 non-finite loss when it is retired, which costs no extra wait (the step
-makes its loss NaN after a non-finite update too: `steps.keep_if_not_finite`).
+makes its loss NaN after a non-finite update too: `finite.keep_if_not_finite`).
 When the steps do not donate their state, `LastGood` keeps the newest state
 known to have completed, for when a later step fails at run time.
 """
@@ -130,7 +130,7 @@ ADVICE = (
 def failure_message(epoch, step, loss):
     """The error for the first step, batch `step` of (0-based) `epoch`, with non-finite values.
 
-    The compiled step (`steps.keep_if_not_finite`) did not apply that step
+    The compiled step (`finite.keep_if_not_finite`) did not apply that step
     or any after it in the epoch, so the model holds the weights after
     `step` steps of the epoch.
     """

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import keras
 
 from keras_dp import _compat
+from keras_dp import finite
 from keras_dp import layout
 from keras_dp import mesh as mesh_lib
 from keras_dp import placement
@@ -41,7 +42,7 @@ def make_train_step(model, mesh, state_sharding="replicated", donate=True):
     A step whose running loss (`logs["loss"]`, the mean over the epoch so
     far) is NaN or Inf, or whose new trainable or optimizer values are (a
     finite loss with non-finite gradients: `sqrt` at 0), keeps the weights,
-    non-trainable state and optimizer it was given (`keep_if_not_finite`).
+    non-trainable state and optimizer it was given (`finite.keep_if_not_finite`).
     The running loss then stays non-finite, so every later step of the
     epoch keeps them too: however many steps were dispatched before the
     host notices, the state still holds the last good weights.
@@ -116,8 +117,8 @@ def sharded_train_step(model, mesh, state_sharding="replicated"):
 
     def train_step(state, batch):
         new_state, logs = step(state, placement.real_rows(batch, mesh))
-        new_state, logs = keep_if_not_finite(new_state, state, logs,
-                                             join=state_sharding == "replicated")
+        new_state, logs = finite.keep_if_not_finite(new_state, state, logs,
+                                                    join=state_sharding == "replicated")
         shardings = layout.state_shardings(new_state, mesh, state_sharding)
         return layout.constrain(new_state, shardings), _replicated(logs, mesh)
 
@@ -126,62 +127,6 @@ def sharded_train_step(model, mesh, state_sharding="replicated"):
 
 def _replicated(tree, mesh):
     return jax.lax.with_sharding_constraint(tree, mesh_lib.replicated(mesh))
-
-
-def keep_if_not_finite(new_state, state, logs, join=True):
-    """Inside a step: `(new_state, logs)`, undone where the step gave non-finite values.
-
-    If the running loss `logs["loss"]` is NaN or Inf, or a new trainable or
-    optimizer value is (the update, checked rather than the gradients: a
-    `LossScaleOptimizer` skips non-finite gradients itself), the weights,
-    non-trainable values and optimizer of `state` are kept. A non-finite
-    update with a finite loss also sets the float metrics and logs to NaN,
-    so that the running loss says so from this step on, as it does after a
-    non-finite loss: the host finds the step from the loss alone, and every
-    later step of the epoch keeps the state too. Steps without a `loss`
-    log are not checked. `join`: see `_all_finite`.
-    """
-    if "loss" not in logs:
-        return new_state, logs
-    update_finite = _all_finite(new_state.trainable + new_state.optimizer, join)
-    finite = jnp.isfinite(logs["loss"]) & update_finite
-    keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
-
-    def void(value):
-        return jnp.where(update_finite, value, jnp.nan) if _is_float(value) else value
-
-    return new_state._replace(
-        trainable=jax.tree.map(keep, new_state.trainable, state.trainable),
-        non_trainable=jax.tree.map(keep, new_state.non_trainable, state.non_trainable),
-        optimizer=jax.tree.map(keep, new_state.optimizer, state.optimizer),
-        metrics=jax.tree.map(void, new_state.metrics),
-    ), jax.tree.map(void, logs)
-
-
-def _is_float(value):
-    return jnp.issubdtype(jnp.result_type(value), jnp.floating)
-
-
-def _all_finite(values, join):
-    """Whether every float value in `values` is finite (one scalar).
-
-    With `join`, the values of each dtype are checked as one flat vector:
-    XLA fuses the join into a single reduction, where a reduction per
-    variable made the whole train step compile 4.2x slower (ResNet-18 on
-    XLA:CPU: 15.3 s against 3.6 s, and 3.4 s with no check;
-    `benchmarks/guard_compile.py`). The join is paid per step instead: on
-    CPU the copy made ResNet-18's step 17% slower than the per-variable
-    check, and it takes 8% more temporary memory. Only for values laid out alike
-    (replicated): joining split arrays would make XLA gather them.
-    """
-    floats = [value for value in jax.tree.leaves(values) if _is_float(value)]
-    if join:
-        by_dtype = {}
-        for value in floats:
-            by_dtype.setdefault(jnp.result_type(value), []).append(jnp.ravel(value))
-        floats = [jnp.concatenate(group) for group in by_dtype.values()]
-    checks = [jnp.all(jnp.isfinite(value)) for value in floats]
-    return jnp.all(jnp.stack(checks)) if checks else jnp.asarray(True)
 
 
 def model_train_step(model, constrain_grads=None):

@@ -39,6 +39,7 @@ MODULES = [
     "keras_dp.compilation_cache",
     "keras_dp.loop",
     "keras_dp.steps",
+    "keras_dp.finite",
     "keras_dp.state",
     "keras_dp.mesh",
     "keras_dp.build",

@@ -127,7 +127,7 @@ def train_epoch(trainer, live, sources, epoch, callbacks):
 def failure_message(epoch, failed, losses):
     """The error for members whose loss or update stopped being finite, `failed`: `[(member, batch)]`.
 
-    The guard in the compiled step (`steps.keep_if_not_finite`) sets a
+    The guard in the compiled step (`finite.keep_if_not_finite`) sets a
     member's logs to NaN after a non-finite update, so both show in its loss.
     """
     which = ", ".join(f"member {member} at batch {batch} (loss {losses[member]})"

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from keras_dp import finite
 from keras_dp import mesh as mesh_lib
 from keras_dp import steps as steps_lib
 
@@ -27,7 +28,7 @@ def make_train_step(model, mesh, per_member_batches=False, steps=1):
     `model.compute_loss_and_updates`, its gradient, and
     `optimizer.stateless_apply`; the metrics update as under `model.fit`.
     A member whose loss or update is not finite keeps its weights and
-    optimizer state from before that step (`keras_dp.steps.keep_if_not_finite`,
+    optimizer state from before that step (`keras_dp.finite.keep_if_not_finite`,
     as `fit_sharded` does), so one member's NaN never reaches the others or
     its own weights.
 
@@ -65,7 +66,7 @@ def make_train_step(model, mesh, per_member_batches=False, steps=1):
 def _guarded(step):
     def guarded(state, batch):
         new_state, logs = step(state, batch)
-        return steps_lib.keep_if_not_finite(new_state, state, logs)
+        return finite.keep_if_not_finite(new_state, state, logs)
 
     return guarded
 
