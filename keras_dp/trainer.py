@@ -334,7 +334,9 @@ class ShardedTrainer:
             memory_lib.check_fits(plan)
         val = None
         if validation_data is not None:
-            val = self._batches(validation_data, None, None, batch_size, False)
+            # As in model.fit, `batch_size` slices validation arrays; a dataset is batched.
+            val_batch_size = batch_size if pipeline.is_array_data(validation_data) else None
+            val = self._batches(validation_data, None, None, val_batch_size, False)
             self.build(val.peek())  # bad validation labels fail now, not after epoch 1
         callbacks_lib.check_validation_freq(validation_freq)
         checkpoints, resume = checkpoint_lib.open_for_fit(

@@ -64,6 +64,17 @@ def test_a_py_dataset_trains_with_its_epoch_hooks(data):
     assert trainer.model.optimizer.iterations.numpy() == 3 * len(dataset)
 
 
+def test_a_validation_dataset_beside_training_arrays_and_their_batch_size(data):
+    x, y = data
+    validation = Batches(x[:128], y[:128])  # batched already: batch_size is for x
+    reference = mlp()
+    expected = reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                             validation_data=validation).history
+    history = keras_dp.fit_sharded(mlp(), x, y, batch_size=BATCH, epochs=2, shuffle=False,
+                                   verbose=0, validation_data=validation, devices=devices(2))
+    np.testing.assert_allclose(history.history["val_loss"], expected["val_loss"], rtol=1e-5)
+
+
 def test_a_python_generator_trains(data):
     x, y = data
 

@@ -33,6 +33,7 @@ __all__ = [
     "class_weight_to_sample_weight",
     "group_steps",
     "hide_gpus_from_tensorflow",
+    "is_array_data",
     "make_batches",
     "prefetch",
     "split_validation",
@@ -65,7 +66,7 @@ def make_batches(x, y=None, sample_weight=None, *, batch_size=None, shuffle=Fals
     """
     if x is None:
         raise ValueError("No training data: pass x (and y), or a dataset.")
-    if _is_array_data(x, y):
+    if is_array_data(x, y):
         if isinstance(x, tuple) and y is None:
             x, y, sample_weight = unpack(x)
         check_not_ragged(x)
@@ -109,7 +110,7 @@ def split_validation(x, y, sample_weight, validation_split, validation_data=None
             "`validation_split` is the fraction of rows held out, between 0 "
             f"and 1. Received: validation_split={validation_split}."
         )
-    if not _is_array_data(x, y):
+    if not is_array_data(x, y):
         raise ValueError(
             "`validation_split` works on arrays only; a dataset cannot be "
             "split without reading it. Pass `validation_data=` instead. "
@@ -133,7 +134,11 @@ def split_validation(x, y, sample_weight, validation_split, validation_data=None
     )
 
 
-def _is_array_data(x, y):
+def is_array_data(x, y=None):
+    """Whether `x` (beside `y`) is in-memory arrays, which `batch_size` slices.
+
+    A dataset, generator or other iterable is batched already.
+    """
     if isinstance(x, tuple) and y is None:  # a packed (x, y[, sample_weight])
         x = x[0] if x else None
     # A list or tuple is several model inputs only beside `y` (as in
