@@ -75,6 +75,39 @@ def test_a_validation_dataset_beside_training_arrays_and_their_batch_size(data):
     np.testing.assert_allclose(history.history["val_loss"], expected["val_loss"], rtol=1e-5)
 
 
+class Endless(Batches):
+    """`Batches` without a length, in a fixed order: an endless dataset, as `.repeat()` gives."""
+
+    num_batches = None
+
+    def on_epoch_end(self):
+        pass
+
+    def __getitem__(self, index):
+        return super().__getitem__(index % (len(self.x) // BATCH))
+
+
+def test_validation_steps_and_evaluate_and_predict_steps_read_an_endless_dataset(data):
+    x, y = data
+    endless = Endless(x[:256], y[:256])
+    reference = mlp()
+    expected = reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                             validation_data=endless, validation_steps=3).history
+    model = mlp()
+    history = keras_dp.fit_sharded(model, x, y, batch_size=BATCH, epochs=2, shuffle=False,
+                                   verbose=0, validation_data=endless, validation_steps=3,
+                                   devices=devices(2))
+    np.testing.assert_allclose(history.history["val_loss"], expected["val_loss"], rtol=1e-5)
+    trainer = keras_dp.ShardedTrainer(model, devices=devices(2))
+    np.testing.assert_allclose(trainer.evaluate(endless, steps=5, verbose=0),
+                               model.evaluate(endless, steps=5, verbose=0), rtol=1e-5)
+    outputs = trainer.predict(Endless(x[:256], y[:256]), steps=5, verbose=0)
+    assert outputs.shape == (5 * BATCH, 10)
+    rows = np.concatenate([x[:256], x[:BATCH]])  # 4 batches, then the first again
+    np.testing.assert_allclose(outputs, model.predict(rows, verbose=0),
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_a_python_generator_trains(data):
     x, y = data
 

@@ -20,6 +20,7 @@ from keras_dp.pipeline.batch import class_weight_to_sample_weight
 from keras_dp.pipeline.batch import unpack
 from keras_dp.pipeline.iterables import IterableBatches
 from keras_dp.pipeline.iterables import hide_gpus_from_tensorflow
+from keras_dp.pipeline.stream import FirstSteps
 from keras_dp.pipeline.stream import StepsPerEpoch
 from keras_dp.pipeline.stream import group_steps
 from keras_dp.pipeline.stream import prefetch
@@ -27,6 +28,7 @@ from keras_dp.pipeline.stream import steps_per_execution
 
 __all__ = [
     "ArrayBatches",
+    "FirstSteps",
     "IterableBatches",
     "StepsPerEpoch",
     "batch_rows",
