@@ -13,7 +13,24 @@ from keras_dp.pipeline import grain_source
 from keras_dp.pipeline.batch import batch_rows
 
 
-class StepsPerEpoch:
+class FixedSteps:
+    """The base of `StepsPerEpoch` and `FirstSteps`: what they pass through to their data."""
+
+    def peek(self):
+        """The first batch of the underlying data."""
+        return self._batches.peek()
+
+    @property
+    def labels_checked(self):
+        """Whether `check_labels` has run (on the underlying data)."""
+        return self._batches.labels_checked
+
+    def check_labels(self, check, what):
+        """Check the underlying data's labels (see its `check_labels`)."""
+        self._batches.check_labels(check, what)
+
+
+class StepsPerEpoch(FixedSteps):
     """Epochs of a fixed number of steps, drawn from one continuing stream.
 
     Epoch e takes the next `steps` batches. When the data ends, a
@@ -33,19 +50,6 @@ class StepsPerEpoch:
         self._batches = batches
         self._stream = None  # started by the first `epoch`
         self._states = {}  # a Grain source's state at each (epoch, steps), while recording
-
-    def peek(self):
-        """The first batch of the underlying data."""
-        return self._batches.peek()
-
-    @property
-    def labels_checked(self):
-        """Whether `check_labels` has run (on the underlying data)."""
-        return self._batches.labels_checked
-
-    def check_labels(self, check, what):
-        """Check the underlying data's labels (see its `check_labels`)."""
-        self._batches.check_labels(check, what)
 
     @property
     def resumable(self):
@@ -101,7 +105,7 @@ class StepsPerEpoch:
             yield from self._batches.epoch(data_pass)
 
 
-class FirstSteps:
+class FirstSteps(FixedSteps):
     """The first `steps` batches of the data, read afresh at every pass.
 
     This is how `model.evaluate(steps=...)` and `model.fit(validation_steps=...)`
@@ -118,19 +122,6 @@ class FirstSteps:
         self._batches = batches
         self.steps = int(steps) if batches.steps is None else min(int(steps), batches.steps)
         self._asked = int(steps)
-
-    def peek(self):
-        """The first batch of the underlying data."""
-        return self._batches.peek()
-
-    @property
-    def labels_checked(self):
-        """Whether `check_labels` has run (on the underlying data)."""
-        return self._batches.labels_checked
-
-    def check_labels(self, check, what):
-        """Check the underlying data's labels (see its `check_labels`)."""
-        self._batches.check_labels(check, what)
 
     def epoch(self, epoch, skip=0):
         """Yield the data's first `steps` batches, from batch `skip` on."""
