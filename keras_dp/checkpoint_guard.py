@@ -61,9 +61,15 @@ class DirectoryLock:
     """
 
     def __init__(self, directory):
-        os.makedirs(directory, exist_ok=True)
         self.path = os.path.join(directory, LOCK_FILE)
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            os.makedirs(directory, exist_ok=True)
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as error:  # a file there, no permission, a read-only disk
+            raise type(error)(error.errno, (
+                f"checkpoint_dir {directory} cannot be used ({error.strerror}): it "
+                "must be a directory this process can create and write to. Pass "
+                "another path."), error.filename) from None
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as error:

@@ -7,7 +7,7 @@ def fit_sharded(model, x=None, y=None, *, epochs=1, batch_size=None,
                 validation_split=0.0, validation_data=None, callbacks=None,
                 verbose="auto", shuffle=True, class_weight=None,
                 sample_weight=None, initial_epoch=0, steps_per_epoch=None,
-                validation_freq=1, steps_per_execution=None, optimizer=None,
+                validation_steps=None, validation_freq=1, steps_per_execution=None, optimizer=None,
                 loss=None, metrics=None, mesh=None, devices=None, seed=0,
                 checkpoint_dir=None, state_sharding="replicated", data_on_device="auto",
                 keep_last_good="auto", compilation_cache=True, profile_dir=None):
@@ -28,7 +28,7 @@ def fit_sharded(model, x=None, y=None, *, epochs=1, batch_size=None,
         y, sample_weight: arrays, with array `x` only.
         epochs, batch_size, validation_split, validation_data, callbacks,
             verbose, shuffle, class_weight, initial_epoch, steps_per_epoch,
-            validation_freq: as in `model.fit` (see `ShardedTrainer.fit`);
+            validation_steps, validation_freq: as in `model.fit` (see `ShardedTrainer.fit`);
             `batch_size` is the global batch, any size.
         steps_per_execution: steps per compiled call in training and
             validation (default: the model's, from `compile`); the result
@@ -83,6 +83,6 @@ def fit_sharded(model, x=None, y=None, *, epochs=1, batch_size=None,
         validation_data=validation_data, shuffle=shuffle,
         class_weight=class_weight, sample_weight=sample_weight,
         initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
-        validation_freq=validation_freq, checkpoint_dir=checkpoint_dir,
+        validation_steps=validation_steps, validation_freq=validation_freq, checkpoint_dir=checkpoint_dir,
         profile_dir=profile_dir,
     )

@@ -127,10 +127,10 @@ def fit(trainer, batches, val, callbacks, *, epochs, resume, validation_freq,
     callbacks.on_train_begin()
     start = _compat.take_initial_epoch(model) or resume.epoch
     try:
-        with run.live.attached(), preemption_lib.preemption(trainer.multiprocess) as preemption:
+        with run.live.attached(), preemption_lib.preemption(
+                trainer.multiprocess, saving=checkpoints is not None) as preemption:
             # Across processes JAX's runtime takes SIGTERM: act on it, saved or not.
-            run.preemption = (preemption if checkpoints is not None or trainer.multiprocess
-                              else None)
+            run.preemption = preemption
             for epoch in range(start, epochs):
                 validate_now = val is not None and callbacks_lib.should_validate(
                     epoch, validation_freq)

@@ -9,6 +9,7 @@ process and they agree on one step at which all of them stop
 (`SyncedPreemption`), so the checkpoint they write together is whole.
 """
 
+import contextlib
 import signal
 import sys
 import threading
@@ -41,9 +42,16 @@ class Preemption:
         self.requested = True
 
 
-def preemption(multiprocess):
-    """The SIGTERM watcher of a fit: `Preemption`, or `SyncedPreemption` across processes."""
-    return SyncedPreemption() if multiprocess else Preemption()
+def preemption(multiprocess, saving=True):
+    """The SIGTERM watcher of a fit: `Preemption`, or `SyncedPreemption` across processes.
+
+    In one process that saves no checkpoints (`saving` False) it watches
+    nothing and yields None: SIGTERM keeps its default action and ends the
+    process at once, rather than being recorded and never acted on.
+    """
+    if multiprocess:
+        return SyncedPreemption()
+    return Preemption() if saving else contextlib.nullcontext()
 
 
 class SyncedPreemption:

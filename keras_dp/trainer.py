@@ -265,8 +265,8 @@ class ShardedTrainer:
     def fit(self, x=None, y=None, *, batch_size=None, epochs=1, verbose="auto",
             callbacks=None, validation_split=0.0, validation_data=None,
             shuffle=True, class_weight=None, sample_weight=None,
-            initial_epoch=0, steps_per_epoch=None, validation_freq=1,
-            checkpoint_dir=None, profile_dir=None):
+            initial_epoch=0, steps_per_epoch=None, validation_steps=None,
+            validation_freq=1, checkpoint_dir=None, profile_dir=None):
         """Train for `epochs` epochs, as `model.fit` does, on every device.
 
         Every row is used exactly once per epoch, whatever `batch_size` and
@@ -298,6 +298,9 @@ class ShardedTrainer:
                 from one continuing stream (for endless datasets). A
                 re-iterable source restarts when it ends; a one-shot
                 iterator that runs out stops training with a warning.
+            validation_steps: score the first this many validation batches
+                each time, as `model.fit` does (needed for an endless
+                validation dataset). None: the whole validation data.
             validation_freq: validate every this many epochs (an int), or
                 after the listed epochs (1-based, as in Keras).
             checkpoint_dir: save the whole training state there (see
@@ -334,7 +337,10 @@ class ShardedTrainer:
             memory_lib.check_fits(plan)
         val = None
         if validation_data is not None:
-            val = self._batches(validation_data, None, None, batch_size, False)
+            # As in model.fit, `batch_size` slices validation arrays; a dataset is batched.
+            val_batch_size = batch_size if pipeline.is_array_data(validation_data) else None
+            val = self._batches(validation_data, None, None, val_batch_size, False,
+                                steps=validation_steps)
             self.build(val.peek())  # bad validation labels fail now, not after epoch 1
         callbacks_lib.check_validation_freq(validation_freq)
         checkpoints, resume = checkpoint_lib.open_for_fit(
@@ -353,15 +359,18 @@ class ShardedTrainer:
             )
 
     def evaluate(self, x=None, y=None, *, batch_size=None, verbose="auto",
-                 sample_weight=None, callbacks=None, return_dict=False):
+                 sample_weight=None, steps=None, callbacks=None, return_dict=False):
         """Return the loss and metrics over all rows, as `model.evaluate` does.
+
+        With `steps`, over the first `steps` batches only (needed for an
+        endless dataset).
 
         Returns:
             The loss alone when there are no metrics, else a list in the
             order of `model.metrics_names`, or a dict with `return_dict`.
         """
         build_lib.require_compiled(self.model, "evaluate")
-        batches = self._batches(x, y, sample_weight, batch_size, False)
+        batches = self._batches(x, y, sample_weight, batch_size, False, steps=steps)
         self.build(batches.peek())
         callbacks = callbacks_lib.callback_list(callbacks, self.model, verbose, steps=batches.steps)
         logs, non_trainable, metrics = loop.evaluate(
@@ -372,14 +381,17 @@ class ShardedTrainer:
             return logs
         return callbacks_lib.in_evaluate_order(logs, self.model)
 
-    def predict(self, x, *, batch_size=None, verbose="auto", callbacks=None):
+    def predict(self, x, *, batch_size=None, verbose="auto", steps=None, callbacks=None):
         """Return the model's outputs for every row of `x`, in order.
+
+        With `steps`, for the rows of the first `steps` batches only (needed
+        for an endless dataset).
 
         Returns:
             Numpy arrays with the structure of the model's outputs and
             exactly one row per input row.
         """
-        batches = self._batches(x, None, None, batch_size, False)
+        batches = self._batches(x, None, None, batch_size, False, steps=steps)
         self.build(batches.peek(), for_training=False)
         callbacks = callbacks_lib.callback_list(callbacks, self.model, verbose, steps=batches.steps)
         shardings = layout.state_shardings(TrainState(
@@ -388,12 +400,14 @@ class ShardedTrainer:
         return loop.predict(self, model_weights(self.model, self.mesh, shardings), batches,
                             callbacks)
 
-    def _batches(self, x, y, sample_weight, batch_size, shuffle, class_weight=None):
+    def _batches(self, x, y, sample_weight, batch_size, shuffle, class_weight=None,
+                 steps=None):
         if batch_size is not None:
             # `batch_size` is global; each process slices its part of it.
             batch_size = self.placement.local_batch_size(batch_size)
-        return pipeline.make_batches(
+        batches = pipeline.make_batches(
             x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
             seed=self.seed, class_weight=class_weight,
         )
+        return batches if steps is None else pipeline.FirstSteps(batches, steps)
 

@@ -265,6 +265,18 @@ def test_a_directory_in_use_by_a_live_run_is_refused_and_a_dead_runs_lock_taken_
     assert sorted(os.listdir(tmp_path)) == [".keras_dp.lock", "0"]
 
 
+def test_a_checkpoint_dir_that_is_a_file_is_named_before_the_first_step(data, tmp_path):
+    path = tmp_path / "weights.txt"
+    path.write_text("not a directory")
+    model = mlp()
+    with pytest.raises(FileExistsError, match=r"checkpoint_dir .*weights.txt cannot be used "
+                                              r"\(File exists\): it must be a directory") as raised:
+        fit(model, data, epochs=1, checkpoint_dir=path)
+    assert raised.value.__cause__ is None and raised.value.__suppress_context__
+    assert int(model.optimizer.iterations.numpy()) == 0  # no step taken
+    assert path.read_text() == "not a directory"
+
+
 def full_disk(tmp_path, mib, case):
     """Run `scripts/full_disk.py` on a real tmpfs of `mib` MiB in a private mount namespace."""
     mount = tmp_path / "mnt"

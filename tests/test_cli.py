@@ -176,6 +176,7 @@ def test_help_and_argument_errors_load_neither_keras_nor_jax():
     (["launch", "--processes", "0"], "argument --processes: must be at least 1, got 0"),
     (["train", "--bogus"], "unrecognized arguments: --bogus"),
     (["train", "--data-on-device", "yes"], "invalid choice: 'yes'"),
+    (["train", "--data-dir", "/no/such/dir"], "--data-dir: no MNIST file at /no/such/dir."),
 ])
 def test_bad_arguments_fail_with_usage_before_anything_runs(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -63,6 +63,33 @@ def test_sigterm_saves_and_exits_143_cleanly(tmp_path):
     sigterm_exit(tmp_path, seed=3, host=True)  # with the look-ahead thread running
 
 
+def test_sigterm_without_a_checkpoint_dir_keeps_its_own_handler_during_fit():
+    # Before the fix, fit recorded SIGTERM and never acted on it: `kill` and
+    # `timeout` could not stop a run without checkpoint_dir.
+    import signal
+
+    received = []
+    previous = signal.signal(signal.SIGTERM, lambda *_: received.append(steps.steps))
+    steps = keras.callbacks.LambdaCallback()
+    steps.steps = 0
+
+    def on_batch_end(batch, logs):
+        steps.steps += 1
+        if steps.steps == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    steps.on_train_batch_end = on_batch_end
+    rng = np.random.default_rng(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    model.compile("sgd", "mse")
+    try:
+        keras_dp.fit_sharded(model, rng.normal(size=(40, 4)), rng.normal(size=(40, 3)),
+                             batch_size=8, verbose=0, devices=devices(2), callbacks=[steps])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert received == [3] and steps.steps == 5
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # 30 processes: over setup.cfg's 300 s on a loaded machine
 def test_sigterm_soak(tmp_path):

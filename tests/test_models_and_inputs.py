@@ -64,6 +64,50 @@ def test_a_py_dataset_trains_with_its_epoch_hooks(data):
     assert trainer.model.optimizer.iterations.numpy() == 3 * len(dataset)
 
 
+def test_a_validation_dataset_beside_training_arrays_and_their_batch_size(data):
+    x, y = data
+    validation = Batches(x[:128], y[:128])  # batched already: batch_size is for x
+    reference = mlp()
+    expected = reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                             validation_data=validation).history
+    history = keras_dp.fit_sharded(mlp(), x, y, batch_size=BATCH, epochs=2, shuffle=False,
+                                   verbose=0, validation_data=validation, devices=devices(2))
+    np.testing.assert_allclose(history.history["val_loss"], expected["val_loss"], rtol=1e-5)
+
+
+class Endless(Batches):
+    """`Batches` without a length, in a fixed order: an endless dataset, as `.repeat()` gives."""
+
+    num_batches = None
+
+    def on_epoch_end(self):
+        pass
+
+    def __getitem__(self, index):
+        return super().__getitem__(index % (len(self.x) // BATCH))
+
+
+def test_validation_steps_and_evaluate_and_predict_steps_read_an_endless_dataset(data):
+    x, y = data
+    endless = Endless(x[:256], y[:256])
+    reference = mlp()
+    expected = reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                             validation_data=endless, validation_steps=3).history
+    model = mlp()
+    history = keras_dp.fit_sharded(model, x, y, batch_size=BATCH, epochs=2, shuffle=False,
+                                   verbose=0, validation_data=endless, validation_steps=3,
+                                   devices=devices(2))
+    np.testing.assert_allclose(history.history["val_loss"], expected["val_loss"], rtol=1e-5)
+    trainer = keras_dp.ShardedTrainer(model, devices=devices(2))
+    np.testing.assert_allclose(trainer.evaluate(endless, steps=5, verbose=0),
+                               model.evaluate(endless, steps=5, verbose=0), rtol=1e-5)
+    outputs = trainer.predict(Endless(x[:256], y[:256]), steps=5, verbose=0)
+    assert outputs.shape == (5 * BATCH, 10)
+    rows = np.concatenate([x[:256], x[:BATCH]])  # 4 batches, then the first again
+    np.testing.assert_allclose(outputs, model.predict(rows, verbose=0),
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_a_python_generator_trains(data):
     x, y = data
 
@@ -120,6 +164,28 @@ def test_a_functional_model_with_two_inputs_and_two_outputs(data):
     losses = fit(model, inputs, labels, batch_size=BATCH, shuffle=False)
     np.testing.assert_allclose(losses, expected, rtol=1e-5)
     assert_falls(losses)
+    assert_weights_close(model, reference)
+
+
+def test_a_tuple_of_input_arrays_beside_y_is_the_models_inputs_as_in_model_fit(data):
+    x, y = data[0][:100].reshape(100, -1) / 255, data[1][:100]
+
+    def two_inputs():
+        keras.utils.set_random_seed(0)
+        image, extra = keras.Input((784,)), keras.Input((4,))
+        hidden = keras.layers.Concatenate()([keras.layers.Dense(8)(image), extra])
+        model = keras.Model((image, extra), keras.layers.Dense(10)(hidden))
+        model.compile(keras.optimizers.SGD(0.1),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    inputs = (x.astype("float32"), np.random.default_rng(0).normal(size=(100, 4)))
+    reference = two_inputs()
+    expected = reference.fit(inputs, y, batch_size=30, epochs=2, shuffle=False,
+                             verbose=0).history["loss"]
+    model = two_inputs()
+    np.testing.assert_allclose(fit(model, inputs, y, batch_size=30, epochs=2, shuffle=False),
+                               expected, rtol=1e-5)
     assert_weights_close(model, reference)
 
 

@@ -137,6 +137,12 @@ def main(argv=None):
     if getattr(args, "ensemble", None) is not None and args.state_sharding != "replicated":
         parser.error("--state-sharding splits one model's state over the devices; an "
                      "ensemble already keeps each member on its own device. Drop one.")
+    data_dir = getattr(args, "data_dir", None)
+    if data_dir is not None and not os.path.isfile(
+            os.path.join(data_dir, "mnist.npz") if os.path.isdir(data_dir) else data_dir):
+        # Checked here, before Keras and JAX load, as the other arguments are.
+        parser.error(f"--data-dir: no MNIST file at {data_dir}. Pass a directory that "
+                     "holds mnist.npz (Keras's layout), or the file itself.")
     if args.command == "launch":
         from keras_dp.cli.launch import launch
 

@@ -160,7 +160,9 @@ class EnsembleTrainer:
         self.build(sources[0].peek())
         val = None
         if validation_data is not None:
-            val = self._batches(validation_data, None, None, batch_size, False, self.seed)
+            # As in model.fit, `batch_size` slices validation arrays; a dataset is batched.
+            val_batch_size = batch_size if pipeline.is_array_data(validation_data) else None
+            val = self._batches(validation_data, None, None, val_batch_size, False, self.seed)
             self.build(val.peek())  # bad validation labels fail now, not after epoch 1
         callbacks = callbacks_lib.callback_list(
             callbacks, self.averaging_model(), verbose, epochs=epochs,

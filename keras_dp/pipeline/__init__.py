@@ -20,6 +20,7 @@ from keras_dp.pipeline.batch import class_weight_to_sample_weight
 from keras_dp.pipeline.batch import unpack
 from keras_dp.pipeline.iterables import IterableBatches
 from keras_dp.pipeline.iterables import hide_gpus_from_tensorflow
+from keras_dp.pipeline.stream import FirstSteps
 from keras_dp.pipeline.stream import StepsPerEpoch
 from keras_dp.pipeline.stream import group_steps
 from keras_dp.pipeline.stream import prefetch
@@ -27,12 +28,14 @@ from keras_dp.pipeline.stream import steps_per_execution
 
 __all__ = [
     "ArrayBatches",
+    "FirstSteps",
     "IterableBatches",
     "StepsPerEpoch",
     "batch_rows",
     "class_weight_to_sample_weight",
     "group_steps",
     "hide_gpus_from_tensorflow",
+    "is_array_data",
     "make_batches",
     "prefetch",
     "split_validation",
@@ -65,7 +68,7 @@ def make_batches(x, y=None, sample_weight=None, *, batch_size=None, shuffle=Fals
     """
     if x is None:
         raise ValueError("No training data: pass x (and y), or a dataset.")
-    if _is_array_data(x, y):
+    if is_array_data(x, y):
         if isinstance(x, tuple) and y is None:
             x, y, sample_weight = unpack(x)
         check_not_ragged(x)
@@ -109,7 +112,7 @@ def split_validation(x, y, sample_weight, validation_split, validation_data=None
             "`validation_split` is the fraction of rows held out, between 0 "
             f"and 1. Received: validation_split={validation_split}."
         )
-    if not _is_array_data(x, y):
+    if not is_array_data(x, y):
         raise ValueError(
             "`validation_split` works on arrays only; a dataset cannot be "
             "split without reading it. Pass `validation_data=` instead. "
@@ -133,11 +136,16 @@ def split_validation(x, y, sample_weight, validation_split, validation_data=None
     )
 
 
-def _is_array_data(x, y):
+def is_array_data(x, y=None):
+    """Whether `x` (beside `y`) is in-memory arrays, which `batch_size` slices.
+
+    A dataset, generator or other iterable is batched already.
+    """
     if isinstance(x, tuple) and y is None:  # a packed (x, y[, sample_weight])
         x = x[0] if x else None
-    # A list is several model inputs only beside `y`; alone it is a list of batches.
+    # A list or tuple is several model inputs only beside `y` (as in
+    # model.fit); alone it is a list of batches, or a packed tuple.
     return isinstance(x, dict) or hasattr(x, "__array__") or (
-        isinstance(x, list) and y is not None
+        isinstance(x, (list, tuple)) and y is not None
     )
 

@@ -51,13 +51,13 @@ def short_list(items, limit=6):
 
 
 def check_not_ragged(x):
-    """Raise a `ValueError` with the fix if `x`, a list beside `y`, is items of several lengths.
+    """Raise a `ValueError` with the fix if `x`, a list or tuple beside `y`, is items of several lengths.
 
     Such a list is read as the model's inputs, which must all have one row
     per sample; a list of samples of different lengths (tokenised text)
     needs padding to one length first.
     """
-    if not isinstance(x, list) or len(x) < 2:
+    if not isinstance(x, (list, tuple)) or len(x) < 2:
         return
     lengths = {_length(item) for item in x}
     if len(lengths) < 2:
@@ -65,7 +65,7 @@ def check_not_ragged(x):
     known = sorted(length for length in lengths if length is not None)
     span = f"{known[0]} to {known[-1]}" if known else "none"
     raise ValueError(
-        f"x is a Python list of {len(x)} items of different lengths ({span}"
+        f"x is a Python {type(x).__name__} of {len(x)} items of different lengths ({span}"
         f"{', and scalars' if None in lengths else ''}). Beside y, a list is "
         "read as the model's inputs, which all need one row per sample. If "
         "the items are samples (sequences of different lengths), pad them to "

@@ -13,7 +13,24 @@ from keras_dp.pipeline import grain_source
 from keras_dp.pipeline.batch import batch_rows
 
 
-class StepsPerEpoch:
+class FixedSteps:
+    """The base of `StepsPerEpoch` and `FirstSteps`: what they pass through to their data."""
+
+    def peek(self):
+        """The first batch of the underlying data."""
+        return self._batches.peek()
+
+    @property
+    def labels_checked(self):
+        """Whether `check_labels` has run (on the underlying data)."""
+        return self._batches.labels_checked
+
+    def check_labels(self, check, what):
+        """Check the underlying data's labels (see its `check_labels`)."""
+        self._batches.check_labels(check, what)
+
+
+class StepsPerEpoch(FixedSteps):
     """Epochs of a fixed number of steps, drawn from one continuing stream.
 
     Epoch e takes the next `steps` batches. When the data ends, a
@@ -33,19 +50,6 @@ class StepsPerEpoch:
         self._batches = batches
         self._stream = None  # started by the first `epoch`
         self._states = {}  # a Grain source's state at each (epoch, steps), while recording
-
-    def peek(self):
-        """The first batch of the underlying data."""
-        return self._batches.peek()
-
-    @property
-    def labels_checked(self):
-        """Whether `check_labels` has run (on the underlying data)."""
-        return self._batches.labels_checked
-
-    def check_labels(self, check, what):
-        """Check the underlying data's labels (see its `check_labels`)."""
-        self._batches.check_labels(check, what)
 
     @property
     def resumable(self):
@@ -99,6 +103,36 @@ class StepsPerEpoch:
             if not self._batches.reiterable:
                 return
             yield from self._batches.epoch(data_pass)
+
+
+class FirstSteps(FixedSteps):
+    """The first `steps` batches of the data, read afresh at every pass.
+
+    This is how `model.evaluate(steps=...)` and `model.fit(validation_steps=...)`
+    read their data: Keras restarts it for each evaluation, so an endless
+    dataset can be scored. Data with fewer batches is read whole, with a
+    warning, as Keras does.
+    """
+
+    def __init__(self, batches, steps):
+        if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
+            raise ValueError(
+                f"`steps` and `validation_steps` must be an int of at least 1. Received: {steps!r}."
+            )
+        self._batches = batches
+        self.steps = int(steps) if batches.steps is None else min(int(steps), batches.steps)
+        self._asked = int(steps)
+
+    def epoch(self, epoch, skip=0):
+        """Yield the data's first `steps` batches, from batch `skip` on."""
+        count = skip
+        for batch in itertools.islice(self._batches.epoch(epoch, skip), self._asked - skip):
+            count += 1
+            yield batch
+        if count < self._asked:
+            warnings.warn(
+                f"The data ran out after {count} batches, fewer than the "
+                f"{self._asked} steps asked for; all {count} were used.", stacklevel=2)
 
 
 # How long closing a `prefetch` waits for its producer to finish an item.
