@@ -64,6 +64,37 @@ def test_a_py_dataset_trains_with_its_epoch_hooks(data):
     assert trainer.model.optimizer.iterations.numpy() == 3 * len(dataset)
 
 
+class Recording(Batches):
+    """`Batches` that records which batch indices were read, epoch by epoch."""
+
+    def __init__(self, x, y):
+        super().__init__(x, y)
+        self.read = [[]]
+
+    def __getitem__(self, index):
+        self.read[-1].append(index)
+        return super().__getitem__(index)
+
+    def on_epoch_end(self):
+        self.read.append([])
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_a_py_dataset_is_read_in_a_seeded_new_order_each_epoch_with_shuffle(data, shuffle):
+    # As model.fit does with a PyDataset of known length, but seeded.
+    dataset = Recording(*data)
+    trainer = keras_dp.ShardedTrainer(mlp(), devices=devices(2), seed=3)
+    trainer.fit(dataset, epochs=2, shuffle=shuffle, verbose=0)
+    # peek reads batch 0 of epoch 0's order first, for the model's shapes.
+    first, second = dataset.read[0][1:], dataset.read[1]
+    if shuffle:
+        assert first == np.random.default_rng([3, 0]).permutation(8).tolist()
+        assert second == np.random.default_rng([3, 1]).permutation(8).tolist()
+        assert first != second
+    else:
+        assert first == second == list(range(8))
+
+
 def test_a_validation_dataset_beside_training_arrays_and_their_batch_size(data):
     x, y = data
     validation = Batches(x[:128], y[:128])  # batched already: batch_size is for x

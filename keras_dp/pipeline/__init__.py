@@ -55,7 +55,9 @@ def make_batches(x, y=None, sample_weight=None, *, batch_size=None, shuffle=Fals
         batch_size: global rows per step for arrays (default 32, as in
             Keras), any positive number whatever the device count; must be
             `None` for datasets, which are batched already.
-        shuffle: reshuffle array rows every epoch (seeded by `seed`).
+        shuffle: reshuffle array rows every epoch (seeded by `seed`), or
+            a `keras.utils.PyDataset`'s batches (by index, as `model.fit`
+            does); other datasets are read as they come.
         seed: seed of the shuffle order; the same seed gives the same order.
         class_weight: `{class_id: weight}`, turned into per-sample weights
             from the labels as `model.fit` does (integer ids, or the argmax
@@ -85,7 +87,7 @@ def make_batches(x, y=None, sample_weight=None, *, batch_size=None, shuffle=Fals
             f"Received: batch_size={batch_size}. Batch the dataset itself "
             "(for tf.data, `dataset.batch(n)`)."
         )
-    return IterableBatches(x, class_weight=class_weight)
+    return IterableBatches(x, class_weight=class_weight, shuffle=shuffle, seed=seed)
 
 
 def split_validation(x, y, sample_weight, validation_split, validation_data=None):

@@ -24,13 +24,13 @@ class IterableBatches:
     instead of silently training on nothing.
     """
 
-    def __init__(self, source, *, class_weight=None):
+    def __init__(self, source, *, class_weight=None, shuffle=False, seed=0):
         if not hasattr(source, "__iter__"):
             raise TypeError(
                 "Training data must be arrays, a tf.data.Dataset or an "
                 f"iterable of batches. Received: {type(source).__name__}."
             )
-        self._source = _as_numpy_iterable(source)
+        self._source = _as_numpy_iterable(source, shuffle, seed)
         self.reiterable = not isinstance(self._source, collections_abc.Iterator)
         self._class_weight = class_weight
         self._first = None
@@ -76,7 +76,9 @@ class IterableBatches:
         resume = getattr(self._source, "resume", None)
         if resume is not None:
             return self._read(resume(epoch, skip), epoch, skip)
-        return itertools.islice(self._read(iter(self._source), epoch, 0), skip, None)
+        passes = getattr(self._source, "epoch", None)  # a PyDataset's order depends on it
+        iterator = iter(self._source) if passes is None else passes(epoch)
+        return itertools.islice(self._read(iterator, epoch, 0), skip, None)
 
     @property
     def resumable(self):
@@ -136,7 +138,7 @@ def _check_batched(batch, where):
         )
 
 
-def _as_numpy_iterable(source):
+def _as_numpy_iterable(source, shuffle=False, seed=0):
     # Checking the class's module keeps TensorFlow unimported for users who
     # never pass a tf.data.Dataset.
     if type(source).__module__.startswith("tensorflow") and hasattr(
@@ -145,7 +147,7 @@ def _as_numpy_iterable(source):
         hide_gpus_from_tensorflow()
         return _TFEpochs(source)
     if isinstance(source, keras.utils.PyDataset):
-        return _PyDatasetEpochs(source)
+        return _PyDatasetEpochs(source, shuffle, seed)
     if grain_source.is_grain(source):
         return grain_source.GrainEpochs(source)
     return source
@@ -162,25 +164,41 @@ class _TFEpochs:
 
 
 class _PyDatasetEpochs:
-    """A `keras.utils.PyDataset` read in index order, one pass per epoch.
+    """A `keras.utils.PyDataset`, one pass per epoch.
 
-    Calls the dataset's `on_epoch_begin` and `on_epoch_end` around each pass,
-    as `model.fit` does, so per-epoch reshuffling inside it works. Batches
+    With `shuffle` (`fit`'s default, as under `model.fit`) and a known
+    length, the batches are read in a new order each epoch, a permutation
+    of the indices fixed by `seed` and the epoch (so a resumed run reads
+    the order of an unbroken one); otherwise in index order. Keras shuffles
+    with Python's unseeded `random`, so its order differs. Calls the
+    dataset's `on_epoch_begin` and `on_epoch_end` around each pass, as
+    `model.fit` does, so per-epoch reshuffling inside it works. Batches
     are read in this thread (`workers` and multiprocessing are not used).
     """
 
-    def __init__(self, dataset):
+    def __init__(self, dataset, shuffle=False, seed=0):
         self._dataset = dataset
+        self._shuffle = shuffle
+        self._seed = seed
 
     @property
     def num_batches(self):
         return self._dataset.num_batches
 
     def __iter__(self):
+        return self.epoch(0)
+
+    def epoch(self, epoch):
+        """Yield epoch `epoch`'s batches in its order."""
         self._dataset.on_epoch_begin()
         count = self._dataset.num_batches
         # No length: an endless dataset, for use with `steps_per_epoch`.
-        indices = range(count) if count is not None else itertools.count()
+        if count is None:
+            indices = itertools.count()
+        elif self._shuffle:
+            indices = np.random.default_rng([self._seed, epoch]).permutation(count).tolist()
+        else:
+            indices = range(count)
         for index in indices:
             yield self._dataset[index]
         self._dataset.on_epoch_end()
