@@ -1,31 +1,28 @@
-"""The loops of `fit`, `evaluate` and `predict`, as short functions, in the order they run.
+"""The loop of `fit`, as short functions, in the order they run.
 
 `fit` runs epochs; each epoch is `start_epoch` (callbacks, the state in),
 `train_batches` (batches from a feed: host batches placed on the devices,
 `HostFeed`, or rows gathered from data kept there, `resident.ResidentFeed`;
 one compiled call per step or per K steps, callbacks around each),
-`validate`, and the epoch's end (`end_epoch`: a checkpoint, a preemption
-exit). The state of the epoch in progress is held by a
+`validate` (`keras_dp.inference.evaluate` with the live weights), and the
+epoch's end (`end_epoch`: a checkpoint, a preemption exit). The state of the epoch in progress is held by a
 `keras_dp.state.LiveModel`, so that a callback, an exception or an
 interrupt always finds the Keras model current. Each epoch's time is split
 by part as it goes (`keras_dp.timing`).
 
-Every function takes the `ShardedTrainer` whose parts it runs: its `model`,
-`placement`, compiled steps (`_train_step`, `_train_steps`, `_test_step`,
-`_test_steps`, `_predict_step`, `_predict_steps`), `steps_per_execution` and
-`steps_in_flight`.
+Every function takes the `ShardedTrainer` whose parts it runs (through the
+`FitRun`): its `model`, `placement`, compiled train steps, `steps_per_execution`
+and `steps_in_flight`.
 """
 
 import contextlib
 import dataclasses
 
-import jax
-import numpy as np
-
 from keras_dp import _compat
 from keras_dp import build as build_lib
 from keras_dp import callbacks as callbacks_lib
 from keras_dp import checkpoint as checkpoint_lib
+from keras_dp import inference
 from keras_dp import inflight
 from keras_dp import labels as labels_lib
 from keras_dp import placement as placement_lib
@@ -288,8 +285,8 @@ def validate(run, val):
     As under `model.fit`, the non-trainable values the test steps leave (a
     seed generator advanced in inference mode) carry into the next epoch.
     """
-    logs, non_trainable, _ = evaluate(run.trainer, run.live.state.weights, val, run.callbacks,
-                                      run.validation)
+    logs, non_trainable, _ = inference.evaluate(run.trainer, run.live.state.weights, val,
+                                                run.callbacks, run.validation)
     run.live.stepped(run.live.state._replace(non_trainable=non_trainable))
     return {f"val_{name}": value for name, value in logs.items()}
 
@@ -313,71 +310,3 @@ def save_and_exit(run, position):
 def _exit(run, position):
     directory = None if run.checkpoints is None else run.checkpoints.directory
     preemption_lib.exit_after_preemption(directory, position)
-
-
-def evaluate(trainer, weights, batches, callbacks, programs=None):
-    """Score `batches` with `weights` (`(trainable, non_trainable)`).
-
-    Runs `steps_per_execution` test steps per compiled call over stacked
-    batches of one row count, and the rest (a partial batch, the last
-    fewer than K) one by one, as `fit` does; callbacks see each call.
-    The calls run through `programs` (a `programs.EvalPrograms` of
-    `batches`, made here if None), which compiles each call shape's
-    program once, ahead of its first call where it can.
-
-    Returns:
-        `(logs, non_trainable, metrics)`: the final logs as python floats in
-        Keras's order, and the non-trainable and metric values the last test
-        step left.
-    """
-    labels_lib.check_data(trainer.model, (batches, "the data"))
-    programs = programs or programs_lib.EvalPrograms(trainer, batches)
-    trainable, non_trainable = weights
-    metrics = fresh_metrics(trainer.model, trainer.mesh, trainer.state_layout().metrics)
-    throttle = inflight.Throttle(trainer.steps_in_flight)
-    logs, index = None, 0
-    callbacks.on_test_begin()
-    placed = trainer.placement.steps(
-        batches.epoch(0), trainer.steps_per_execution, batches.peek(),
-        placement_lib.planned_rows(batches))
-    with contextlib.closing(placed):
-        for steps, device_batch in placed:
-            callbacks.on_test_batch_begin(index)
-            non_trainable, metrics, logs = programs.call(
-                (trainable, non_trainable), metrics, steps, device_batch)
-            throttle.add(logs)
-            index += steps
-            callbacks.on_test_batch_end(index - 1, logs)
-    throttle.drain()
-    logs = callbacks_lib.to_python(logs, trainer.model)
-    callbacks.on_test_end(logs)
-    return logs, non_trainable, metrics
-
-
-def predict(trainer, weights, batches, callbacks):
-    """The model's outputs for every row of `batches`, in order, as numpy.
-
-    `steps_per_execution` predict steps per compiled call, as `evaluate`
-    runs them; `on_predict_batch_end` gets each call's outputs (K batches'
-    rows, concatenated), as under `model.predict`. Each call's outputs are
-    copied to the host before the next is dispatched.
-    """
-    placement, outputs, index = trainer.placement, [], 0
-    callbacks.on_predict_begin()
-    inputs = (batch[0] for batch in batches.epoch(0))
-    placed = placement.steps(inputs, trainer.steps_per_execution, batches.peek()[0],
-                             placement_lib.planned_rows(batches))
-    with contextlib.closing(placed):
-        for steps, x_device in placed:
-            callbacks.on_predict_batch_begin(index)
-            if steps == 1:
-                output = jax.tree.map(lambda out: placement.local_rows(out, x_device),
-                                      trainer._predict_step(weights, x_device))
-            else:
-                output = jax.tree.map(lambda out: placement.stacked_local_rows(out, x_device),
-                                      trainer._predict_steps(weights, x_device))
-            outputs.append(output)
-            index += steps
-            callbacks.on_predict_batch_end(index - 1, {"outputs": output})
-    callbacks.on_predict_end()
-    return jax.tree.map(lambda *parts: np.concatenate(parts), *outputs)

@@ -23,7 +23,7 @@ every call shape of array data, the first batch's calls of a dataset), and
 one background thread compiles them after the epoch's train programs, in
 the order they are needed (`compile_ahead`), so that validation at the
 end of epoch 1 finds them compiled instead of compiling while the devices
-wait. `keras_dp.loop.evaluate` runs its calls through an `EvalPrograms`
+wait. `keras_dp.inference.evaluate` runs its calls through an `EvalPrograms`
 in any case: a plain `evaluate` compiles its other call shapes after its
 first call, as an epoch does.
 
@@ -145,7 +145,7 @@ class CompilingFeed:
 class EvalPrograms:
     """The test programs of one evaluation's data, the planned ones compiled ahead.
 
-    `call` runs a test call as `keras_dp.loop.evaluate` does, once its
+    `call` runs a test call as `keras_dp.inference.evaluate` does, once its
     program is ready if it is being compiled ahead (then `jax.jit` finds
     it compiled: no second compile). The plan's programs are compiled
     ahead once (`lowered`, then `compile_ahead`): during a fit's first

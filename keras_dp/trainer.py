@@ -22,6 +22,7 @@ from keras_dp import describe as describe_lib
 from keras_dp import distributed
 from keras_dp import inflight
 from keras_dp import layout
+from keras_dp import inference
 from keras_dp import loop
 from keras_dp import memory as memory_lib
 from keras_dp import mesh as mesh_lib
@@ -373,7 +374,7 @@ class ShardedTrainer:
         batches = self._batches(x, y, sample_weight, batch_size, False, steps=steps)
         self.build(batches.peek())
         callbacks = callbacks_lib.callback_list(callbacks, self.model, verbose, steps=batches.steps)
-        logs, non_trainable, metrics = loop.evaluate(
+        logs, non_trainable, metrics = inference.evaluate(
             self, model_weights(self.model, self.mesh, self.state_layout()), batches, callbacks)
         # As model.evaluate does: the model keeps what the test steps left.
         write_back(TrainState(None, non_trainable, None, metrics), self.model)
@@ -397,7 +398,7 @@ class ShardedTrainer:
         shardings = layout.state_shardings(TrainState(
             self.model.trainable_variables, self.model.non_trainable_variables, None, None,
         ), self.mesh, self.state_sharding)
-        return loop.predict(self, model_weights(self.model, self.mesh, shardings), batches,
+        return inference.predict(self, model_weights(self.model, self.mesh, shardings), batches,
                             callbacks)
 
     def _batches(self, x, y, sample_weight, batch_size, shuffle, class_weight=None,

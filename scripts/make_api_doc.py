@@ -38,6 +38,7 @@ MODULES = [
     "keras_dp.resident",
     "keras_dp.compilation_cache",
     "keras_dp.loop",
+    "keras_dp.inference",
     "keras_dp.steps",
     "keras_dp.finite",
     "keras_dp.state",

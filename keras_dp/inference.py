@@ -1,0 +1,89 @@
+"""The loops that run the model without training it: `evaluate` and `predict`.
+
+Both read their data as `fit` does (`placement.steps`: K batches of one
+row count per compiled call, the rest one by one) and call the trainer's
+compiled test or predict programs, with Keras's callback hooks around each
+call. `fit`'s validation runs `evaluate` with the live weights
+(`keras_dp.loop.validate`). Each takes the `ShardedTrainer` whose parts it
+runs.
+"""
+
+import contextlib
+
+import jax
+import numpy as np
+
+from keras_dp import callbacks as callbacks_lib
+from keras_dp import inflight
+from keras_dp import labels as labels_lib
+from keras_dp import placement as placement_lib
+from keras_dp import programs as programs_lib
+from keras_dp.state import fresh_metrics
+
+
+def evaluate(trainer, weights, batches, callbacks, programs=None):
+    """Score `batches` with `weights` (`(trainable, non_trainable)`).
+
+    Runs `steps_per_execution` test steps per compiled call over stacked
+    batches of one row count, and the rest (a partial batch, the last
+    fewer than K) one by one, as `fit` does; callbacks see each call.
+    The calls run through `programs` (a `programs.EvalPrograms` of
+    `batches`, made here if None), which compiles each call shape's
+    program once, ahead of its first call where it can.
+
+    Returns:
+        `(logs, non_trainable, metrics)`: the final logs as python floats in
+        Keras's order, and the non-trainable and metric values the last test
+        step left.
+    """
+    labels_lib.check_data(trainer.model, (batches, "the data"))
+    programs = programs or programs_lib.EvalPrograms(trainer, batches)
+    trainable, non_trainable = weights
+    metrics = fresh_metrics(trainer.model, trainer.mesh, trainer.state_layout().metrics)
+    throttle = inflight.Throttle(trainer.steps_in_flight)
+    logs, index = None, 0
+    callbacks.on_test_begin()
+    placed = trainer.placement.steps(
+        batches.epoch(0), trainer.steps_per_execution, batches.peek(),
+        placement_lib.planned_rows(batches))
+    with contextlib.closing(placed):
+        for steps, device_batch in placed:
+            callbacks.on_test_batch_begin(index)
+            non_trainable, metrics, logs = programs.call(
+                (trainable, non_trainable), metrics, steps, device_batch)
+            throttle.add(logs)
+            index += steps
+            callbacks.on_test_batch_end(index - 1, logs)
+    throttle.drain()
+    logs = callbacks_lib.to_python(logs, trainer.model)
+    callbacks.on_test_end(logs)
+    return logs, non_trainable, metrics
+
+
+def predict(trainer, weights, batches, callbacks):
+    """The model's outputs for every row of `batches`, in order, as numpy.
+
+    `steps_per_execution` predict steps per compiled call, as `evaluate`
+    runs them; `on_predict_batch_end` gets each call's outputs (K batches'
+    rows, concatenated), as under `model.predict`. Each call's outputs are
+    copied to the host before the next is dispatched.
+    """
+    placement, outputs, index = trainer.placement, [], 0
+    callbacks.on_predict_begin()
+    inputs = (batch[0] for batch in batches.epoch(0))
+    placed = placement.steps(inputs, trainer.steps_per_execution, batches.peek()[0],
+                             placement_lib.planned_rows(batches))
+    with contextlib.closing(placed):
+        for steps, x_device in placed:
+            callbacks.on_predict_batch_begin(index)
+            if steps == 1:
+                output = jax.tree.map(lambda out: placement.local_rows(out, x_device),
+                                      trainer._predict_step(weights, x_device))
+            else:
+                output = jax.tree.map(lambda out: placement.stacked_local_rows(out, x_device),
+                                      trainer._predict_steps(weights, x_device))
+            outputs.append(output)
+            index += steps
+            callbacks.on_predict_batch_end(index - 1, {"outputs": output})
+    callbacks.on_predict_end()
+    return jax.tree.map(lambda *parts: np.concatenate(parts), *outputs)
