@@ -123,6 +123,35 @@ def test_a_functional_model_with_two_inputs_and_two_outputs(data):
     assert_weights_close(model, reference)
 
 
+def _two_list_inputs():
+    keras.utils.set_random_seed(0)
+    first, second = keras.Input((3,)), keras.Input((2,))
+    model = keras.Model([first, second], keras.layers.Dense(2)(
+        keras.layers.Concatenate()([first, second])))
+    model.compile("sgd", "mse")
+    return model
+
+
+@pytest.mark.parametrize("pack", [list, tuple])
+def test_several_inputs_as_a_list_or_tuple_train_and_validate_as_model_fit(pack):
+    rng = np.random.default_rng(0)
+    first, second = rng.normal(size=(40, 3)), rng.normal(size=(40, 2))
+    y = rng.normal(size=(40, 2))
+    x, val = pack([first, second]), (pack([first[:10], second[:10]]), y[:10])
+    options = dict(batch_size=8, epochs=2, shuffle=False, validation_data=val, verbose=0)
+    reference = _two_list_inputs()
+    expected = reference.fit(x, y, **options).history
+    model = _two_list_inputs()
+    history = keras_dp.fit_sharded(model, x, y, devices=devices(2), **options).history
+    assert sorted(history) == ["loss", "val_loss"]
+    for key in history:
+        np.testing.assert_allclose(history[key], expected[key], rtol=1e-5)
+    assert_weights_close(model, reference)
+    trainer = keras_dp.ShardedTrainer(model, devices=devices(2))
+    np.testing.assert_allclose(trainer.evaluate(x, y, verbose=0),
+                               model.evaluate(x, y, verbose=0), rtol=1e-5)
+
+
 def test_a_subclassed_model_built_from_the_first_batch(data):
     keras.utils.set_random_seed(0)
     model = SubclassedClassifier(dropout=0.2)  # unbuilt: keras_dp builds it, as model.fit does

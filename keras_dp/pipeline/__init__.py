@@ -135,9 +135,10 @@ def split_validation(x, y, sample_weight, validation_split, validation_data=None
 
 def _is_array_data(x, y):
     if isinstance(x, tuple) and y is None:  # a packed (x, y[, sample_weight])
-        x = x[0] if x else None
-    # A list is several model inputs only beside `y`; alone it is a list of batches.
+        x, y = (x + (None, None))[:2]
+    # A list or tuple is several model inputs only beside `y` (as in
+    # `model.fit`); alone, a list is a list of batches.
     return isinstance(x, dict) or hasattr(x, "__array__") or (
-        isinstance(x, list) and y is not None
+        isinstance(x, (list, tuple)) and y is not None
     )
 
