@@ -8,6 +8,7 @@ a mistake fails with a message instead of deep inside a traced step.
 
 import contextlib
 import re
+import warnings
 
 import jax
 import keras
@@ -58,7 +59,11 @@ def require_compiled(model, what):
 
 
 def check_model(model):
-    """Raise a `TypeError` naming the fix unless `model` is a `keras.Model`."""
+    """Raise a `TypeError` naming the fix unless `model` is a `keras.Model`.
+
+    Warns when the model is compiled to run its step eagerly or un-jitted,
+    which keras_dp does not honour: its sharded step is always compiled.
+    """
     if not isinstance(model, keras.Model):
         raise TypeError(
             "keras_dp trains a keras.Model. Received an object of type "
@@ -66,6 +71,13 @@ def check_model(model):
             "layers in keras.Sequential([...]) or keras.Model(inputs, "
             "outputs)."
         )
+    if model.compiled and (model.run_eagerly or model.jit_compile is False):
+        why = ("run_eagerly=True" if model.run_eagerly else "jit_compile=False (from "
+               "compile, or set by a layer with supports_jit=False)")
+        warnings.warn(
+            f"The model is compiled with {why}, but keras_dp always compiles its "
+            "sharded step: call() is traced, not run eagerly. To debug it "
+            "eagerly, use model.fit on one device.", UserWarning, stacklevel=3)
 
 
 class Builder:

@@ -152,6 +152,27 @@ def test_several_inputs_as_a_list_or_tuple_train_and_validate_as_model_fit(pack)
                                model.evaluate(x, y, verbose=0), rtol=1e-5)
 
 
+@pytest.mark.parametrize("option", [dict(run_eagerly=True), dict(jit_compile=False)])
+def test_a_model_compiled_to_run_eagerly_is_compiled_with_a_warning(option):
+    x = np.linspace(-1, 1, 60, dtype="float32").reshape(20, 3)
+    y = x @ np.array([[1.0], [-2.0], [0.5]], dtype="float32")
+    losses = []
+    for fit in ("keras", "sharded"):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse", **option)
+        if fit == "keras":
+            losses.append(model.fit(x, y, batch_size=5, epochs=2, shuffle=False,
+                                    verbose=0).history["loss"])
+            continue
+        with pytest.warns(UserWarning, match=next(iter(option))):
+            history = keras_dp.fit_sharded(model, x, y, batch_size=5, epochs=2, shuffle=False,
+                                           verbose=0, devices=devices(2))
+        losses.append(history.history["loss"])
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
+    assert losses[1][1] < losses[1][0]
+
+
 def test_a_subclassed_model_built_from_the_first_batch(data):
     keras.utils.set_random_seed(0)
     model = SubclassedClassifier(dropout=0.2)  # unbuilt: keras_dp builds it, as model.fit does
