@@ -152,6 +152,22 @@ def test_several_inputs_as_a_list_or_tuple_train_and_validate_as_model_fit(pack)
                                model.evaluate(x, y, verbose=0), rtol=1e-5)
 
 
+def test_several_inputs_as_a_list_without_labels_predict_as_model_predict():
+    rng = np.random.default_rng(0)
+    x = [rng.normal(size=(9, 3)), rng.normal(size=(9, 2))]
+    model = _two_list_inputs()
+    trainer = keras_dp.ShardedTrainer(model, devices=devices(2))
+    predicted = trainer.predict(x, batch_size=4, verbose=0)
+    assert predicted.shape == (9, 2)
+    np.testing.assert_allclose(predicted, model.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+    # Arrays of different row counts stay a list of batches, of one input.
+    single = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    np.testing.assert_allclose(
+        keras_dp.ShardedTrainer(single, devices=devices(2)).predict(
+            [x[0][:5], x[0][5:]], verbose=0),
+        single.predict(x[0], verbose=0), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("option", [dict(run_eagerly=True), dict(jit_compile=False)])
 def test_a_model_compiled_to_run_eagerly_is_compiled_with_a_warning(option):
     x = np.linspace(-1, 1, 60, dtype="float32").reshape(20, 3)

@@ -136,9 +136,15 @@ def split_validation(x, y, sample_weight, validation_split, validation_data=None
 def _is_array_data(x, y):
     if isinstance(x, tuple) and y is None:  # a packed (x, y[, sample_weight])
         x, y = (x + (None, None))[:2]
-    # A list or tuple is several model inputs only beside `y` (as in
-    # `model.fit`); alone, a list is a list of batches.
+    # A list or tuple beside `y` is several model inputs, as in `model.fit`.
+    # Alone, a list of arrays of one row count is too (`model.predict([a, b])`);
+    # any other list is a list of batches.
     return isinstance(x, dict) or hasattr(x, "__array__") or (
-        isinstance(x, (list, tuple)) and y is not None
+        isinstance(x, (list, tuple)) and (y is not None or _inputs_alone(x))
     )
+
+
+def _inputs_alone(x):
+    return bool(x) and all(hasattr(item, "__array__") for item in x) and len(
+        {np.shape(item)[:1] for item in x}) == 1
 
