@@ -287,8 +287,8 @@ class ShardedTrainer:
                 next step, without a recompile.
             validation_split: hold out this last fraction of array data
                 (taken before shuffling) and score it after each epoch.
-            validation_data: `(x, y[, sample_weight])` or a dataset, scored
-                after every epoch as `val_*` logs.
+            validation_data: `(x, y[, sample_weight])` (or that list, as in
+                Keras) or a dataset, scored after every epoch as `val_*` logs.
             shuffle: reshuffle array data every epoch, in an order fixed by
                 the trainer's `seed` and the epoch index.
             class_weight: `{class_id: weight}`, applied as sample weights.
@@ -334,7 +334,8 @@ class ShardedTrainer:
             memory_lib.check_fits(plan)
         val = None
         if validation_data is not None:
-            val = self._batches(validation_data, None, None, batch_size, False)
+            val = self._batches(pipeline.validation_tuple(validation_data), None, None,
+                                batch_size, False)
             self.build(val.peek())  # bad validation labels fail now, not after epoch 1
         callbacks_lib.check_validation_freq(validation_freq)
         checkpoints, resume = checkpoint_lib.open_for_fit(

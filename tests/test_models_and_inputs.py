@@ -137,7 +137,8 @@ def test_several_inputs_as_a_list_or_tuple_train_and_validate_as_model_fit(pack)
     rng = np.random.default_rng(0)
     first, second = rng.normal(size=(40, 3)), rng.normal(size=(40, 2))
     y = rng.normal(size=(40, 2))
-    x, val = pack([first, second]), (pack([first[:10], second[:10]]), y[:10])
+    # validation_data=[x, y] is the tuple, as model.fit reads it.
+    x, val = pack([first, second]), pack([pack([first[:10], second[:10]]), y[:10]])
     options = dict(batch_size=8, epochs=2, shuffle=False, validation_data=val, verbose=0)
     reference = _two_list_inputs()
     expected = reference.fit(x, y, **options).history

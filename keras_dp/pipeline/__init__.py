@@ -38,6 +38,7 @@ __all__ = [
     "split_validation",
     "steps_per_execution",
     "unpack",
+    "validation_tuple",
 ]
 
 
@@ -83,6 +84,17 @@ def make_batches(x, y=None, sample_weight=None, *, batch_size=None, shuffle=Fals
             "(for tf.data, `dataset.batch(n)`)."
         )
     return IterableBatches(x, class_weight=class_weight)
+
+
+def validation_tuple(validation_data):
+    """`validation_data` as `model.fit` reads it: a list `[x, y[, sample_weight]]` is the tuple.
+
+    A list holding tuples is a list of batches, returned as it is.
+    """
+    if (isinstance(validation_data, list) and 2 <= len(validation_data) <= 3
+            and not any(isinstance(item, tuple) for item in validation_data)):
+        return tuple(validation_data)
+    return validation_data
 
 
 def split_validation(x, y, sample_weight, validation_split, validation_data=None):
