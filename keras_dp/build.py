@@ -108,8 +108,12 @@ class Builder:
 
 
 def is_built(model, for_training=True):
-    """Whether every layer is built, and for training the optimizer, loss and metrics."""
-    if not all(layer.built for layer in _compat.all_layers(model)):
+    """Whether the model is built, and for training its optimizer, loss and metrics.
+
+    A layer the model never calls stays unbuilt, without weights, as under
+    `model.fit`; it does not keep the model from training.
+    """
+    if not model.built:
         return False
     if not for_training:
         return True
@@ -124,7 +128,9 @@ def is_built(model, for_training=True):
 def build(model, batch, for_training=True):
     """Build `model` from a host batch as `model.fit` does, checking the labels first.
 
-    The layers are built by tracing the model on the batch's `x`; a model
+    The layers are built by tracing the model on the batch's `x` (again in
+    training mode if a layer is still unbuilt: one called only when
+    `training=True` is built, and trained, from the first step); a model
     without a `call()` (a GAN: sub-models and a custom `train_step`) must
     have built its sub-models itself, and is then marked built. For
     training (or evaluation), Keras's own symbolic build then builds the
@@ -145,6 +151,8 @@ def build(model, batch, for_training=True):
         )
     if _compat.has_call(model):
         y_pred = _trace(model, x)
+        if for_training and not all(layer.built for layer in _compat.all_layers(model)):
+            _trace(model, x, training=True)  # layers called only in training mode
         if y is not None and _compat.compiled_loss(model) is not None:
             check_labels(model, x, y, y_pred, sample_weight)
     else:
@@ -229,12 +237,13 @@ def first_line(error, limit=300):
     return line if len(line) <= limit else line[:limit] + " ..."
 
 
-def _trace(model, x):
+def _trace(model, x, training=False):
     try:
-        return _compat.compute_output_spec(model, x, training=False)
+        return _compat.compute_output_spec(model, x, training=training)
     except Exception as error:
+        mode = " in training mode (training=True)" if training else ""
         raise ValueError(
-            "The model could not be built on the data's x (shapes "
+            f"The model could not be built on the data's x{mode} (shapes "
             f"{jax.tree.map(lambda s: tuple(s.shape), x)}). Check that x matches "
             "the model's inputs, or build the model yourself with "
             f"model.build(input_shape). Keras reported: {error}"

@@ -190,6 +190,39 @@ def test_a_model_compiled_to_run_eagerly_is_compiled_with_a_warning(option):
     assert losses[1][1] < losses[1][0]
 
 
+class TrainingOnlyHead(keras.Model):
+    """A layer called only in training mode, and one never called."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = keras.layers.Dense(3), keras.layers.Dense(3)
+        self.unused = keras.layers.Dense(7)
+
+    def call(self, x, training=False):
+        out = self.body(x)
+        return out + 0.5 * self.head(out) if training else out
+
+
+def test_layers_called_only_in_training_or_never_do_not_stop_training():
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(40, 4)).astype("float32"), rng.integers(0, 3, 40)
+    models = []
+    for built_first in (True, False):
+        keras.utils.set_random_seed(0)
+        model = TrainingOnlyHead()
+        if built_first:  # Keras trains the head only if it was built before fit
+            model(x[:1], training=True)
+        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        models.append(model)
+    reference, model = models
+    options = dict(batch_size=8, epochs=2, shuffle=False, verbose=0)
+    expected = reference.fit(x, y, **options).history["loss"]
+    losses = fit(model, x, y, **options)
+    np.testing.assert_allclose(losses, expected, rtol=1e-5)
+    assert len(model.trainable_weights) == 4 and not model.unused.built
+    assert_weights_close(model, reference)
+
+
 def test_a_subclassed_model_built_from_the_first_batch(data):
     keras.utils.set_random_seed(0)
     model = SubclassedClassifier(dropout=0.2)  # unbuilt: keras_dp builds it, as model.fit does
