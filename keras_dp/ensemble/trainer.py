@@ -160,7 +160,8 @@ class EnsembleTrainer:
         self.build(sources[0].peek())
         val = None
         if validation_data is not None:
-            val = self._batches(validation_data, None, None, batch_size, False, self.seed)
+            val = self._batches(pipeline.validation_tuple(validation_data), None, None,
+                                batch_size, False, self.seed)
             self.build(val.peek())  # bad validation labels fail now, not after epoch 1
         callbacks = callbacks_lib.callback_list(
             callbacks, self.averaging_model(), verbose, epochs=epochs,
