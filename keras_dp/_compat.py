@@ -92,10 +92,19 @@ def shadow_state_sync(model, sync):
     """Make Keras's `Callback.model` call `sync` before handing out `model`.
 
     On the JAX backend, `Callback.model` calls `model.jax_state_sync()`; an
-    instance attribute shadows the method for one fit. Undo with
+    instance attribute shadows the method for one fit. Keras's own sync
+    still runs first: `model.evaluate` and `model.predict` (called by a
+    callback mid-fit) empty the model's variables while they run and refill
+    them through `jax_state_sync` at their end. Undo with
     `unshadow_state_sync`.
     """
-    model.jax_state_sync = sync
+    keras_sync = type(model).jax_state_sync
+
+    def both():
+        keras_sync(model)
+        sync()
+
+    model.jax_state_sync = both
 
 
 def unshadow_state_sync(model):

@@ -8,6 +8,7 @@ a mistake fails with a message instead of deep inside a traced step.
 
 import contextlib
 import re
+import warnings
 
 import jax
 import keras
@@ -58,7 +59,11 @@ def require_compiled(model, what):
 
 
 def check_model(model):
-    """Raise a `TypeError` naming the fix unless `model` is a `keras.Model`."""
+    """Raise a `TypeError` naming the fix unless `model` is a `keras.Model`.
+
+    Warns when the model is compiled to run its step eagerly or un-jitted,
+    which keras_dp does not honour: its sharded step is always compiled.
+    """
     if not isinstance(model, keras.Model):
         raise TypeError(
             "keras_dp trains a keras.Model. Received an object of type "
@@ -66,6 +71,13 @@ def check_model(model):
             "layers in keras.Sequential([...]) or keras.Model(inputs, "
             "outputs)."
         )
+    if model.compiled and (model.run_eagerly or model.jit_compile is False):
+        why = ("run_eagerly=True" if model.run_eagerly else "jit_compile=False (from "
+               "compile, or set by a layer with supports_jit=False)")
+        warnings.warn(
+            f"The model is compiled with {why}, but keras_dp always compiles its "
+            "sharded step: call() is traced, not run eagerly. To debug it "
+            "eagerly, use model.fit on one device.", UserWarning, stacklevel=3)
 
 
 class Builder:
@@ -96,8 +108,12 @@ class Builder:
 
 
 def is_built(model, for_training=True):
-    """Whether every layer is built, and for training the optimizer, loss and metrics."""
-    if not all(layer.built for layer in _compat.all_layers(model)):
+    """Whether the model is built, and for training its optimizer, loss and metrics.
+
+    A layer the model never calls stays unbuilt, without weights, as under
+    `model.fit`; it does not keep the model from training.
+    """
+    if not model.built:
         return False
     if not for_training:
         return True
@@ -112,7 +128,9 @@ def is_built(model, for_training=True):
 def build(model, batch, for_training=True):
     """Build `model` from a host batch as `model.fit` does, checking the labels first.
 
-    The layers are built by tracing the model on the batch's `x`; a model
+    The layers are built by tracing the model on the batch's `x` (again in
+    training mode if a layer is still unbuilt: one called only when
+    `training=True` is built, and trained, from the first step); a model
     without a `call()` (a GAN: sub-models and a custom `train_step`) must
     have built its sub-models itself, and is then marked built. For
     training (or evaluation), Keras's own symbolic build then builds the
@@ -133,6 +151,8 @@ def build(model, batch, for_training=True):
         )
     if _compat.has_call(model):
         y_pred = _trace(model, x)
+        if for_training and not all(layer.built for layer in _compat.all_layers(model)):
+            _trace(model, x, training=True)  # layers called only in training mode
         if y is not None and _compat.compiled_loss(model) is not None:
             check_labels(model, x, y, y_pred, sample_weight)
     else:
@@ -217,12 +237,13 @@ def first_line(error, limit=300):
     return line if len(line) <= limit else line[:limit] + " ..."
 
 
-def _trace(model, x):
+def _trace(model, x, training=False):
     try:
-        return _compat.compute_output_spec(model, x, training=False)
+        return _compat.compute_output_spec(model, x, training=training)
     except Exception as error:
+        mode = " in training mode (training=True)" if training else ""
         raise ValueError(
-            "The model could not be built on the data's x (shapes "
+            f"The model could not be built on the data's x{mode} (shapes "
             f"{jax.tree.map(lambda s: tuple(s.shape), x)}). Check that x matches "
             "the model's inputs, or build the model yourself with "
             f"model.build(input_shape). Keras reported: {error}"

@@ -149,7 +149,7 @@ def model_train_step(model, constrain_grads=None):
     if _compat.custom_step(model, "train_step"):
         def custom_train_step(state, batch):
             logs, new_state = model.train_step(tuple(state), _keras_data(batch))
-            return TrainState(*new_state), logs
+            return _custom_state(model, new_state), logs
 
         return custom_train_step
 
@@ -217,6 +217,23 @@ def make_multi_test_step(model, mesh, unroll=1, state_sharding="replicated"):
         return non_trainable, metrics, jax.tree.map(lambda values: values[-1], logs)
 
     return jax.jit(test_steps, donate_argnums=1)
+
+
+def _custom_state(model, new_state):
+    """The state a model's own `train_step` returned, as a `TrainState`.
+
+    Raises:
+        TypeError: it is not the 4 groups of variables the step was given.
+    """
+    if isinstance(new_state, (tuple, list)) and len(new_state) == 4:
+        return TrainState(*new_state)
+    got = (f"{len(new_state)} items" if isinstance(new_state, (tuple, list))
+           else type(new_state).__name__)
+    raise TypeError(
+        f"{type(model).__name__}.train_step returned a state of {got}. On JAX it must "
+        "return (logs, state), with state the 4 groups it was given, updated: "
+        "(trainable_variables, non_trainable_variables, optimizer_variables, "
+        "metrics_variables).")
 
 
 def _test_step(model, mesh, state_sharding):

@@ -288,8 +288,8 @@ class ShardedTrainer:
                 next step, without a recompile.
             validation_split: hold out this last fraction of array data
                 (taken before shuffling) and score it after each epoch.
-            validation_data: `(x, y[, sample_weight])` or a dataset, scored
-                after every epoch as `val_*` logs.
+            validation_data: `(x, y[, sample_weight])` (or that list, as in
+                Keras) or a dataset, scored after every epoch as `val_*` logs.
             shuffle: reshuffle array data every epoch, in an order fixed by
                 the trainer's `seed` and the epoch index.
             class_weight: `{class_id: weight}`, applied as sample weights.
@@ -338,6 +338,7 @@ class ShardedTrainer:
             memory_lib.check_fits(plan)
         val = None
         if validation_data is not None:
+            validation_data = pipeline.validation_tuple(validation_data)
             # As in model.fit, `batch_size` slices validation arrays; a dataset is batched.
             val_batch_size = batch_size if pipeline.is_array_data(validation_data) else None
             val = self._batches(validation_data, None, None, val_batch_size, False,

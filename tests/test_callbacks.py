@@ -103,6 +103,31 @@ def test_a_change_between_epochs_is_trained_on_and_the_last_one_kept(data):
     assert_weights_close(model, keras_model)
 
 
+class PredictsAndEvaluates(keras.callbacks.Callback):
+    """Calls Keras's own `predict` and `evaluate` on `self.model` at every epoch end."""
+
+    def __init__(self, x, y):
+        super().__init__()
+        self.x, self.y, self.seen = x, y, []
+
+    def on_epoch_end(self, epoch, logs=None):
+        outputs = self.model.predict(self.x, verbose=0)
+        self.seen.append((outputs, self.model.evaluate(self.x, self.y, verbose=0)))
+
+
+def test_a_callback_may_call_model_predict_and_evaluate(data):
+    # Keras's predict and evaluate empty the model's variables while they run
+    # and refill them through `jax_state_sync`, which keras_dp shadows in fit.
+    x, y, _ = data
+    (keras_model, _, (keras_cb,)), (model, _, (ours,)) = keras_and_sharded(
+        data, lambda: [PredictsAndEvaluates(x[:100], y[:100])])
+    assert len(ours.seen) == 2
+    for (keras_outputs, keras_logs), (outputs, logs) in zip(keras_cb.seen, ours.seen, strict=True):
+        np.testing.assert_allclose(outputs, keras_outputs, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(logs, keras_logs, rtol=1e-5)
+    assert_weights_close(model, keras_model)
+
+
 def test_callbacks_that_do_not_look_cost_no_copies(data, tmp_path, monkeypatch):
     # A per-step write-back would cost a device-to-host copy of every
     # variable per step: the standard callbacks must not cause one.

@@ -98,6 +98,22 @@ def test_callback_model_calls_the_shadowed_state_sync():
     assert calls == [1]
 
 
+def test_the_shadowed_state_sync_runs_kerass_own_first():
+    # model.predict in a callback empties the variables and refills them
+    # through Keras's jax_state_sync: the shadow must still call it.
+    model, _, _ = _compiled_mlp()
+    x = np.arange(15, dtype="float32").reshape(5, 3)
+    expected = model.predict(x, verbose=0)
+    calls = []
+    _compat.shadow_state_sync(model, lambda: calls.append(1))
+    try:
+        np.testing.assert_array_equal(model.predict(x, verbose=0), expected)
+        np.testing.assert_array_equal(model.predict(x, verbose=0), expected)
+    finally:
+        _compat.unshadow_state_sync(model)
+    assert calls == [1, 1]
+
+
 def test_jax_backend_started_after_devices_are_listed():
     jax.devices()
     assert _compat.jax_backend_started() is True

@@ -401,3 +401,15 @@ def test_a_non_finite_loss_stops_with_the_last_good_weights_or_terminate_on_nan(
     # As under model.fit, the epoch whose batch stopped training still ends.
     assert history.epoch == [0] and np.isnan(history.history["loss"][0])
     assert all(np.isfinite(w).all() for m in trainer.members for w in m.get_weights())
+
+
+def test_validation_data_as_a_list_is_the_tuple_as_in_model_fit():
+    x, y = small_data(64)
+    histories = [
+        keras_dp.fit_ensemble(build_small, x, y, batch_size=16, epochs=2, verbose=0,
+                              validation_data=val, devices=devices(2)).history.history
+        for val in ((x[:20], y[:20]), [x[:20], y[:20]])]
+    assert sorted(histories[1]) == ["accuracy", "loss", "val_accuracy", "val_ensemble_accuracy",
+                                    "val_ensemble_loss", "val_loss"]
+    for key, values in histories[0].items():
+        np.testing.assert_array_equal(histories[1][key], values)

@@ -172,3 +172,28 @@ def test_batches_of_several_lengths_train_when_the_model_takes_them():
                                    steps_per_execution=2)
     assert int(model.optimizer.iterations.numpy()) == 6
     assert np.isfinite(history.history["loss"][0])
+
+
+class ForgetsTheMetrics(keras.Model):
+    """A stateless train_step that returns 3 of the 4 groups of its state."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(2)
+
+    def call(self, x):
+        return self.dense(x)
+
+    def train_step(self, state, data):
+        trainable, non_trainable, optimizer, _ = state
+        return {"loss": keras.ops.sum(data[0])}, (trainable, non_trainable, optimizer)
+
+
+def test_a_custom_train_step_returning_a_short_state_is_named():
+    model = ForgetsTheMetrics()
+    model.compile("sgd", "mse")
+    with pytest.raises(TypeError, match=r"ForgetsTheMetrics.train_step returned a state of 3 "
+                                        r"items.*\(trainable_variables, non_trainable_variables, "
+                                        r"optimizer_variables, metrics_variables\)"):
+        keras_dp.fit_sharded(model, np.ones((8, 3)), np.ones((8, 2)), verbose=0,
+                             devices=devices(2))

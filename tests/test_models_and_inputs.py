@@ -220,6 +220,106 @@ def test_a_tuple_of_input_arrays_beside_y_is_the_models_inputs_as_in_model_fit(d
     assert_weights_close(model, reference)
 
 
+def _two_list_inputs():
+    keras.utils.set_random_seed(0)
+    first, second = keras.Input((3,)), keras.Input((2,))
+    model = keras.Model([first, second], keras.layers.Dense(2)(
+        keras.layers.Concatenate()([first, second])))
+    model.compile("sgd", "mse")
+    return model
+
+
+@pytest.mark.parametrize("pack", [list, tuple])
+def test_several_inputs_as_a_list_or_tuple_train_and_validate_as_model_fit(pack):
+    rng = np.random.default_rng(0)
+    first, second = rng.normal(size=(40, 3)), rng.normal(size=(40, 2))
+    y = rng.normal(size=(40, 2))
+    # validation_data=[x, y] is the tuple, as model.fit reads it.
+    x, val = pack([first, second]), pack([pack([first[:10], second[:10]]), y[:10]])
+    options = dict(batch_size=8, epochs=2, shuffle=False, validation_data=val, verbose=0)
+    reference = _two_list_inputs()
+    expected = reference.fit(x, y, **options).history
+    model = _two_list_inputs()
+    history = keras_dp.fit_sharded(model, x, y, devices=devices(2), **options).history
+    assert sorted(history) == ["loss", "val_loss"]
+    for key in history:
+        np.testing.assert_allclose(history[key], expected[key], rtol=1e-5)
+    assert_weights_close(model, reference)
+    trainer = keras_dp.ShardedTrainer(model, devices=devices(2))
+    np.testing.assert_allclose(trainer.evaluate(x, y, verbose=0),
+                               model.evaluate(x, y, verbose=0), rtol=1e-5)
+
+
+def test_several_inputs_as_a_list_without_labels_predict_as_model_predict():
+    rng = np.random.default_rng(0)
+    x = [rng.normal(size=(9, 3)), rng.normal(size=(9, 2))]
+    model = _two_list_inputs()
+    trainer = keras_dp.ShardedTrainer(model, devices=devices(2))
+    predicted = trainer.predict(x, batch_size=4, verbose=0)
+    assert predicted.shape == (9, 2)
+    np.testing.assert_allclose(predicted, model.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+    # Arrays of different row counts stay a list of batches, of one input.
+    single = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    np.testing.assert_allclose(
+        keras_dp.ShardedTrainer(single, devices=devices(2)).predict(
+            [x[0][:5], x[0][5:]], verbose=0),
+        single.predict(x[0], verbose=0), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("option", [dict(run_eagerly=True), dict(jit_compile=False)])
+def test_a_model_compiled_to_run_eagerly_is_compiled_with_a_warning(option):
+    x = np.linspace(-1, 1, 60, dtype="float32").reshape(20, 3)
+    y = x @ np.array([[1.0], [-2.0], [0.5]], dtype="float32")
+    losses = []
+    for fit in ("keras", "sharded"):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse", **option)
+        if fit == "keras":
+            losses.append(model.fit(x, y, batch_size=5, epochs=2, shuffle=False,
+                                    verbose=0).history["loss"])
+            continue
+        with pytest.warns(UserWarning, match=next(iter(option))):
+            history = keras_dp.fit_sharded(model, x, y, batch_size=5, epochs=2, shuffle=False,
+                                           verbose=0, devices=devices(2))
+        losses.append(history.history["loss"])
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
+    assert losses[1][1] < losses[1][0]
+
+
+class TrainingOnlyHead(keras.Model):
+    """A layer called only in training mode, and one never called."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = keras.layers.Dense(3), keras.layers.Dense(3)
+        self.unused = keras.layers.Dense(7)
+
+    def call(self, x, training=False):
+        out = self.body(x)
+        return out + 0.5 * self.head(out) if training else out
+
+
+def test_layers_called_only_in_training_or_never_do_not_stop_training():
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(40, 4)).astype("float32"), rng.integers(0, 3, 40)
+    models = []
+    for built_first in (True, False):
+        keras.utils.set_random_seed(0)
+        model = TrainingOnlyHead()
+        if built_first:  # Keras trains the head only if it was built before fit
+            model(x[:1], training=True)
+        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        models.append(model)
+    reference, model = models
+    options = dict(batch_size=8, epochs=2, shuffle=False, verbose=0)
+    expected = reference.fit(x, y, **options).history["loss"]
+    losses = fit(model, x, y, **options)
+    np.testing.assert_allclose(losses, expected, rtol=1e-5)
+    assert len(model.trainable_weights) == 4 and not model.unused.built
+    assert_weights_close(model, reference)
+
+
 def test_a_subclassed_model_built_from_the_first_batch(data):
     keras.utils.set_random_seed(0)
     model = SubclassedClassifier(dropout=0.2)  # unbuilt: keras_dp builds it, as model.fit does

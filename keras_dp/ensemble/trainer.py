@@ -160,6 +160,7 @@ class EnsembleTrainer:
         self.build(sources[0].peek())
         val = None
         if validation_data is not None:
+            validation_data = pipeline.validation_tuple(validation_data)
             # As in model.fit, `batch_size` slices validation arrays; a dataset is batched.
             val_batch_size = batch_size if pipeline.is_array_data(validation_data) else None
             val = self._batches(validation_data, None, None, val_batch_size, False, self.seed)

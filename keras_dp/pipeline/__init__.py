@@ -41,6 +41,7 @@ __all__ = [
     "split_validation",
     "steps_per_execution",
     "unpack",
+    "validation_tuple",
 ]
 
 
@@ -88,6 +89,17 @@ def make_batches(x, y=None, sample_weight=None, *, batch_size=None, shuffle=Fals
             "(for tf.data, `dataset.batch(n)`)."
         )
     return IterableBatches(x, class_weight=class_weight, shuffle=shuffle, seed=seed)
+
+
+def validation_tuple(validation_data):
+    """`validation_data` as `model.fit` reads it: a list `[x, y[, sample_weight]]` is the tuple.
+
+    A list holding tuples is a list of batches, returned as it is.
+    """
+    if (isinstance(validation_data, list) and 2 <= len(validation_data) <= 3
+            and not any(isinstance(item, tuple) for item in validation_data)):
+        return tuple(validation_data)
+    return validation_data
 
 
 def split_validation(x, y, sample_weight, validation_split, validation_data=None):
@@ -144,10 +156,16 @@ def is_array_data(x, y=None):
     A dataset, generator or other iterable is batched already.
     """
     if isinstance(x, tuple) and y is None:  # a packed (x, y[, sample_weight])
-        x = x[0] if x else None
-    # A list or tuple is several model inputs only beside `y` (as in
-    # model.fit); alone it is a list of batches, or a packed tuple.
+        x, y = (x + (None, None))[:2]
+    # A list or tuple beside `y` is several model inputs, as in `model.fit`.
+    # Alone, a list of arrays of one row count is too (`model.predict([a, b])`);
+    # any other list is a list of batches.
     return isinstance(x, dict) or hasattr(x, "__array__") or (
-        isinstance(x, (list, tuple)) and y is not None
+        isinstance(x, (list, tuple)) and (y is not None or _inputs_alone(x))
     )
+
+
+def _inputs_alone(x):
+    return bool(x) and all(hasattr(item, "__array__") for item in x) and len(
+        {np.shape(item)[:1] for item in x}) == 1
 
