@@ -198,28 +198,6 @@ def test_a_functional_model_with_two_inputs_and_two_outputs(data):
     assert_weights_close(model, reference)
 
 
-def test_a_tuple_of_input_arrays_beside_y_is_the_models_inputs_as_in_model_fit(data):
-    x, y = data[0][:100].reshape(100, -1) / 255, data[1][:100]
-
-    def two_inputs():
-        keras.utils.set_random_seed(0)
-        image, extra = keras.Input((784,)), keras.Input((4,))
-        hidden = keras.layers.Concatenate()([keras.layers.Dense(8)(image), extra])
-        model = keras.Model((image, extra), keras.layers.Dense(10)(hidden))
-        model.compile(keras.optimizers.SGD(0.1),
-                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        return model
-
-    inputs = (x.astype("float32"), np.random.default_rng(0).normal(size=(100, 4)))
-    reference = two_inputs()
-    expected = reference.fit(inputs, y, batch_size=30, epochs=2, shuffle=False,
-                             verbose=0).history["loss"]
-    model = two_inputs()
-    np.testing.assert_allclose(fit(model, inputs, y, batch_size=30, epochs=2, shuffle=False),
-                               expected, rtol=1e-5)
-    assert_weights_close(model, reference)
-
-
 def _two_list_inputs():
     keras.utils.set_random_seed(0)
     first, second = keras.Input((3,)), keras.Input((2,))
