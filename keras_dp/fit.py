@@ -7,7 +7,8 @@ def fit_sharded(model, x=None, y=None, *, epochs=1, batch_size=None,
                 validation_split=0.0, validation_data=None, callbacks=None,
                 verbose="auto", shuffle=True, class_weight=None,
                 sample_weight=None, initial_epoch=0, steps_per_epoch=None,
-                validation_steps=None, validation_freq=1, steps_per_execution=None, optimizer=None,
+                validation_steps=None, validation_batch_size=None, validation_freq=1,
+                steps_per_execution=None, optimizer=None,
                 loss=None, metrics=None, mesh=None, devices=None, seed=0,
                 checkpoint_dir=None, state_sharding="replicated", data_on_device="auto",
                 keep_last_good="auto", compilation_cache=True, profile_dir=None):
@@ -28,8 +29,9 @@ def fit_sharded(model, x=None, y=None, *, epochs=1, batch_size=None,
         y, sample_weight: arrays, with array `x` only.
         epochs, batch_size, validation_split, validation_data, callbacks,
             verbose, shuffle, class_weight, initial_epoch, steps_per_epoch,
-            validation_steps, validation_freq: as in `model.fit` (see `ShardedTrainer.fit`);
-            `batch_size` is the global batch, any size.
+            validation_steps, validation_batch_size, validation_freq: as in
+            `model.fit` (see `ShardedTrainer.fit`); `batch_size` and
+            `validation_batch_size` are global batches, of any size.
         steps_per_execution: steps per compiled call in training and
             validation (default: the model's, from `compile`); the result
             equals single steps.
@@ -83,6 +85,6 @@ def fit_sharded(model, x=None, y=None, *, epochs=1, batch_size=None,
         validation_data=validation_data, shuffle=shuffle,
         class_weight=class_weight, sample_weight=sample_weight,
         initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
-        validation_steps=validation_steps, validation_freq=validation_freq, checkpoint_dir=checkpoint_dir,
-        profile_dir=profile_dir,
+        validation_steps=validation_steps, validation_batch_size=validation_batch_size,
+        validation_freq=validation_freq, checkpoint_dir=checkpoint_dir, profile_dir=profile_dir,
     )

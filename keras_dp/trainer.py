@@ -267,7 +267,8 @@ class ShardedTrainer:
             callbacks=None, validation_split=0.0, validation_data=None,
             shuffle=True, class_weight=None, sample_weight=None,
             initial_epoch=0, steps_per_epoch=None, validation_steps=None,
-            validation_freq=1, checkpoint_dir=None, profile_dir=None):
+            validation_batch_size=None, validation_freq=1, checkpoint_dir=None,
+            profile_dir=None):
         """Train for `epochs` epochs, as `model.fit` does, on every device.
 
         Every row is used exactly once per epoch, whatever `batch_size` and
@@ -302,6 +303,8 @@ class ShardedTrainer:
             validation_steps: score the first this many validation batches
                 each time, as `model.fit` does (needed for an endless
                 validation dataset). None: the whole validation data.
+            validation_batch_size: the global batch size of validation
+                arrays (default: `batch_size`), as in `model.fit`.
             validation_freq: validate every this many epochs (an int), or
                 after the listed epochs (1-based, as in Keras).
             checkpoint_dir: save the whole training state there (see
@@ -338,9 +341,8 @@ class ShardedTrainer:
             memory_lib.check_fits(plan)
         val = None
         if validation_data is not None:
-            validation_data = pipeline.validation_tuple(validation_data)
-            # As in model.fit, `batch_size` slices validation arrays; a dataset is batched.
-            val_batch_size = batch_size if pipeline.is_array_data(validation_data) else None
+            validation_data, val_batch_size = pipeline.validation_source(
+                validation_data, batch_size, validation_batch_size)
             val = self._batches(validation_data, None, None, val_batch_size, False,
                                 steps=validation_steps)
             self.build(val.peek())  # bad validation labels fail now, not after epoch 1

@@ -413,3 +413,19 @@ def test_validation_data_as_a_list_is_the_tuple_as_in_model_fit():
                                     "val_ensemble_loss", "val_loss"]
     for key, values in histories[0].items():
         np.testing.assert_array_equal(histories[1][key], values)
+
+
+def test_validation_steps_and_batch_size_score_the_rows_model_fit_would():
+    x, y = small_data(64)
+    trainer = keras_dp.EnsembleTrainer(build_small, devices=devices(2))
+    history = trainer.fit(x, y, batch_size=16, epochs=1, verbose=0,
+                          validation_data=(x[:40], y[:40]), validation_batch_size=15,
+                          validation_steps=2).history
+    # Two validation batches of 15: the first 30 rows, scored after the epoch.
+    expected = trainer.evaluate(x[:30], y[:30])
+    np.testing.assert_allclose(history["val_ensemble_loss"], [expected["ensemble_loss"]],
+                               rtol=1e-6)
+    np.testing.assert_allclose(history["val_loss"], [np.mean(expected["loss"])], rtol=1e-6)
+    with pytest.raises(ValueError, match="validation_batch_size.*batched already"):
+        trainer.fit(x, y, batch_size=16, verbose=0, validation_batch_size=15,
+                    validation_data=[(x[:20], y[:20])])

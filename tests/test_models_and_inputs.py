@@ -118,6 +118,30 @@ class Endless(Batches):
         return super().__getitem__(index % (len(self.x) // BATCH))
 
 
+def test_validation_batch_size_slices_validation_arrays_as_in_model_fit(data):
+    x, y = data
+    options = dict(batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                   validation_data=(x[:100], y[:100]), validation_batch_size=48)
+    counts = []
+
+    class CountValidationBatches(keras.callbacks.Callback):
+        def on_test_batch_end(self, batch, logs=None):
+            counts.append(batch)
+
+    reference = mlp()
+    expected = reference.fit(x, y, callbacks=[CountValidationBatches()], **options).history
+    keras_counts, counts[:] = list(counts), []
+    model = mlp()
+    trainer = keras_dp.ShardedTrainer(model, devices=devices(2))
+    history = trainer.fit(x, y, callbacks=[CountValidationBatches()], **options).history
+    # 100 validation rows as batches of 48, 48 and 4 (not 64 and 36), each epoch.
+    assert counts == keras_counts == [0, 1, 2, 0, 1, 2]
+    np.testing.assert_allclose(history["val_loss"], expected["val_loss"], rtol=1e-5)
+    with pytest.raises(ValueError, match="validation_batch_size.*batched already"):
+        trainer.fit(x, y, batch_size=BATCH, validation_data=Batches(x[:128], y[:128]),
+                    validation_batch_size=48, verbose=0)
+
+
 def test_validation_steps_and_evaluate_and_predict_steps_read_an_endless_dataset(data):
     x, y = data
     endless = Endless(x[:256], y[:256])

@@ -40,6 +40,7 @@ class EnsembleResult(NamedTuple):
 def fit_ensemble(build_model, x=None, y=None, *, members=None, batch_size=None,
                  epochs=1, verbose="auto", callbacks=None, validation_data=None,
                  shuffle=True, member_shuffle=False, sample_weight=None,
+                 validation_steps=None, validation_batch_size=None,
                  validation_freq=1, steps_per_execution=None, from_logits=None,
                  seed=0, mesh=None, devices=None):
     """Train an ensemble, one member per device, that averages probabilities.
@@ -71,6 +72,9 @@ def fit_ensemble(build_model, x=None, y=None, *, members=None, batch_size=None,
         validation_data: `(x, y[, sample_weight])`, scored after each epoch
             (every `validation_freq`, as in `model.fit`) for every member
             and for the ensemble.
+        validation_steps, validation_batch_size: as in `model.fit`: score
+            the first this many validation batches; the batch size of
+            validation arrays (default `batch_size`).
         steps_per_execution: training steps per compiled call, as in
             `fit_sharded`.
         member_shuffle: give each member its own shuffle order.
@@ -101,6 +105,7 @@ def fit_ensemble(build_model, x=None, y=None, *, members=None, batch_size=None,
         x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
         callbacks=callbacks, validation_data=validation_data, shuffle=shuffle,
         member_shuffle=member_shuffle, sample_weight=sample_weight,
+        validation_steps=validation_steps, validation_batch_size=validation_batch_size,
         validation_freq=validation_freq,
     )
     return EnsembleResult(trainer.members, trainer.averaging_model(), history,

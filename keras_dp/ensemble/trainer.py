@@ -134,7 +134,8 @@ class EnsembleTrainer:
 
     def fit(self, x=None, y=None, *, batch_size=None, epochs=1, verbose="auto",
             callbacks=None, validation_data=None, shuffle=True, member_shuffle=False,
-            sample_weight=None, validation_freq=1):
+            sample_weight=None, validation_steps=None, validation_batch_size=None,
+            validation_freq=1):
         """Train every member for `epochs` epochs (see `fit_ensemble`).
 
         As `model.fit` runs: Keras callbacks (given the averaging model,
@@ -160,10 +161,11 @@ class EnsembleTrainer:
         self.build(sources[0].peek())
         val = None
         if validation_data is not None:
-            validation_data = pipeline.validation_tuple(validation_data)
-            # As in model.fit, `batch_size` slices validation arrays; a dataset is batched.
-            val_batch_size = batch_size if pipeline.is_array_data(validation_data) else None
+            validation_data, val_batch_size = pipeline.validation_source(
+                validation_data, batch_size, validation_batch_size)
             val = self._batches(validation_data, None, None, val_batch_size, False, self.seed)
+            if validation_steps is not None:
+                val = pipeline.FirstSteps(val, validation_steps)
             self.build(val.peek())  # bad validation labels fail now, not after epoch 1
         callbacks = callbacks_lib.callback_list(
             callbacks, self.averaging_model(), verbose, epochs=epochs,

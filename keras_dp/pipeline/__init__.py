@@ -41,6 +41,7 @@ __all__ = [
     "split_validation",
     "steps_per_execution",
     "unpack",
+    "validation_source",
     "validation_tuple",
 ]
 
@@ -100,6 +101,29 @@ def validation_tuple(validation_data):
             and not any(isinstance(item, tuple) for item in validation_data)):
         return tuple(validation_data)
     return validation_data
+
+
+def validation_source(validation_data, batch_size=None, validation_batch_size=None):
+    """`(data, batch_size)` for `fit`'s validation, as `model.fit` reads them.
+
+    The data as `validation_tuple` reads it; for arrays, the batch size is
+    `validation_batch_size`, else `batch_size`; a dataset is batched
+    already, so it gets None.
+
+    Raises:
+        ValueError: `validation_batch_size` with validation data that is a
+            dataset.
+    """
+    validation_data = validation_tuple(validation_data)
+    if is_array_data(validation_data):
+        return validation_data, validation_batch_size or batch_size
+    if validation_batch_size is not None:
+        raise ValueError(
+            "`validation_batch_size` slices validation arrays; this validation "
+            "data is a dataset, batched already. Received: "
+            f"validation_batch_size={validation_batch_size}."
+        )
+    return validation_data, None
 
 
 def split_validation(x, y, sample_weight, validation_split, validation_data=None):
