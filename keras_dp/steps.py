@@ -13,6 +13,8 @@ replicas never drift apart, and why a step on N devices equals the same step
 on one device over the same rows (up to float summation order).
 """
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 import keras
@@ -304,7 +306,8 @@ def _predict_step(model, mesh):
         if custom:  # called as model.predict calls it
             y_pred, _ = model.predict_step((trainable, non_trainable), _keras_data((x,)))
         else:
-            y_pred, _ = model.stateless_call(trainable, non_trainable, x, training=False)
+            y_pred, _ = model.stateless_call(trainable, non_trainable, x,
+                                             **inference_kwargs(model))
         return jax.tree.map(
             lambda out: jax.lax.with_sharding_constraint(
                 placement.restore_rows(out, batch), mesh_lib.batch_sharded(mesh)
@@ -313,6 +316,16 @@ def _predict_step(model, mesh):
         )
 
     return predict_step
+
+
+def inference_kwargs(model):
+    """`{"training": False}` when `model.call` takes `training`, else `{}`.
+
+    `stateless_call` passes its keywords to `call` as they are; Keras's own
+    predict step passes `training` only to a `call` that declares it, and
+    so does this (a subclassed model may define `call(self, x)`).
+    """
+    return {"training": False} if "training" in inspect.signature(model.call).parameters else {}
 
 
 def _keras_data(batch):

@@ -329,6 +329,27 @@ def test_a_subclassed_model_built_from_the_first_batch(data):
     assert_falls(fit(model, *data, batch_size=BATCH))
 
 
+class CallWithoutTraining(keras.Model):
+    """A subclassed model whose `call(self, x)` takes no `training` argument."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(3)
+
+    def call(self, x):
+        return self.dense(x)
+
+
+def test_a_call_without_a_training_argument_predicts_as_model_predict():
+    x = np.random.default_rng(0).normal(size=(20, 4)).astype("float32")
+    model = CallWithoutTraining()
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    fit(model, x, np.arange(20) % 3, batch_size=8)
+    trainer = keras_dp.ShardedTrainer(model, devices=devices(2))
+    np.testing.assert_allclose(trainer.predict(x, batch_size=8, verbose=0),
+                               model.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.slow
 def test_a_keras_applications_model(data):
     x, y = data

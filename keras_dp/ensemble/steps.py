@@ -88,7 +88,7 @@ def make_predict_step(model, mesh, from_logits):
     """
 
     def member_predict(weights, x):
-        y_pred, _ = model.stateless_call(*weights, x, training=False)
+        y_pred, _ = model.stateless_call(*weights, x, **steps_lib.inference_kwargs(model))
         y_pred = y_pred.astype("float32")
         return jax.nn.softmax(y_pred, axis=-1) if from_logits else y_pred
 
