@@ -429,3 +429,50 @@ def test_validation_steps_and_batch_size_score_the_rows_model_fit_would():
     with pytest.raises(ValueError, match="validation_batch_size.*batched already"):
         trainer.fit(x, y, batch_size=16, verbose=0, validation_batch_size=15,
                     validation_data=[(x[:20], y[:20])])
+
+
+def test_a_regression_or_one_unit_binary_member_is_refused_before_any_step():
+    def model(units, activation, loss):
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(units, activation=activation)])
+        model.compile(optimizer="adam", loss=loss)
+        return model
+
+    x = np.ones((8, 4), "float32")
+    for units, activation, loss in [(1, None, "mse"), (1, "sigmoid", "binary_crossentropy"),
+                                    (3, None, keras.losses.MeanSquaredError())]:
+        with pytest.raises(ValueError, match="multi-class classifiers.*sparse_categorical"):
+            keras_dp.EnsembleTrainer(lambda: model(units, activation, loss), 1, devices=devices(1))
+    # A loss of the user's own passes the loss check; one output unit does not.
+    custom = lambda y, p: keras.ops.mean((y - p) ** 2)  # noqa: E731
+    trainer = keras_dp.EnsembleTrainer(
+        lambda: model(1, "sigmoid", custom), 1, devices=devices(1), from_logits=False)
+    with pytest.raises(ValueError, match=r"2 or more classes.*\(None, 1\)"):
+        trainer.fit(x, np.ones((8, 1), "float32"), batch_size=4, verbose=0)
+    assert trainer.members[0].optimizer.iterations.numpy() == 0
+
+
+class CallWithoutTraining(keras.Model):
+    """A subclassed model whose `call` takes no `training` argument."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(3)
+
+    def call(self, x):
+        return self.dense(x)
+
+
+def test_members_whose_call_takes_no_training_argument_predict():
+    def build():
+        model = CallWithoutTraining()
+        model.compile(optimizer="adam",
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    x = np.random.default_rng(0).normal(size=(16, 4)).astype("float32")
+    y = np.arange(16) % 3
+    result = keras_dp.fit_ensemble(build, x, y, members=2, batch_size=8, verbose=0,
+                                   devices=devices(2), validation_data=(x, y))
+    expected = np.mean([softmax(m.predict(x, verbose=0)) for m in result.members], axis=0)
+    np.testing.assert_allclose(result.model.predict(x, verbose=0), expected, rtol=1e-5, atol=1e-7)
+    assert 0 <= result.history.history["val_ensemble_accuracy"][0] <= 1

@@ -216,6 +216,63 @@ def read_from_logits(model, from_logits=None):
     )
 
 
+# Keras's losses over class probabilities; any other Keras loss (regression,
+# binary, hinge) trains members whose outputs are not a class distribution.
+_CLASS_LOSSES = frozenset({
+    "categorical_crossentropy", "sparse_categorical_crossentropy",
+    "categorical_focal_crossentropy", "kl_divergence",
+})
+
+
+def check_classifier(model):
+    """Refuse a member compiled with a Keras loss that is not a multi-class one.
+
+    The ensemble averages class probabilities and scores them by categorical
+    cross-entropy and accuracy, which mean nothing for a regression or a
+    one-unit binary output. A loss of the user's own passes.
+
+    Raises:
+        ValueError: the compiled loss is one of Keras's losses other than
+            categorical, sparse categorical, focal categorical
+            cross-entropy or KL divergence.
+    """
+    loss = keras.losses.get(model.loss) if isinstance(model.loss, str) else model.loss
+    function = getattr(loss, "fn", loss)  # a Keras Loss object wraps its function
+    module = getattr(function, "__module__", None) or ""
+    name = getattr(function, "__name__", "")
+    if module.startswith("keras.") and name not in _CLASS_LOSSES:
+        raise ValueError(
+            "fit_ensemble trains multi-class classifiers: it averages the "
+            "members' class probabilities and scores them by cross-entropy and "
+            f"accuracy. Received a model compiled with loss={model.loss!r}. "
+            "Compile each member with a softmax (or logits) output of one unit "
+            "per class and loss='sparse_categorical_crossentropy' or "
+            "'categorical_crossentropy' (a binary task: 2 units)."
+        )
+
+
+def check_class_output(model, x):
+    """Refuse a member whose output on `x` is not one tensor of 2 or more classes.
+
+    Raises:
+        ValueError: the output is a structure, or its last axis has fewer
+            than 2 classes.
+    """
+    spec = jax.tree.map(
+        lambda a: keras.KerasTensor((None, *np.shape(a)[1:]), np.asarray(a).dtype), x)
+    output = model.compute_output_spec(spec)
+    if not isinstance(output, keras.KerasTensor) or len(output.shape) < 2 or (
+            output.shape[-1] is not None and output.shape[-1] < 2):
+        shape = jax.tree.map(lambda o: tuple(o.shape), output)
+        raise ValueError(
+            "fit_ensemble averages class probabilities, so each member must "
+            "output one tensor of shape (batch, classes) with 2 or more "
+            f"classes. Received an output of shape {shape}. For a binary task "
+            "use Dense(2) with a softmax (or logits) and "
+            "loss='sparse_categorical_crossentropy'."
+        )
+
+
 def _make_member(build_model, seed, index):
     keras.utils.set_random_seed(seed)
     if isinstance(build_model, keras.Model):

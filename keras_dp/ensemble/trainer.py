@@ -44,7 +44,8 @@ class EnsembleTrainer:
             returned something that is not a `keras.Model`.
         ValueError: the members do not fit the devices, `build_model`
             returned an uncompiled model or one model twice, or the loss
-            does not tell whether the outputs are logits.
+            does not tell whether the outputs are logits or is a Keras loss
+            that is not a multi-class one (`members.check_classifier`).
     """
 
     def __init__(self, build_model, members=None, *, seed=0, mesh=None,
@@ -52,6 +53,7 @@ class EnsembleTrainer:
         count, self.mesh = members_lib.member_mesh(members, mesh, devices)
         self.seed = seed
         self.members = members_lib.make_members(build_model, count, seed)
+        members_lib.check_classifier(self.members[0])
         self.from_logits = members_lib.read_from_logits(self.members[0], from_logits)
         self.steps_per_execution = pipeline.steps_per_execution(
             self.members[0], steps_per_execution)
@@ -73,12 +75,13 @@ class EnsembleTrainer:
         """Build every member (layers, loss, metrics, optimizer) from a host batch.
 
         Raises:
-            ValueError: a member cannot be built on `x`, or the labels do
-                not fit its output.
+            ValueError: a member cannot be built on `x`, the labels do
+                not fit its output, or its output has fewer than 2 classes.
         """
         batch = pipeline.unpack(batch)
         for model in self.members:  # without labels: enough to predict
             build_lib.build(model, batch, for_training=batch[1] is not None)
+        members_lib.check_class_output(self.members[0], batch[0])
         self._x_example = batch[0]
 
     def init_state(self):
