@@ -177,6 +177,12 @@ def test_help_and_argument_errors_load_neither_keras_nor_jax():
     (["train", "--bogus"], "unrecognized arguments: --bogus"),
     (["train", "--data-on-device", "yes"], "invalid choice: 'yes'"),
     (["train", "--data-dir", "/no/such/dir"], "--data-dir: no MNIST file at /no/such/dir."),
+    (["train", "--ensemble", "2", "--data-on-device", "true"],
+     "--data-on-device applies to one model's training, not to --ensemble"),
+    (["train", "--ensemble", "2", "--plot-path", "c.png"], "--plot-path applies to one model"),
+    (["train", "--ensemble", "2", "--profile", "trace"], "--profile applies to one model"),
+    (["train", "--ensemble", "3", "--cpu-devices", "2"],
+     "--ensemble 3 does not fit --cpu-devices 2: every device holds the same number"),
 ])
 def test_bad_arguments_fail_with_usage_before_anything_runs(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

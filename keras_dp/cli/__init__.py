@@ -134,9 +134,8 @@ def main(argv=None):
     """Run `keras-dp` with `argv` (default: the command line)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if getattr(args, "ensemble", None) is not None and args.state_sharding != "replicated":
-        parser.error("--state-sharding splits one model's state over the devices; an "
-                     "ensemble already keeps each member on its own device. Drop one.")
+    if getattr(args, "ensemble", None) is not None:
+        _check_ensemble(parser, args)
     data_dir = getattr(args, "data_dir", None)
     if data_dir is not None and not os.path.isfile(
             os.path.join(data_dir, "mnist.npz") if os.path.isdir(data_dir) else data_dir):
@@ -168,6 +167,26 @@ def main(argv=None):
         train.train_ensemble(args)
     else:
         train.train(args)
+
+
+def _check_ensemble(parser, args):
+    """Refuse, before anything loads, the options `--ensemble` would not honour."""
+    if args.state_sharding != "replicated":
+        parser.error("--state-sharding splits one model's state over the devices; an "
+                     "ensemble already keeps each member on its own device. Drop one.")
+    # The ensemble trains from the host, draws no curves and takes no trace:
+    # refused rather than silently ignored.
+    for option, given in [("--data-on-device", args.data_on_device != "auto"),
+                          ("--plot-path", args.plot_path is not None),
+                          ("--profile", args.profile is not None)]:
+        if given:
+            parser.error(f"{option} applies to one model's training, not to --ensemble, "
+                         "which saves only the averaging model. Drop one.")
+    devices, members = args.cpu_devices, args.ensemble
+    if devices is not None and members > devices and members % devices:
+        parser.error(f"--ensemble {members} does not fit --cpu-devices {devices}: every "
+                     f"device holds the same number of members. Use at most {devices} "
+                     f"members, or a multiple of {devices}.")
 
 
 def use_cpu_devices(count):
