@@ -476,3 +476,20 @@ def test_members_whose_call_takes_no_training_argument_predict():
     expected = np.mean([softmax(m.predict(x, verbose=0)) for m in result.members], axis=0)
     np.testing.assert_allclose(result.model.predict(x, verbose=0), expected, rtol=1e-5, atol=1e-7)
     assert 0 <= result.history.history["val_ensemble_accuracy"][0] <= 1
+
+
+def test_tensorboard_logs_and_learning_rate_callbacks_are_refused_before_training(tmp_path):
+    x = np.random.default_rng(0).uniform(size=(16, 28, 28, 1)).astype("float32")
+    y = np.arange(16) % 10
+    for callback in [keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr),
+                     keras.callbacks.ReduceLROnPlateau()]:
+        trainer = keras_dp.EnsembleTrainer(build_mlp, 2, devices=devices(2))
+        with pytest.raises(ValueError, match="sets model.optimizer's learning rate.*schedule"):
+            trainer.fit(x, y, batch_size=8, verbose=0, callbacks=[callback])
+        assert all(m.optimizer.iterations.numpy() == 0 for m in trainer.members)
+    result = keras_dp.fit_ensemble(build_mlp, x, y, members=2, batch_size=8, verbose=0,
+                                   devices=devices(2),
+                                   callbacks=[keras.callbacks.TensorBoard(str(tmp_path))])
+    assert result.model.optimizer is None
+    assert [m.optimizer.iterations.numpy() for m in result.members] == [2, 2]
+    assert len(list((tmp_path / "train").iterdir())) == 1  # its event file

@@ -46,6 +46,27 @@ class MembersLive(LiveModel):
         members_lib.write_back_members(state, self.members)
 
 
+def check_callbacks(callbacks):
+    """Refuse Keras callbacks that set `model.optimizer`'s learning rate.
+
+    Each member has its own optimizer, and the averaging model that
+    callbacks are given has none (`optimizer` is `None`).
+
+    Raises:
+        ValueError: a `LearningRateScheduler` or `ReduceLROnPlateau`.
+    """
+    for callback in callbacks or ():
+        if isinstance(callback, (keras.callbacks.LearningRateScheduler,
+                                 keras.callbacks.ReduceLROnPlateau)):
+            raise ValueError(
+                f"{type(callback).__name__} sets model.optimizer's learning rate, "
+                "but an ensemble's members each have their own optimizer and the "
+                "averaging model given to callbacks has none. Give each member a "
+                "schedule in build_model instead, e.g. keras.optimizers.Adam("
+                "keras.optimizers.schedules.CosineDecay(1e-3, decay_steps))."
+            )
+
+
 def fit(trainer, sources, val, callbacks, *, epochs, validation_freq):
     """Train `epochs` epochs of `sources` (one per member, or one for all).
 

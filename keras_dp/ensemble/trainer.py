@@ -156,10 +156,13 @@ class EnsembleTrainer:
             Each member's own values are in `member_history`.
 
         Raises:
-            ValueError: `member_shuffle` without shuffled array data.
+            ValueError: `member_shuffle` without shuffled array data, or a
+                callback that sets the learning rate
+                (`keras_dp.ensemble.loop.check_callbacks`).
             FloatingPointError: a member's loss became NaN or Inf.
         """
         callbacks_lib.check_validation_freq(validation_freq)
+        ensemble_loop.check_callbacks(callbacks)
         sources = self._sources(x, y, sample_weight, batch_size, shuffle, member_shuffle)
         self.build(sources[0].peek())
         val = None
@@ -209,14 +212,17 @@ class EnsembleTrainer:
         0's (like the data's `x` for subclassed members), the members as
         sub-models sharing their weights with `self.members`, a softmax
         after each when they output logits, and an `Average` layer. It is
-        not compiled, and saves and loads as a `.keras` file. Every call
-        returns the same model.
+        not compiled (its `optimizer` is `None`), and saves and loads as a
+        `.keras` file. Every call returns the same model.
         """
         if self._x_example is None:
             raise ValueError("Fit or build the ensemble before asking for its model.")
         if self._averaging is None:  # one model: the one fit's callbacks saw
             self._averaging = members_lib.averaging_model(
                 self.members, self.from_logits, self._x_example)
+            # Keras's callbacks test model.optimizer (TensorBoard); the
+            # members own the optimizers, so the averaging model has none.
+            self._averaging.optimizer = None
         return self._averaging
 
     # -- Internals -----------------------------------------------------------
