@@ -109,6 +109,15 @@ def test_the_png_gains_a_throughput_panel_of_the_timings(tmp_path):
     assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_one_epoch_is_ticked_as_epoch_1_only():
+    pytest.importorskip("matplotlib")
+    from keras_dp.cli import plots
+
+    ticks = plots.epoch_locator().tick_values(0.945, 1.055)  # the view around one point
+    assert [tick for tick in ticks if 0.945 <= tick <= 1.055] == [1.0]
+    assert list(plots.epoch_locator().tick_values(1, 3)) == [1.0, 2.0, 3.0]
+
+
 def small_mnist(directory, train, test):
     """An mnist.npz of the bundled subset's first `train` and `test` images, in `directory`."""
     from keras_dp import datasets

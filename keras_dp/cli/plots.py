@@ -41,7 +41,6 @@ def plot_history(history, path, title=None, timings=None):
         return False
     matplotlib.use("Agg")  # No display needed, and none is touched.
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
 
     logs = getattr(history, "history", history)
     names = [name for name in ("loss", "accuracy") if name in logs]
@@ -53,12 +52,12 @@ def plot_history(history, path, title=None, timings=None):
             if label in logs:
                 axis.plot(epochs, logs[label], marker="o", label=label)
         axis.set_xlabel("epoch")
-        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+        axis.xaxis.set_major_locator(epoch_locator())
         axis.set_ylabel(name)
         axis.grid(alpha=0.3)
         axis.legend()
     if timings:
-        _throughput_panel(axes[0][-1], throughput_data(timings), MaxNLocator)
+        _throughput_panel(axes[0][-1], throughput_data(timings))
     if title:
         figure.suptitle(title)
     figure.tight_layout()
@@ -67,14 +66,25 @@ def plot_history(history, path, title=None, timings=None):
     return True
 
 
-def _throughput_panel(axis, data, locator):
+def epoch_locator():
+    """Ticks at whole epochs only, even for one epoch.
+
+    `MaxNLocator(integer=True)` wants 2 ticks in view and falls back to
+    fractional ones (0.96, 0.98, ...) around a single epoch.
+    """
+    from matplotlib.ticker import MaxNLocator
+
+    return MaxNLocator(integer=True, min_n_ticks=1)
+
+
+def _throughput_panel(axis, data):
     """Seconds per epoch by part as stacked bars; samples per second as a line on the right."""
     bottom = [0.0] * len(data["epoch"])
     for part in TIME_PARTS:
         axis.bar(data["epoch"], data[part], bottom=bottom, label=part[:-2], alpha=0.6)
         bottom = [below + value for below, value in zip(bottom, data[part])]
     axis.set_xlabel("epoch")
-    axis.xaxis.set_major_locator(locator(integer=True))
+    axis.xaxis.set_major_locator(epoch_locator())
     axis.set_ylabel("seconds (bars)")
     # Headroom on both axes keeps the legend's row above the bars and the line.
     axis.set_ylim(0, 1.45 * max(bottom))
