@@ -200,6 +200,14 @@ def test_bad_arguments_fail_with_usage_before_anything_runs(argv, message, capsy
     assert message in capsys.readouterr().err
 
 
+def test_an_ensemble_across_processes_fails_with_usage_before_joining(monkeypatch, capsys):
+    monkeypatch.setenv("KERAS_DP_COORDINATOR", "127.0.0.1:1")  # nothing listens: never joined
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["train", "--ensemble", "2"])
+    assert exit_info.value.code == 2
+    assert "--ensemble trains in one process" in capsys.readouterr().err
+
+
 def test_cpu_devices_must_be_positive_and_set_before_jax_starts(monkeypatch):
     with pytest.raises(ValueError, match="at least 1"):
         cli.use_cpu_devices(0)

@@ -155,6 +155,10 @@ def main(argv=None):
     os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
     from keras_dp import distributed
 
+    if args.ensemble is not None and distributed.requested_by_environment():
+        parser.error("--ensemble trains in one process, on this host's devices, but "
+                     "KERAS_DP_COORDINATOR asks to join several (keras-dp launch sets "
+                     "it). Run keras-dp train --ensemble N without launch.")
     if args.cpu_devices is not None:
         use_cpu_devices(args.cpu_devices)
     elif not distributed.requested_by_environment():
