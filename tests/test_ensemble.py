@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 
 import jax
 import keras
@@ -493,3 +494,25 @@ def test_tensorboard_logs_and_learning_rate_callbacks_are_refused_before_trainin
     assert result.model.optimizer is None
     assert [m.optimizer.iterations.numpy() for m in result.members] == [2, 2]
     assert len(list((tmp_path / "train").iterdir())) == 1  # its event file
+
+
+def test_members_with_named_dict_inputs_average_without_a_warning_and_reload(tmp_path):
+    def build():
+        a, b = keras.Input((4,), name="a"), keras.Input((3,), name="b")
+        joined = keras.layers.Concatenate()([a, b])
+        model = keras.Model({"a": a, "b": b}, keras.layers.Dense(2)(joined))
+        model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    rng = np.random.default_rng(0)
+    x = {"a": rng.normal(size=(16, 4)).astype("float32"),
+         "b": rng.normal(size=(16, 3)).astype("float32")}
+    trainer = keras_dp.EnsembleTrainer(build, 2, devices=devices(2))
+    trainer.fit(x, np.arange(16) % 2, batch_size=8, verbose=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # Keras: dict keys and input names differ
+        model = trainer.averaging_model()
+        model.save(tmp_path / "ensemble.keras")
+        loaded = keras.saving.load_model(tmp_path / "ensemble.keras")
+    assert [tensor.name for tensor in model.inputs] == ["a", "b"]
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), trainer.predict(x), rtol=1e-5, atol=1e-7)

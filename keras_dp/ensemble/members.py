@@ -177,9 +177,13 @@ def averaging_model(models, from_logits, x_example):
         template = declared[0] if len(declared) == 1 else models[0].input
     else:
         template = x_example
-    inputs = keras.tree.map_structure(
-        lambda spec: keras.Input(shape=spec.shape[1:], dtype=spec.dtype), template
-    )
+    def input_like(spec, name=None):
+        return keras.Input(shape=spec.shape[1:], dtype=spec.dtype, name=name)
+
+    if isinstance(template, dict):  # Keras wants each input named as its key
+        inputs = {key: input_like(spec, key) for key, spec in template.items()}
+    else:
+        inputs = keras.tree.map_structure(input_like, template)
     outputs = []
     for index, model in enumerate(models):
         output = model(inputs)
