@@ -61,8 +61,10 @@ def require_compiled(model, what):
 def check_model(model):
     """Raise a `TypeError` naming the fix unless `model` is a `keras.Model`.
 
-    Warns when the model is compiled to run its step eagerly or un-jitted,
-    which keras_dp does not honour: its sharded step is always compiled.
+    Refuses a model with a layer that runs TensorFlow ops
+    (`check_no_tensorflow_layers`). Warns when the model is compiled to run
+    its step eagerly or un-jitted, which keras_dp does not honour: its
+    sharded step is always compiled.
     """
     if not isinstance(model, keras.Model):
         raise TypeError(
@@ -71,6 +73,7 @@ def check_model(model):
             "layers in keras.Sequential([...]) or keras.Model(inputs, "
             "outputs)."
         )
+    check_no_tensorflow_layers(model)
     if model.compiled and (model.run_eagerly or model.jit_compile is False):
         why = ("run_eagerly=True" if model.run_eagerly else "jit_compile=False (from "
                "compile, or set by a layer with supports_jit=False)")
@@ -78,6 +81,38 @@ def check_model(model):
             f"The model is compiled with {why}, but keras_dp always compiles its "
             "sharded step: call() is traced, not run eagerly. To debug it "
             "eagerly, use model.fit on one device.", UserWarning, stacklevel=3)
+
+
+# Keras's preprocessing layers that call TensorFlow ops whatever the backend:
+# they run in a tf.data pipeline, never inside a model traced by JAX.
+TENSORFLOW_LAYERS = (
+    keras.layers.TextVectorization, keras.layers.StringLookup, keras.layers.IntegerLookup,
+    keras.layers.Hashing, keras.layers.HashedCrossing,
+)
+
+
+def check_no_tensorflow_layers(model):
+    """Raise a `ValueError` naming the fix if `model` holds a TensorFlow-only layer.
+
+    `TextVectorization`, `StringLookup`, `IntegerLookup`, `Hashing` and
+    `HashedCrossing` run TensorFlow ops (and take strings), which JAX cannot
+    compile: inside a model they fail deep in a traced step (under Keras's
+    own `model.fit` on JAX too). Their place is the input pipeline.
+    """
+    found = [layer for layer in _compat.all_layers(model)
+             if isinstance(layer, TENSORFLOW_LAYERS)]
+    inner = {id(sub) for layer in found for sub in _compat.all_layers(layer)[1:]}
+    found = [layer for layer in found if id(layer) not in inner]  # TextVectorization's own lookup
+    if not found:
+        return
+    names = ", ".join(f"{layer.name} ({type(layer).__name__})" for layer in found)
+    raise ValueError(
+        f"The model holds layers that run TensorFlow ops, which JAX cannot compile "
+        f"into keras_dp's step (nor into Keras's own on JAX): {names}. Move them into "
+        "the tf.data pipeline, before batching or after: dataset.map(lambda x, y: "
+        "(layer(x), y)) with the layer adapted, and start the model at their output "
+        "(keras.Input(shape, dtype=\"int64\") for token ids)."
+    )
 
 
 class Builder:
@@ -140,6 +175,7 @@ def build(model, batch, for_training=True):
         ValueError: the model cannot be built on `x`, or the labels do not
             fit its output.
     """
+    check_no_tensorflow_layers(model)  # an ensemble's members pass here only
     x, y, sample_weight = jax.tree.map(spec, batch)
     if (for_training and y is None and _compat.compiled_loss(model) is not None
             and not _compat.custom_step(model, "train_step")):

@@ -118,12 +118,27 @@ def apply_class_weight(batch, class_weight):
 def check_dtypes(batch, where="The data"):
     """Raise a `ValueError` naming `where` if an array of `batch` is not numeric."""
     for leaf in jax.tree.leaves(batch):
-        if leaf.dtype.kind not in "biuf":
+        if leaf.dtype.kind in "biuf":
+            continue
+        what = f"{where} has an array of dtype {leaf.dtype} (shape {leaf.shape})"
+        if _holds_text(leaf):
             raise ValueError(
-                f"{where} has an array of dtype {leaf.dtype} (shape "
-                f"{leaf.shape}); keras_dp trains on numeric arrays only. "
-                "Convert it to numbers first; ragged sequences become "
-                "`object` arrays: pad them to one length "
-                "(keras.utils.pad_sequences)."
+                f"{what} holding text; keras_dp compiles its steps with JAX, which "
+                "has no strings. Turn the text into token ids in the input pipeline: "
+                "adapt a keras.layers.TextVectorization (or StringLookup) on it, then "
+                "tf.data.Dataset.from_tensor_slices((x, y)).map(lambda s, y: "
+                "(vectorize(s), y)).batch(...), or call the layer on the arrays first."
             )
+        raise ValueError(
+            f"{what}; keras_dp trains on numeric arrays only. Convert it to "
+            "numbers first; ragged sequences become `object` arrays: pad them to "
+            "one length (keras.utils.pad_sequences)."
+        )
 
+
+def _holds_text(array):
+    """Whether `array` holds strings: numpy's `str_`/`bytes_`, or objects that are (tf.data's)."""
+    if array.dtype.kind in "SU":
+        return True
+    return array.dtype.kind == "O" and array.size > 0 and isinstance(
+        array.flat[0], (str, bytes))
