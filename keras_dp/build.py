@@ -172,8 +172,9 @@ def build(model, batch, for_training=True):
     compiled loss, metrics and optimizer, with or without labels.
 
     Raises:
-        ValueError: the model cannot be built on `x`, or the labels do not
-            fit its output.
+        ValueError: the model holds a TensorFlow-only layer
+            (`check_no_tensorflow_layers`), cannot be built on `x`, or the
+            labels do not fit its output.
     """
     check_no_tensorflow_layers(model)  # an ensemble's members pass here only
     x, y, sample_weight = jax.tree.map(spec, batch)

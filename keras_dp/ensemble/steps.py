@@ -102,8 +102,15 @@ def _on_each_device(member_fn, mesh, per_member_batches):
     axis compiled convolutions (members folded into feature groups) with
     all-gathers of the weights; `shard_map` gives each device its block of
     members and nothing else.
+
+    The body holds no collective, so `shard_map`'s check of which values vary
+    over the mesh (`check_vma`) has nothing to guard, and it is off: with it,
+    a `lax.scan` whose carry starts as a constant and is updated from the
+    member's weights (a Keras LSTM or GRU's zero initial state) fails to
+    trace, its carry "unvarying" in and "varying" out.
     """
     members = PartitionSpec(mesh_lib.BATCH_AXIS)
     batch = members if per_member_batches else PartitionSpec()
     mapped = jax.vmap(member_fn, in_axes=(0, 0 if per_member_batches else None))
-    return jax.shard_map(mapped, mesh=mesh, in_specs=(members, batch), out_specs=members)
+    return jax.shard_map(mapped, mesh=mesh, in_specs=(members, batch), out_specs=members,
+                         check_vma=False)
