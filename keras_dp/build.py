@@ -190,8 +190,8 @@ def build(model, batch, for_training=True):
         y_pred = _trace(model, x)
         if for_training and not all(layer.built for layer in _compat.all_layers(model)):
             _trace(model, x, training=True)  # layers called only in training mode
-        if y is not None and _compat.compiled_loss(model) is not None:
-            check_labels(model, x, y, y_pred, sample_weight)
+        if for_training and y is not None and _compat.compiled_loss(model) is not None:
+            check_labels(model, x, y, y_pred, sample_weight)  # predict ignores y, as Keras
     else:
         _mark_built(model)
     if for_training:

@@ -86,4 +86,19 @@ def predict(trainer, weights, batches, callbacks):
             index += steps
             callbacks.on_predict_batch_end(index - 1, {"outputs": output})
     callbacks.on_predict_end()
-    return jax.tree.map(lambda *parts: np.concatenate(parts), *outputs)
+    return jax.tree.map(_join, *outputs)
+
+
+def _join(*parts):
+    """One output's parts, one per call, joined along the rows, or a `ValueError` naming the shapes."""
+    shapes = sorted({np.shape(part)[1:] for part in parts})
+    if len(shapes) > 1:
+        raise ValueError(
+            f"predict's batches gave outputs of different shapes after the rows "
+            f"({', '.join(map(str, shapes))}), which cannot be joined into one array "
+            "(Keras's model.predict cannot either): a model that outputs one value "
+            "per timestep, on batches padded to different lengths. Pad every batch "
+            "to one length (padded_batch(..., padded_shapes=...)), or predict each "
+            "length's batches apart."
+        )
+    return np.concatenate(parts)

@@ -200,3 +200,27 @@ def test_an_ensemble_of_recurrent_members_equals_each_trained_alone():
         for ours, theirs in zip(member.get_weights(), alone.get_weights()):
             np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6 * np.abs(theirs).max())
         np.testing.assert_allclose(probabilities[i], keras.ops.softmax(member(tokens)), atol=1e-6)
+
+
+def test_predict_ignores_labels_that_do_not_fit_the_loss_as_keras_does():
+    # A labelled dataset given to predict: Keras reads x only. keras_dp checked
+    # the labels against the loss and refused ("The labels do not fit").
+    tokens, lengths = padded_tokens()
+    model = keras.Sequential([keras.Input((STEPS,), dtype="int32"),
+                              layers.Embedding(VOCAB, 4), layers.Dense(2)])
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy())
+    dataset = tf.data.Dataset.from_tensor_slices((tokens, lengths)).batch(BATCH)
+    predicted = keras_dp.ShardedTrainer(model, devices=devices(3)).predict(dataset, verbose=0)
+    np.testing.assert_allclose(predicted, model.predict(dataset, verbose=0), atol=1e-6)
+
+
+def test_per_timestep_predictions_of_batches_padded_to_different_lengths_are_refused():
+    tokens, _ = padded_tokens()
+    model = keras.Sequential([keras.Input((None,), dtype="int32"),
+                              layers.Embedding(VOCAB, 4), layers.Dense(2)])
+    batches = (batch for batch in [tokens[:16], tokens[16:32, :5]])  # (16, 7), (16, 5)
+    trainer = keras_dp.ShardedTrainer(model, devices=devices(2))
+    with pytest.raises(ValueError, match=r"different shapes after the rows \(\(5, 2\), \(7, 2\)\)"
+                       r".*Pad every batch to one length") as raised:
+        trainer.predict(batches, verbose=0)
+    assert raised.value.__context__ is None
