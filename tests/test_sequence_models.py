@@ -1,9 +1,10 @@
 """Sequence, text and attention models, as a user brings them.
 
-Each compares keras_dp on 2 or 3 simulated devices with Keras's `model.fit`,
-`evaluate` and `predict` on one device from the same initial weights, on
-batches that do not divide by 3; text layers that cannot be compiled are
-refused before anything runs.
+The parity tests compare keras_dp on 2 or 3 simulated devices with Keras's
+`model.fit`, `evaluate` and `predict` on one device from the same initial
+weights (on 3 devices, batches of 16 rows, which do not divide by 3); text
+layers that JAX cannot compile, and text data, are refused before anything
+runs, with the fix.
 """
 
 import warnings
