@@ -131,6 +131,36 @@ def test_a_tf_data_text_pipeline_of_padded_batches_equals_keras():
     assert trainer._train_step._cache_size() == 3
 
 
+def test_ragged_batches_of_split_text_are_padded_as_keras_pads_them():
+    # Splitting a batch of strings gives a RaggedTensor; Keras pads it with
+    # zeros to the longest row. keras_dp refused it ("dtype object").
+    texts, labels = sentences()
+    lookup = layers.StringLookup(vocabulary=WORDS)
+
+    def dataset():
+        batches = tf.data.Dataset.from_tensor_slices((texts, labels)).batch(8)
+        return batches.map(lambda text, label: (lookup(tf.strings.split(text)), label))
+
+    assert isinstance(next(iter(dataset()))[0], tf.RaggedTensor)
+
+    def build():
+        model = keras.Sequential([
+            keras.Input((None,), dtype="int64"),
+            layers.Embedding(lookup.vocabulary_size(), 8, mask_zero=True),
+            layers.GlobalAveragePooling1D(), layers.Dense(2)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    reference, model = twins(build)
+    expected = reference.fit(dataset(), epochs=2, shuffle=False, verbose=0).history["loss"]
+    trainer = keras_dp.ShardedTrainer(model, devices=devices(3))
+    np.testing.assert_allclose(trainer.fit(dataset(), epochs=2, verbose=0).history["loss"],
+                               expected, rtol=1e-5)
+    np.testing.assert_allclose(trainer.predict(dataset(), verbose=0),
+                               reference.predict(dataset(), verbose=0), atol=1e-6)
+
+
 def string_classifier():
     vectorize = layers.TextVectorization(max_tokens=30, output_sequence_length=8)
     vectorize.adapt(WORDS)

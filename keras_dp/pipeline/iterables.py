@@ -154,10 +154,15 @@ def _as_numpy_iterable(source, shuffle=False, seed=0):
 
 
 class _TFEpochs:
-    """A tf.data.Dataset as a re-iterable of numpy batches."""
+    """A tf.data.Dataset as a re-iterable of numpy batches.
+
+    Ragged batches (`ragged_batch`, or `tf.strings.split` after `batch`) are
+    padded with zeros to their longest row, as Keras's `model.fit` pads them
+    (`RaggedTensor.to_tensor()`), inside the pipeline.
+    """
 
     def __init__(self, dataset):
-        self._dataset = dataset
+        self._dataset = _ragged_to_dense(dataset)
 
     def __iter__(self):
         return self._dataset.as_numpy_iterator()
@@ -202,6 +207,22 @@ class _PyDatasetEpochs:
         for index in indices:
             yield self._dataset[index]
         self._dataset.on_epoch_end()
+
+
+def _ragged_to_dense(dataset):
+    """`dataset` with each `tf.RaggedTensor` padded with zeros to a dense tensor."""
+    import tensorflow as tf
+
+    if not any(isinstance(spec, tf.RaggedTensorSpec)
+               for spec in tf.nest.flatten(dataset.element_spec)):
+        return dataset
+
+    def dense(*parts):  # tf.data passes a tuple's parts as arguments
+        parts = tf.nest.map_structure(
+            lambda part: part.to_tensor() if isinstance(part, tf.RaggedTensor) else part, parts)
+        return parts if len(parts) > 1 else parts[0]
+
+    return dataset.map(dense)
 
 
 def hide_gpus_from_tensorflow():
