@@ -326,6 +326,8 @@ class ShardedTrainer:
                 before that step. Not raised when a callback such as
                 `keras.callbacks.TerminateOnNaN` stops training instead.
         """
+        epochs = pipeline.check_count("epochs", epochs)
+        initial_epoch = pipeline.check_count("initial_epoch", initial_epoch)
         if validation_split:
             (x, y, sample_weight), validation_data = pipeline.split_validation(
                 x, y, sample_weight, validation_split, validation_data)
@@ -408,6 +410,7 @@ class ShardedTrainer:
                  steps=None):
         if batch_size is not None:
             # `batch_size` is global; each process slices its part of it.
+            batch_size = pipeline.check_count("batch_size", batch_size, 1)
             batch_size = self.placement.local_batch_size(batch_size)
         batches = pipeline.make_batches(
             x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,

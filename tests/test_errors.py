@@ -197,3 +197,26 @@ def test_a_custom_train_step_returning_a_short_state_is_named():
                                         r"optimizer_variables, metrics_variables\)"):
         keras_dp.fit_sharded(model, np.ones((8, 3)), np.ones((8, 2)), verbose=0,
                              devices=devices(2))
+
+
+@pytest.mark.parametrize("argument, value", [
+    ("batch_size", 16.5), ("batch_size", 16.0), ("batch_size", "16"), ("epochs", 2.0),
+    ("initial_epoch", 1.0), ("steps_per_epoch", 2.5), ("validation_batch_size", 8.5)])
+def test_a_count_that_is_not_an_integer_is_refused_not_rounded(argument, value):
+    # Keras fails on these deep in its loop ("slice indices must be
+    # integers"); keras_dp used to train batch_size=16.5 as 16, silently.
+    x, y = np.zeros((32, 28, 28, 1), "float32"), np.zeros(32, "int32")
+    with pytest.raises(TypeError) as error:
+        keras_dp.fit_sharded(mlp(), x, y, verbose=0, devices=devices(2), validation_data=(x, y),
+                             **{"batch_size": 8, argument: value})
+    assert str(error.value) == (
+        f"`{argument}` must be an integer. Received: {argument}={value!r} (of type "
+        f"{type(value).__name__}). Pass an int; keras_dp does not round it.")
+    assert error.value.__cause__ is None and error.value.__suppress_context__
+
+
+def test_integer_counts_of_numpy_types_are_accepted():
+    x, y = np.zeros((32, 28, 28, 1), "float32"), np.zeros(32, "int32")
+    history = keras_dp.fit_sharded(mlp(), x, y, batch_size=np.int64(8), epochs=np.int32(1),
+                                   verbose=0, devices=devices(2))
+    assert len(history.history["loss"]) == 1

@@ -15,6 +15,7 @@ import numpy as np
 
 from keras_dp.pipeline.arrays import ArrayBatches
 from keras_dp.pipeline.batch import batch_rows
+from keras_dp.pipeline.batch import check_count
 from keras_dp.pipeline.batch import check_not_ragged
 from keras_dp.pipeline.batch import class_weight_to_sample_weight
 from keras_dp.pipeline.batch import unpack
@@ -32,6 +33,7 @@ __all__ = [
     "IterableBatches",
     "StepsPerEpoch",
     "batch_rows",
+    "check_count",
     "class_weight_to_sample_weight",
     "group_steps",
     "hide_gpus_from_tensorflow",
@@ -115,6 +117,8 @@ def validation_source(validation_data, batch_size=None, validation_batch_size=No
             dataset.
     """
     validation_data = validation_tuple(validation_data)
+    if validation_batch_size is not None:
+        validation_batch_size = check_count("validation_batch_size", validation_batch_size, 1)
     if is_array_data(validation_data):
         return validation_data, validation_batch_size or batch_size
     if validation_batch_size is not None:

@@ -5,6 +5,7 @@ import numpy as np
 
 from keras_dp.pipeline.batch import apply_class_weight
 from keras_dp.pipeline.batch import batch_rows
+from keras_dp.pipeline.batch import check_count
 from keras_dp.pipeline.batch import check_dtypes
 
 
@@ -19,11 +20,7 @@ class ArrayBatches:
         self.num_samples = batch_rows(arrays)
         if self.num_samples == 0:
             raise ValueError("The data has no rows. Pass at least one sample.")
-        self.batch_size = 32 if batch_size is None else int(batch_size)
-        if self.batch_size < 1:
-            raise ValueError(
-                f"`batch_size` must be at least 1. Received: batch_size={batch_size}."
-            )
+        self.batch_size = 32 if batch_size is None else check_count("batch_size", batch_size, 1)
         if class_weight is not None:
             arrays = apply_class_weight(arrays, class_weight)
         self._arrays, self._shuffle, self._seed = arrays, shuffle, seed

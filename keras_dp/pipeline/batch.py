@@ -1,5 +1,7 @@
 """What a host batch is: `(x, y, sample_weight)` of numpy arrays, and its checks."""
 
+import operator
+
 import jax
 import keras
 import numpy as np
@@ -40,6 +42,29 @@ def batch_rows(batch):
             "that x, y and sample_weight have one entry per sample."
         )
     return sizes.pop()
+
+
+def check_count(name, value, minimum=None):
+    """Return `value` as an int, or raise naming the argument `name`.
+
+    Accepts what Python takes as an index (an int, a numpy integer), as
+    Keras's loops do; a float such as `16.0` or a string is refused, not
+    rounded.
+
+    Raises:
+        TypeError: `value` is not an integer.
+        ValueError: `value` is below `minimum`.
+    """
+    try:
+        count = operator.index(value)
+    except TypeError:
+        raise TypeError(
+            f"`{name}` must be an integer. Received: {name}={value!r} (of type "
+            f"{type(value).__name__}). Pass an int; keras_dp does not round it."
+        ) from None
+    if minimum is not None and count < minimum:
+        raise ValueError(f"`{name}` must be at least {minimum}. Received: {name}={value!r}.")
+    return count
 
 
 def short_list(items, limit=6):
