@@ -292,7 +292,8 @@ class ShardedTrainer:
             validation_data: `(x, y[, sample_weight])` (or that list, as in
                 Keras) or a dataset, scored after every epoch as `val_*` logs.
             shuffle: reshuffle array data every epoch, in an order fixed by
-                the trainer's `seed` and the epoch index.
+                the trainer's `seed` and the epoch index; `"batch"`, as in
+                `model.fit`: keep each batch's rows, permuted within it.
             class_weight: `{class_id: weight}`, applied as sample weights.
             initial_epoch: the epoch to start at (to resume a run); the
                 shuffle order of epoch e is the same as in an unbroken run.

@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import keras_dp
-from conftest import SubclassedClassifier, convnet, devices, mlp, weights
+from conftest import SubclassedClassifier, convnet, devices, mlp, sgd_mlp, weights
 
 
 def test_fit_sharded_trains_mnist_and_returns_history(mnist):
@@ -184,3 +184,22 @@ def test_resnet18_is_d2ls_and_its_loss_falls_on_two_devices(mnist):
                                    shuffle=False, verbose=0, devices=devices(2))
     losses = history.history["loss"]
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_shuffle_batch_permutes_rows_within_each_batch_as_keras_does(mnist):
+    # model.fit(shuffle="batch") keeps every batch's rows and place and permutes
+    # only within a batch; keras_dp used to read "batch" as a full shuffle.
+    (x, y), _ = mnist
+    x, y = x[:100], y[:100]
+    batches = keras_dp.pipeline.make_batches(x, y, batch_size=32, shuffle="batch", seed=3)
+    order = batches.order(1)
+    assert not np.array_equal(order, np.arange(100))
+    for start in range(0, 100, 32):
+        np.testing.assert_array_equal(np.sort(order[start:start + 32]), np.arange(start, min(start + 32, 100)))
+    expected, model = sgd_mlp(), sgd_mlp()
+    keras_losses = expected.fit(x, y, batch_size=32, epochs=2, shuffle="batch", verbose=0).history["loss"]
+    history = keras_dp.fit_sharded(model, x, y, batch_size=32, epochs=2, shuffle="batch", verbose=0,
+                                   devices=devices(2))
+    np.testing.assert_allclose(history.history["loss"], keras_losses, rtol=1e-5)
+    for left, right in zip(weights(model), weights(expected), strict=True):
+        np.testing.assert_allclose(left, right, rtol=1e-5, atol=1e-5 * np.abs(right).max())

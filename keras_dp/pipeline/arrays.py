@@ -51,11 +51,20 @@ class ArrayBatches:
 
         The permutation is `np.random.default_rng([seed, epoch])`'s, so it
         depends only on the seed and the epoch (`keras_dp.resident` sends
-        the same one to the devices).
+        the same one to the devices). With `shuffle="batch"`, as in
+        `model.fit`, each batch keeps its rows and its place, and only the
+        rows within it are permuted.
         """
         if not self._shuffle:
             return None
-        return np.random.default_rng([self._seed, epoch]).permutation(self.num_samples)
+        rng = np.random.default_rng([self._seed, epoch])
+        if isinstance(self._shuffle, str) and self._shuffle == "batch":
+            order = np.arange(self.num_samples)
+            for start in range(0, self.num_samples, self.batch_size):
+                rows = order[start:start + self.batch_size]  # a view: permuted in place
+                rows[:] = rng.permutation(rows)
+            return order
+        return rng.permutation(self.num_samples)
 
     def epoch(self, epoch, skip=0):
         """Yield this epoch's host batches from batch `skip` on; every row exactly once."""
