@@ -95,15 +95,15 @@ class Builder:
         self.model = model
         self._checked = []  # (data signature, (loss, optimizer))
 
-    def build(self, batch, for_training=True):
-        """`build(self.model, batch, for_training)` unless already done for this data."""
+    def build(self, batch, for_training=True, data="the data"):
+        """`build(self.model, batch, for_training, data)` unless already done for this data."""
         key = (signature(batch), for_training)
         parts = (_compat.compiled_loss(self.model), getattr(self.model, "optimizer", None))
         checked = any(key == seen and all(a is b for a, b in zip(parts, objects))
                       for seen, objects in self._checked)
         if checked and is_built(self.model, for_training):
             return
-        build(self.model, batch, for_training)
+        build(self.model, batch, for_training, data)
         self._checked.append((key, parts))
 
 
@@ -125,7 +125,7 @@ def is_built(model, for_training=True):
     )
 
 
-def build(model, batch, for_training=True):
+def build(model, batch, for_training=True, data="the data"):
     """Build `model` from a host batch as `model.fit` does, checking the labels first.
 
     The layers are built by tracing the model on the batch's `x` (again in
@@ -136,18 +136,22 @@ def build(model, batch, for_training=True):
     training (or evaluation), Keras's own symbolic build then builds the
     compiled loss, metrics and optimizer, with or without labels.
 
+    Args:
+        data: what the batch is from, for messages ("the validation data").
+
     Raises:
-        ValueError: the model cannot be built on `x`, or the labels do not
-            fit its output.
+        ValueError: the model cannot be built on `x`, or the labels are
+            missing or do not fit its output.
     """
     x, y, sample_weight = jax.tree.map(spec, batch)
     if (for_training and y is None and _compat.compiled_loss(model) is not None
             and not _compat.custom_step(model, "train_step")):
+        fix = ("give it labels, validation_data=(x_val, y_val) or (x, y) batches"
+               if "validation" in data else "pass y (or (x, y) batches)")
         raise ValueError(
-            f"The model is compiled with a loss ({model.loss!r}), but the data "
-            "has no labels: pass y (or (x, y) batches). A model whose losses "
-            "all come from add_loss is compiled without one: "
-            "model.compile(optimizer=...)."
+            f"The model is compiled with a loss ({_loss_name(model.loss)}), but {data} "
+            f"has no labels: {fix}. A model whose losses all come from add_loss "
+            "is compiled without one: model.compile(optimizer=...)."
         )
     if _compat.has_call(model):
         y_pred = _trace(model, x)
@@ -159,6 +163,13 @@ def build(model, batch, for_training=True):
         _mark_built(model)
     if for_training:
         _compat.symbolic_build(model, batch)
+
+
+def _loss_name(loss):
+    """A compiled loss by its name (`sparse_categorical_crossentropy`), else its repr."""
+    if isinstance(loss, (str, dict, list, tuple)):
+        return repr(loss)
+    return getattr(loss, "name", None) or getattr(loss, "__name__", None) or repr(loss)
 
 
 @contextlib.contextmanager

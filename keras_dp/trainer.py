@@ -348,7 +348,8 @@ class ShardedTrainer:
                 validation_data, batch_size, validation_batch_size)
             val = self._batches(validation_data, None, None, val_batch_size, False,
                                 steps=validation_steps)
-            self.build(val.peek())  # bad validation labels fail now, not after epoch 1
+            # Bad validation labels fail now, not after epoch 1.
+            self._builder.build(pipeline.unpack(val.peek()), data="the validation data")
         callbacks_lib.check_validation_freq(validation_freq)
         checkpoints, resume = checkpoint_lib.open_for_fit(
             checkpoint_dir, self.model, self.seed, self.multiprocess, initial_epoch,

@@ -220,3 +220,34 @@ def test_integer_counts_of_numpy_types_are_accepted():
     history = keras_dp.fit_sharded(mlp(), x, y, batch_size=np.int64(8), epochs=np.int32(1),
                                    verbose=0, devices=devices(2))
     assert len(history.history["loss"]) == 1
+
+
+def test_validation_data_without_labels_is_named_as_the_validation_data():
+    x, y = np.zeros((32, 28, 28, 1), "float32"), np.zeros(32, "int32")
+    for validation_data in [(x,), x]:
+        with pytest.raises(ValueError) as error:
+            keras_dp.fit_sharded(mlp(), x, y, batch_size=8, verbose=0, devices=devices(2),
+                                 validation_data=validation_data)
+        assert str(error.value) == (
+            "The model is compiled with a loss (sparse_categorical_crossentropy), but the "
+            "validation data has no labels: give it labels, validation_data=(x_val, y_val) "
+            "or (x, y) batches. A model whose losses all come from add_loss is compiled "
+            "without one: model.compile(optimizer=...).")
+
+
+def test_a_list_of_numbers_or_a_single_value_as_data_is_refused_with_the_fix():
+    # Keras fails on these with "tuple index out of range" or "Unrecognized
+    # data type"; keras_dp said the data's arrays had shapes [(64, 8), (), (), ...].
+    x, y = np.zeros((32, 28, 28, 1), "float32"), np.zeros(32, "int32")
+    with pytest.raises(ValueError) as error:
+        keras_dp.fit_sharded(mlp(), x, list(y), verbose=0, devices=devices(2))
+    assert str(error.value) == (
+        "y is a Python list of 32 numbers. A list is read as one array per model input or "
+        "output, as in Keras; for one value per sample, pass an array: np.asarray(y).")
+    with pytest.raises(ValueError, match=r"^sample_weight is a Python tuple of 32 numbers"):
+        keras_dp.fit_sharded(mlp(), x, y, sample_weight=(1.0,) * 32, verbose=0)
+    with pytest.raises(ValueError) as error:
+        keras_dp.fit_sharded(mlp(), x, 3, verbose=0, devices=devices(2))
+    assert str(error.value) == (
+        "y is a single value (3), not an array with one row per sample. Pass an array of "
+        "one row per sample for y.")

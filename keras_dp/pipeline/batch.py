@@ -99,6 +99,27 @@ def check_not_ragged(x):
     )
 
 
+def check_not_scalars(x, y, sample_weight):
+    """Raise a `ValueError` with the fix if `x`, `y` or `sample_weight` is a number, or a list of numbers.
+
+    Beside `y`, a list is read as one array per model input (or output), as
+    in Keras, so a list of numbers would be that many one-value arrays; it
+    is meant as one value per sample, an array.
+    """
+    for name, part in (("x", x), ("y", y), ("sample_weight", sample_weight)):
+        if isinstance(part, (list, tuple)) and part and all(np.ndim(item) == 0 for item in part):
+            raise ValueError(
+                f"{name} is a Python {type(part).__name__} of {len(part)} numbers. A list is "
+                "read as one array per model input or output, as in Keras; for one "
+                f"value per sample, pass an array: np.asarray({name})."
+            )
+        if part is not None and not isinstance(part, (dict, list, tuple)) and np.ndim(part) == 0:
+            raise ValueError(
+                f"{name} is a single value ({part!r}), not an array with one row per "
+                f"sample. Pass an array of one row per sample for {name}."
+            )
+
+
 def _length(item):
     if isinstance(item, (list, tuple)):
         return len(item)
