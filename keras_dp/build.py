@@ -165,13 +165,6 @@ def build(model, batch, for_training=True, data="the data"):
         _compat.symbolic_build(model, batch)
 
 
-def _loss_name(loss):
-    """A compiled loss by its name (`sparse_categorical_crossentropy`), else its repr."""
-    if isinstance(loss, (str, dict, list, tuple)):
-        return repr(loss)
-    return getattr(loss, "name", None) or getattr(loss, "__name__", None) or repr(loss)
-
-
 @contextlib.contextmanager
 def explain_jit_failures(model):
     """Name the `supports_jit=False` layers when a compiled step fails to trace.
