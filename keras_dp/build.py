@@ -58,6 +58,32 @@ def require_compiled(model, what):
     )
 
 
+def check_trainable_unchanged(model):
+    """Raise a `ValueError` with the fix if the trainable variables changed since the optimizer was built.
+
+    Keras pairs the optimizer's slots with `model.trainable_variables` by
+    position, so setting a layer's `trainable` after the optimizer was
+    built (by a first `fit`) takes effect only with a new optimizer, from
+    `model.compile`; `model.fit` then fails inside its step ("Argument
+    `optimizer_variables` must be a list of tensors corresponding 1:1 ...").
+    A model with its own `train_step` chooses what its optimizer updates.
+    """
+    optimizer = model.optimizer
+    if optimizer is None or not optimizer.built or _compat.custom_step(model, "train_step"):
+        return
+    built_for = _compat.optimizer_trainable_variables(optimizer)
+    if [id(v) for v in built_for] == [id(v) for v in model.trainable_variables]:
+        return
+    raise ValueError(
+        f"The model's trainable variables changed since its optimizer was built: "
+        f"{len(model.trainable_variables)} are trainable now, the optimizer holds slots "
+        f"for {len(built_for)}. A layer's `trainable` set after training takes effect, as "
+        "in Keras, only after model.compile(...) with a new optimizer (for example "
+        "keras.optimizers.Adam(1e-5)); compiling with the built model.optimizer again "
+        "keeps its old slots. The weights are kept."
+    )
+
+
 def check_model(model):
     """Raise a `TypeError` naming the fix unless `model` is a `keras.Model`.
 

@@ -337,6 +337,7 @@ class ShardedTrainer:
         if steps_per_epoch is not None:
             batches = pipeline.StepsPerEpoch(batches, steps_per_epoch)
         self.build(batches.peek())
+        build_lib.check_trainable_unchanged(self.model)
         self._use_train_programs(donate=self.keep_last_good is not True)
         plan = None
         if self.mesh.devices.flat[0].platform != "cpu":  # accelerators report capacity

@@ -251,3 +251,31 @@ def test_a_list_of_numbers_or_a_single_value_as_data_is_refused_with_the_fix():
     assert str(error.value) == (
         "y is a single value (3), not an array with one row per sample. Pass an array of "
         "one row per sample for y.")
+
+
+def test_trainable_changed_after_training_without_a_new_optimizer_is_named():
+    # Keras's model.fit fails here inside its step with "Argument
+    # `optimizer_variables` must be a list of tensors corresponding 1:1 ...".
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(16, 8)).astype("float32"), rng.integers(0, 3, 16)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, name="base"),
+                              keras.layers.Dense(3)])
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    keras_dp.fit_sharded(model, x, y, batch_size=8, verbose=0, devices=devices(2))
+    trained = model.get_weights()
+    model.get_layer("base").trainable = False
+    for _ in range(2):  # uncompiled, then compiled with the built optimizer again
+        with pytest.raises(ValueError) as error:
+            keras_dp.fit_sharded(model, x, y, batch_size=8, verbose=0, devices=devices(2))
+        assert str(error.value) == (
+            "The model's trainable variables changed since its optimizer was built: 2 are "
+            "trainable now, the optimizer holds slots for 4. A layer's `trainable` set after "
+            "training takes effect, as in Keras, only after model.compile(...) with a new "
+            "optimizer (for example keras.optimizers.Adam(1e-5)); compiling with the built "
+            "model.optimizer again keeps its old slots. The weights are kept.")
+        for left, right in zip(model.get_weights(), trained, strict=True):
+            np.testing.assert_array_equal(left, right)
+        model.compile(optimizer=model.optimizer, loss=model.loss)
+    model.compile(optimizer="sgd", loss=model.loss)
+    keras_dp.fit_sharded(model, x, y, batch_size=8, verbose=0, devices=devices(2))
+    np.testing.assert_array_equal(model.get_layer("base").get_weights()[0], trained[0])

@@ -211,3 +211,47 @@ def test_shuffle_batch_permutes_rows_within_each_batch_as_keras_does():
     np.testing.assert_allclose(history.history["loss"], keras_losses, rtol=1e-5)
     for left, right in zip(weights(model), weights(expected), strict=True):
         np.testing.assert_allclose(left, right, rtol=1e-5, atol=1e-5 * np.abs(right).max())
+
+
+def _transfer_model():
+    """A base of two Dense layers under a head, with fixed initial weights."""
+    keras.utils.set_random_seed(1)
+    base = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu", name="b1"),
+                             keras.layers.Dense(16, activation="relu", name="b2")], name="base")
+    inputs = keras.Input((8,))
+    return keras.Model(inputs, keras.layers.Dense(3, name="head")(base(inputs))), base
+
+
+def _transfer_compile(model, learning_rate):
+    model.compile(optimizer=keras.optimizers.Adam(learning_rate),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+
+def test_transfer_learning_freeze_then_fine_tune_equals_keras():
+    # Phase 1: base frozen; phase 2: b2 unfrozen, recompiled at a lower rate.
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(64, 8)).astype("float32"), rng.integers(0, 3, 64)
+    runs = {}
+    for name, fit in [
+        ("keras", lambda model: model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)),
+        ("keras_dp", lambda model: keras_dp.fit_sharded(model, x, y, batch_size=16, epochs=2,
+                                                        shuffle=False, verbose=0, devices=devices(2))),
+    ]:
+        model, base = _transfer_model()
+        initial = [w.copy() for w in base.get_weights()]
+        base.trainable = False
+        _transfer_compile(model, 1e-2)
+        phase1 = fit(model).history["loss"]
+        for left, right in zip(base.get_weights(), initial, strict=True):
+            np.testing.assert_array_equal(left, right)  # frozen: bitwise unchanged
+        base.trainable = True
+        base.get_layer("b1").trainable = False
+        _transfer_compile(model, 1e-3)
+        phase2 = fit(model).history["loss"]
+        np.testing.assert_array_equal(base.get_layer("b1").get_weights()[0], initial[0])
+        assert not np.array_equal(base.get_layer("b2").get_weights()[0], initial[2])
+        runs[name] = (model, phase1 + phase2)
+    (expected, keras_losses), (model, losses) = runs["keras"], runs["keras_dp"]
+    np.testing.assert_allclose(losses, keras_losses, rtol=1e-5)
+    for left, right in zip(weights(model), weights(expected), strict=True):
+        np.testing.assert_allclose(left, right, rtol=1e-5, atol=1e-5 * np.abs(right).max())
