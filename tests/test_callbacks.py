@@ -284,3 +284,16 @@ def test_backup_and_restore_resumes_at_the_interrupted_epoch(data, tmp_path):
     assert_weights_close(resumed, unbroken)
     # The restored epoch applies to that fit only (Keras would keep it).
     assert keras_dp.fit_sharded(resumed, x, y, **dict(kwargs, epochs=1)).epoch == [0]
+
+
+def test_an_item_of_callbacks_that_is_not_a_callback_is_named():
+    # Keras fails with "'str' object has no attribute 'on_batch_end'".
+    x, y = np.zeros((16, 28, 28, 1), "float32"), np.zeros(16, "int32")
+    for bad in ["early_stopping", None]:
+        with pytest.raises(TypeError) as error:
+            keras_dp.fit_sharded(conftest.mlp(), x, y, batch_size=8, verbose=0, devices=devices(2),
+                                 callbacks=[keras.callbacks.History(), bad])
+        assert str(error.value) == (
+            "`callbacks` takes keras.callbacks.Callback objects, such as "
+            "keras.callbacks.EarlyStopping(patience=2). Received at index 1: "
+            f"{bad!r} (of type {type(bad).__name__}).")
