@@ -255,3 +255,40 @@ def test_transfer_learning_freeze_then_fine_tune_equals_keras():
     np.testing.assert_allclose(losses, keras_losses, rtol=1e-5)
     for left, right in zip(weights(model), weights(expected), strict=True):
         np.testing.assert_allclose(left, right, rtol=1e-5, atol=1e-5 * np.abs(right).max())
+
+
+@pytest.mark.slow  # 7 s: seven fits, each compiling its steps
+def test_a_program_of_several_fits_equals_keras(tmp_path):
+    # fit twice (the optimizer's state carried on), evaluate then fit, a new
+    # learning rate assigned, a recompile with another optimizer, and a
+    # save/load_model between fits: each step equals Keras's model.fit.
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(48, 8)).astype("float32"), rng.integers(0, 3, 48)
+
+    def program(fit):
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                                  keras.layers.BatchNormalization(), keras.layers.Dense(3)])
+        model.compile(optimizer=keras.optimizers.Adam(1e-2),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        logs = fit(model) + fit(model) + [model.evaluate(x, y, verbose=0)] + fit(model)
+        model.optimizer.learning_rate.assign(1e-3)
+        logs += fit(model)
+        model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss=model.loss)
+        logs += fit(model)
+        path = tmp_path / f"{len(list(tmp_path.iterdir()))}.keras"
+        model.save(path)
+        model = keras.models.load_model(path)
+        return model, logs + fit(model)
+
+    expected, keras_logs = program(
+        lambda model: model.fit(x, y, batch_size=16, shuffle=False, verbose=0).history["loss"])
+    model, logs = program(lambda model: keras_dp.fit_sharded(
+        model, x, y, batch_size=16, shuffle=False, verbose=0, devices=devices(2)).history["loss"])
+    np.testing.assert_allclose(logs, keras_logs, rtol=1e-5)
+    assert int(model.optimizer.iterations) == int(expected.optimizer.iterations) == 6
+    for left, right in zip(weights(model), weights(expected), strict=True):
+        np.testing.assert_allclose(left, right, rtol=1e-5, atol=1e-5 * np.abs(right).max())
+    for left, right in zip(model.optimizer.variables, expected.optimizer.variables, strict=True):
+        right = np.asarray(right)
+        np.testing.assert_allclose(np.asarray(left), right, rtol=1e-5, atol=1e-5 * np.abs(right).max())
