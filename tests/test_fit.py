@@ -1,5 +1,6 @@
 """fit_sharded as a Keras user meets it: data kinds, callbacks, write-back."""
 
+import jax
 import keras
 import numpy as np
 import pytest
@@ -49,7 +50,8 @@ def test_evaluate_matches_keras_evaluate(mnist):
     np.testing.assert_allclose(ours["accuracy"], theirs["accuracy"], rtol=1e-6)
 
 
-@pytest.mark.parametrize("kind", ["tuple", "sample_weight", "tf.data", "list", "generator"])
+@pytest.mark.parametrize("kind", ["tuple", "sample_weight", "tf.data", "list", "generator",
+                                  "jax.Array", "tf.Tensor"])
 def test_every_input_kind_gives_the_same_training(mnist, kind):
     (x, y), _ = mnist
     x, y = x[:256], y[:256]
@@ -62,9 +64,11 @@ def test_every_input_kind_gives_the_same_training(mnist, kind):
         "tf.data": tf.data.Dataset.from_tensor_slices((x, y)).batch(64),
         "list": batches,
         "generator": (batch for batch in batches),
+        "jax.Array": (jax.numpy.asarray(x), jax.numpy.asarray(y)),
+        "tf.Tensor": (tf.constant(x), tf.constant(y)),
     }[kind]
     model = mlp()
-    batch_size = 64 if kind in ("tuple", "sample_weight") else None
+    batch_size = 64 if kind in ("tuple", "sample_weight", "jax.Array", "tf.Tensor") else None
     keras_dp.fit_sharded(model, data, batch_size=batch_size, shuffle=False, verbose=0, devices=devices(2))
     for a, b in zip(weights(reference), weights(model)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
