@@ -146,6 +146,7 @@ def fit(trainer, batches, val, callbacks, *, epochs, resume, validation_freq,
             error.add_note(run.live.report())
         raise
     finally:
+        feed.close()  # no compile ahead for a fit that has ended
         if run.profile is not None:
             run.profile.close()
         if epochs > 0:
