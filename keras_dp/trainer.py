@@ -104,6 +104,7 @@ class ShardedTrainer:
 
     Raises:
         TypeError: `model` is not a `keras.Model`.
+        TypeError: `seed`, `prefetch` or `unroll` is not an integer.
         ValueError: the mesh is not a 1-D `"batch"` mesh, or an argument
             is out of range.
     """
@@ -120,7 +121,8 @@ class ShardedTrainer:
         self._builder = build_lib.Builder(model)
         self.mesh = mesh_lib.make_mesh(devices, mesh)
         self.state_sharding = layout.check_mode(state_sharding)
-        self.seed = seed
+        self.seed = pipeline.check_count("seed", seed, 0)
+        prefetch = pipeline.check_count("prefetch", prefetch, 0)
         self.timings = []
         on_cpu = self.mesh.devices.flat[0].platform == "cpu"
         self.steps_in_flight = inflight.bound(steps_in_flight, on_cpu)
@@ -130,7 +132,7 @@ class ShardedTrainer:
         self.keep_last_good = memory_lib.check_keep_option(keep_last_good)
         if unroll is None:
             unroll = self.steps_per_execution if on_cpu else 1
-        self.unroll = unroll
+        self.unroll = pipeline.check_count("unroll", unroll, 0)
         mode = self.state_sharding
         self._train_programs = {}  # donate -> the four train programs
         self._use_train_programs(donate=self.keep_last_good is not True)

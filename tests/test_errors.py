@@ -279,3 +279,18 @@ def test_trainable_changed_after_training_without_a_new_optimizer_is_named():
     model.compile(optimizer="sgd", loss=model.loss)
     keras_dp.fit_sharded(model, x, y, batch_size=8, verbose=0, devices=devices(2))
     np.testing.assert_array_equal(model.get_layer("base").get_weights()[0], trained[0])
+
+
+@pytest.mark.parametrize("argument, value, error, message", [
+    ("seed", "a", TypeError, "`seed` must be an integer. Received: seed='a' (of type str)."),
+    ("seed", -1, ValueError, "`seed` must be at least 0. Received: seed=-1."),
+    ("prefetch", -1, ValueError, "`prefetch` must be at least 0. Received: prefetch=-1."),
+    ("prefetch", 1.5, TypeError, "`prefetch` must be an integer. Received: prefetch=1.5 (of type float)."),
+    ("unroll", -1, ValueError, "`unroll` must be at least 0. Received: unroll=-1."),
+])
+def test_trainer_counts_are_checked_when_it_is_made(argument, value, error, message):
+    # seed="a" failed at the first shuffle with numpy's "unrecognized seed
+    # string"; prefetch=-1, prefetch=1.5 and unroll=-1 were taken silently.
+    with pytest.raises(error) as raised:
+        keras_dp.ShardedTrainer(mlp(), devices=devices(2), **{argument: value})
+    assert str(raised.value).startswith(message)
