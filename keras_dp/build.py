@@ -77,8 +77,9 @@ def check_trainable_unchanged(model):
     raise ValueError(
         f"The model's trainable variables changed since its optimizer was built: "
         f"{len(model.trainable_variables)} are trainable now, the optimizer holds slots "
-        f"for {len(built_for)}. A layer's `trainable` set after training takes effect, as "
-        "in Keras, only after model.compile(...) with a new optimizer (for example "
+        f"for {len(built_for)}. A layer's `trainable` set after training (or during it, "
+        "in a callback) takes effect, as in Keras, only after model.compile(...) with a "
+        "new optimizer (for example "
         "keras.optimizers.Adam(1e-5)); compiling with the built model.optimizer again "
         "keeps its old slots. The weights are kept."
     )

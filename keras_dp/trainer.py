@@ -188,7 +188,9 @@ class ShardedTrainer:
         over `"batch"` (`keras_dp.layout`; `describe()` shows which).
 
         Raises:
-            ValueError: the model, its metrics or optimizer are not built.
+            ValueError: the model, its metrics or optimizer are not built,
+                or a layer's `trainable` changed since the optimizer was
+                built (`keras_dp.build.check_trainable_unchanged`).
         """
         if not build_lib.is_built(self.model):
             raise ValueError(
@@ -196,6 +198,7 @@ class ShardedTrainer:
                 "Call trainer.build(batch) with one batch of data first (fit "
                 "does this for you), or model.build(input_shape)."
             )
+        build_lib.check_trainable_unchanged(self.model)
         return TrainState.from_model(self.model, self.mesh, self.state_layout())
 
     def state_layout(self):
