@@ -112,6 +112,11 @@ def unshadow_state_sync(model):
     del model.jax_state_sync
 
 
+def optimizer_trainable_variables(optimizer):
+    """The variables `optimizer` was built for, in its slots' order (`_trainable_variables`)."""
+    return optimizer._trainable_variables
+
+
 def has_call(model):
     """Whether `model` defines `call()` (Keras's `Model.call` only raises)."""
     import keras

@@ -58,6 +58,33 @@ def require_compiled(model, what):
     )
 
 
+def check_trainable_unchanged(model):
+    """Raise a `ValueError` with the fix if the trainable variables changed since the optimizer was built.
+
+    Keras pairs the optimizer's slots with `model.trainable_variables` by
+    position, so setting a layer's `trainable` after the optimizer was
+    built (by a first `fit`) takes effect only with a new optimizer, from
+    `model.compile`; `model.fit` then fails inside its step ("Argument
+    `optimizer_variables` must be a list of tensors corresponding 1:1 ...").
+    A model with its own `train_step` chooses what its optimizer updates.
+    """
+    optimizer = model.optimizer
+    if optimizer is None or not optimizer.built or _compat.custom_step(model, "train_step"):
+        return
+    built_for = _compat.optimizer_trainable_variables(optimizer)
+    if [id(v) for v in built_for] == [id(v) for v in model.trainable_variables]:
+        return
+    raise ValueError(
+        f"The model's trainable variables changed since its optimizer was built: "
+        f"{len(model.trainable_variables)} are trainable now, the optimizer holds slots "
+        f"for {len(built_for)}. A layer's `trainable` set after training (or during it, "
+        "in a callback) takes effect, as in Keras, only after model.compile(...) with a "
+        "new optimizer (for example "
+        "keras.optimizers.Adam(1e-5)); compiling with the built model.optimizer again "
+        "keeps its old slots. The weights are kept."
+    )
+
+
 def check_model(model):
     """Raise a `TypeError` naming the fix unless `model` is a `keras.Model`.
 
@@ -130,15 +157,15 @@ class Builder:
         self.model = model
         self._checked = []  # (data signature, (loss, optimizer))
 
-    def build(self, batch, for_training=True):
-        """`build(self.model, batch, for_training)` unless already done for this data."""
+    def build(self, batch, for_training=True, data="the data"):
+        """`build(self.model, batch, for_training, data)` unless already done for this data."""
         key = (signature(batch), for_training)
         parts = (_compat.compiled_loss(self.model), getattr(self.model, "optimizer", None))
         checked = any(key == seen and all(a is b for a, b in zip(parts, objects))
                       for seen, objects in self._checked)
         if checked and is_built(self.model, for_training):
             return
-        build(self.model, batch, for_training)
+        build(self.model, batch, for_training, data)
         self._checked.append((key, parts))
 
 
@@ -160,7 +187,7 @@ def is_built(model, for_training=True):
     )
 
 
-def build(model, batch, for_training=True):
+def build(model, batch, for_training=True, data="the data"):
     """Build `model` from a host batch as `model.fit` does, checking the labels first.
 
     The layers are built by tracing the model on the batch's `x` (again in
@@ -171,20 +198,24 @@ def build(model, batch, for_training=True):
     training (or evaluation), Keras's own symbolic build then builds the
     compiled loss, metrics and optimizer, with or without labels.
 
+    Args:
+        data: what the batch is from, for messages ("the validation data").
+
     Raises:
         ValueError: the model holds a TensorFlow-only layer
             (`check_no_tensorflow_layers`), cannot be built on `x`, or the
-            labels do not fit its output.
+            labels are missing or do not fit its output.
     """
     check_no_tensorflow_layers(model)  # an ensemble's members pass here only
     x, y, sample_weight = jax.tree.map(spec, batch)
     if (for_training and y is None and _compat.compiled_loss(model) is not None
             and not _compat.custom_step(model, "train_step")):
+        fix = ("give it labels, validation_data=(x_val, y_val) or (x, y) batches"
+               if "validation" in data else "pass y (or (x, y) batches)")
         raise ValueError(
-            f"The model is compiled with a loss ({model.loss!r}), but the data "
-            "has no labels: pass y (or (x, y) batches). A model whose losses "
-            "all come from add_loss is compiled without one: "
-            "model.compile(optimizer=...)."
+            f"The model is compiled with a loss ({_loss_name(model.loss)}), but {data} "
+            f"has no labels: {fix}. A model whose losses all come from add_loss "
+            "is compiled without one: model.compile(optimizer=...)."
         )
     if _compat.has_call(model):
         y_pred = _trace(model, x)

@@ -19,6 +19,7 @@ def callback_list(callbacks, model, verbose, **params):
     unless `verbose` is 0 (on process 0 only, across processes)."""
     if isinstance(callbacks, keras.callbacks.CallbackList):
         return callbacks
+    check_callbacks(callbacks)
     verbose = 1 if verbose == "auto" else verbose
     if not distributed_lib.is_primary():
         verbose = 0  # one progress bar, on process 0, for all processes
@@ -26,6 +27,21 @@ def callback_list(callbacks, model, verbose, **params):
         callbacks, add_history=True, add_progbar=verbose != 0, model=model,
         verbose=verbose, **params,
     )
+
+
+def check_callbacks(callbacks):
+    """Raise a `TypeError` naming the item unless each of `callbacks` is a Keras `Callback`.
+
+    Keras fails later on such an item, with "'str' object has no attribute
+    'on_batch_end'".
+    """
+    for index, callback in enumerate(keras.tree.flatten(callbacks or [])):
+        if not isinstance(callback, keras.callbacks.Callback):
+            raise TypeError(
+                "`callbacks` takes keras.callbacks.Callback objects, such as "
+                "keras.callbacks.EarlyStopping(patience=2). Received at index "
+                f"{index}: {callback!r} (of type {type(callback).__name__})."
+            )
 
 
 def to_python(logs, model):

@@ -36,8 +36,10 @@ def evaluate(trainer, weights, batches, callbacks, programs=None):
         Keras's order, and the non-trainable and metric values the last test
         step left.
     """
+    if programs is None:  # its own: what it compiles ahead ends with it
+        with contextlib.closing(programs_lib.EvalPrograms(trainer, batches)) as programs:
+            return evaluate(trainer, weights, batches, callbacks, programs)
     labels_lib.check_data(trainer.model, (batches, "the data"))
-    programs = programs or programs_lib.EvalPrograms(trainer, batches)
     trainable, non_trainable = weights
     metrics = fresh_metrics(trainer.model, trainer.mesh, trainer.state_layout().metrics)
     throttle = inflight.Throttle(trainer.steps_in_flight)

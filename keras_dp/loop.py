@@ -146,6 +146,7 @@ def fit(trainer, batches, val, callbacks, *, epochs, resume, validation_freq,
             error.add_note(run.live.report())
         raise
     finally:
+        feed.close()  # no compile ahead for a fit that has ended
         if run.profile is not None:
             run.profile.close()
         if epochs > 0:
@@ -193,7 +194,8 @@ def start_epoch(run, epoch, skip):
     """Reset the metrics, call `on_epoch_begin`, and bring the state in.
 
     The state stays on the devices from epoch to epoch unless a callback
-    changed the model (weights, learning rate) since they met. Across
+    changed the model (weights, learning rate) since they met; a change of
+    a layer's `trainable` is refused. Across
     processes, reading the model is a broadcast of process 0's in which
     every process takes part, so they decide together (one host round
     trip): if any process's callbacks changed its model, every process
@@ -205,6 +207,9 @@ def start_epoch(run, epoch, skip):
     run.timer.lap("other_s")
     run.callbacks.on_epoch_begin(epoch)
     run.timer.lap("callbacks_s")
+    # A layer's `trainable` set by a callback during the fit is refused here
+    # (or at the read of a model a callback changed), before the next step.
+    build_lib.check_trainable_unchanged(run.model)
     needs_read = live.needs_read()
     if trainer.placement.multiprocess:
         needs_read = trainer.placement.any_process(needs_read)

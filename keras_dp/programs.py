@@ -70,9 +70,16 @@ class CompilingFeed:
         self._steps_per_execution, self._unroll = trainer.steps_per_execution, trainer.unroll
         self._multiprocess = trainer.multiprocess
         self._programs = {}  # call key -> Compiled, or a Future of one
+        # What `close` cancels: the compiles ahead of these programs and the validation's.
+        self._stores = [self._programs] + ([] if validation is None else [validation.programs])
         self._flops = {}  # call key -> FLOPs of one call (None: unknown), once compiled
         self._plan = None
         self.flops = 0.0
+
+    def close(self):
+        """Cancel the compiles ahead not started yet: the fit has ended."""
+        for store in self._stores:
+            cancel_ahead(store)
 
     def epoch(self, epoch, skip):
         """The feed's `(steps, batch)` for epoch `epoch`; plans the epoch's programs."""
@@ -163,13 +170,17 @@ class EvalPrograms:
         self._trainer, self._template = trainer, batches.peek()
         self._plan = None if trainer.multiprocess or not self.ahead else eval_plan(
             batches, trainer.steps_per_execution)
-        self._programs = {}  # call key -> Compiled, a Future of one, or None (jax.jit's)
+        self.programs = {}  # call key -> Compiled, a Future of one, or None (jax.jit's)
+
+    def close(self):
+        """Cancel the compiles ahead not started yet: the evaluation has ended."""
+        cancel_ahead(self.programs)
 
     def call(self, weights, metrics, steps, batch):
         """One test call: `(non_trainable, metrics, logs)`, as the trainer's test step gives."""
         key = call_key(steps, batch)
-        finished(self._programs, key)  # compiling ahead: wait for it
-        self._programs.setdefault(key, None)
+        finished(self.programs, key)  # compiling ahead: wait for it
+        self.programs.setdefault(key, None)
         result = self._program(steps)(weights, metrics, batch)
         if self._plan is not None:  # the first call: compile the rest ahead
             like = jax.tree.map(abstract, ((weights[0], result[0]), result[1]))
@@ -190,8 +201,8 @@ class EvalPrograms:
         for steps, rows in plan:
             like = like_host_batch(self._template, steps, rows, self._trainer.mesh)
             key = call_key(steps, like)
-            if key not in self._programs:
-                entries.append((self._programs, key,
+            if key not in self.programs:
+                entries.append((self.programs, key,
                                 self._program(steps).lower(weights, metrics, like)))
         return entries
 
@@ -282,10 +293,14 @@ def _placed_like(data, drop, new_steps, rows, mesh):
 def compile_ahead(entries):
     """Compile `entries`, `(store, key, lowered)`, in order; `store[key]` gets each.
 
-    In one daemon thread (a fit never waits on it to end), each
-    `store[key]` a Future of its program, when `CompilingFeed.background`;
-    else here. Where compiling fails, `finished` gives None and the call
-    compiles, and raises, itself.
+    In one thread (a fit never waits on it to end), each `store[key]` a
+    Future of its program, when `CompilingFeed.background`; else here.
+    Where compiling fails, or was cancelled (`cancel_ahead`), `finished`
+    gives None and the call compiles, and raises, itself. The thread is
+    not a daemon: a daemon killed mid-compile when Python exits (after
+    Ctrl-C in a fit) aborts the process ("terminate called after
+    throwing ..."), so Python waits for the compile running, and the
+    ones not started are cancelled when their fit or evaluation ends.
     """
     if not CompilingFeed.background:
         for store, key, lowered in entries:
@@ -297,13 +312,22 @@ def compile_ahead(entries):
 
     def run():
         for (_, _, lowered), future in zip(entries, futures):
+            if not future.set_running_or_notify_cancel():
+                continue  # its fit or evaluation has ended
             try:
                 future.set_result(lowered.compile())
             except Exception as error:  # noqa: BLE001 - raised where the program is needed
                 future.set_exception(error)
 
     if entries:
-        threading.Thread(target=run, name="keras_dp-compile", daemon=True).start()
+        threading.Thread(target=run, name="keras_dp-compile", daemon=False).start()
+
+
+def cancel_ahead(store):
+    """Cancel the compiles ahead of `store` that have not started (the running one ends)."""
+    for program in list(store.values()):
+        if isinstance(program, concurrent.futures.Future):
+            program.cancel()
 
 
 def finished(store, key):

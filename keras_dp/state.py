@@ -78,17 +78,19 @@ class TrainState(NamedTuple):
         return (self.trainable, self.non_trainable)
 
 
-def write_back(state, model):
-    """Assign `state` to the Keras model's variables.
+def write_back(state, model, variables=None):
+    """Assign `state` to the Keras model's variables (`variables`, a `TrainState` of lists).
 
     Afterwards the model holds the trained values as ordinary Keras
     variables, placed where they were before: `model.predict`, `model.save`
     and the model's own `fit` work on it as if keras_dp had never run. The
     values are copied device to device (a state this size never goes
     through the host), into new buffers, so donating `state` later leaves
-    the model intact.
+    the model intact. `variables` (default: `TrainState.variables_of(model)`
+    now) are the variables `state` was read from, when a layer's
+    `trainable` may have moved one between groups since.
     """
-    for group, values in zip(TrainState.variables_of(model), state):
+    for group, values in zip(variables or TrainState.variables_of(model), state):
         if values is None:  # a group the caller does not write
             continue
         for variable, value in zip(group, values, strict=True):
@@ -156,6 +158,7 @@ class LiveModel:
         self.kept = False  # the model got the last good state instead (`finish`)
         self._last_good = inflight.LastGood()
         self._exchanged = []  # the model's arrays when it last met `state`
+        self._variables = None  # the model's variables `state` was read from (`read`)
         self._interrupts = interrupts.Deferred()
 
     @contextlib.contextmanager
@@ -176,7 +179,12 @@ class LiveModel:
             _compat.unshadow_state_sync(self.model)
 
     def read(self, state, position):
-        """Take `state`, just read from the model (which is at `position`), as the live state."""
+        """Take `state`, just read from the model (which is at `position`), as the live state.
+
+        The variables it was read from are kept: `state` is written back
+        into them even if a layer's `trainable` moves one to another group.
+        """
+        self._variables = self._state_variables()
         self.state, self.synced, self.touched = state, True, False
         self.position = self.model_position = position
         self._exchanged = self._arrays()
@@ -232,9 +240,13 @@ class LiveModel:
         variables = TrainState.variables_of(self.model)._replace(metrics=[])
         return [variable for group in variables for variable in group]
 
+    def _state_variables(self):
+        """The model's variables, as the groups of a state read from it now."""
+        return TrainState(*map(list, TrainState.variables_of(self.model)))
+
     def _write(self, state):
         """Write `state` into the model (an ensemble writes every member)."""
-        write_back(state, self.model)
+        write_back(state, self.model, self._variables)
 
     def advance(self, call, position):
         """Run `call(state) -> (new_state, *rest)` on the live state; return `rest`.

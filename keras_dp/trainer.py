@@ -104,6 +104,7 @@ class ShardedTrainer:
 
     Raises:
         TypeError: `model` is not a `keras.Model`.
+        TypeError: `seed`, `prefetch` or `unroll` is not an integer.
         ValueError: the mesh is not a 1-D `"batch"` mesh, or an argument
             is out of range.
     """
@@ -120,7 +121,8 @@ class ShardedTrainer:
         self._builder = build_lib.Builder(model)
         self.mesh = mesh_lib.make_mesh(devices, mesh)
         self.state_sharding = layout.check_mode(state_sharding)
-        self.seed = seed
+        self.seed = pipeline.check_count("seed", seed, 0)
+        prefetch = pipeline.check_count("prefetch", prefetch, 0)
         self.timings = []
         on_cpu = self.mesh.devices.flat[0].platform == "cpu"
         self.steps_in_flight = inflight.bound(steps_in_flight, on_cpu)
@@ -130,7 +132,7 @@ class ShardedTrainer:
         self.keep_last_good = memory_lib.check_keep_option(keep_last_good)
         if unroll is None:
             unroll = self.steps_per_execution if on_cpu else 1
-        self.unroll = unroll
+        self.unroll = pipeline.check_count("unroll", unroll, 0)
         mode = self.state_sharding
         self._train_programs = {}  # donate -> the four train programs
         self._use_train_programs(donate=self.keep_last_good is not True)
@@ -186,7 +188,9 @@ class ShardedTrainer:
         over `"batch"` (`keras_dp.layout`; `describe()` shows which).
 
         Raises:
-            ValueError: the model, its metrics or optimizer are not built.
+            ValueError: the model, its metrics or optimizer are not built,
+                or a layer's `trainable` changed since the optimizer was
+                built (`keras_dp.build.check_trainable_unchanged`).
         """
         if not build_lib.is_built(self.model):
             raise ValueError(
@@ -194,6 +198,7 @@ class ShardedTrainer:
                 "Call trainer.build(batch) with one batch of data first (fit "
                 "does this for you), or model.build(input_shape)."
             )
+        build_lib.check_trainable_unchanged(self.model)
         return TrainState.from_model(self.model, self.mesh, self.state_layout())
 
     def state_layout(self):
@@ -292,7 +297,8 @@ class ShardedTrainer:
             validation_data: `(x, y[, sample_weight])` (or that list, as in
                 Keras) or a dataset, scored after every epoch as `val_*` logs.
             shuffle: reshuffle array data every epoch, in an order fixed by
-                the trainer's `seed` and the epoch index.
+                the trainer's `seed` and the epoch index; `"batch"`, as in
+                `model.fit`: keep each batch's rows, permuted within it.
             class_weight: `{class_id: weight}`, applied as sample weights.
             initial_epoch: the epoch to start at (to resume a run); the
                 shuffle order of epoch e is the same as in an unbroken run.
@@ -326,6 +332,8 @@ class ShardedTrainer:
                 before that step. Not raised when a callback such as
                 `keras.callbacks.TerminateOnNaN` stops training instead.
         """
+        epochs = pipeline.check_count("epochs", epochs)
+        initial_epoch = pipeline.check_count("initial_epoch", initial_epoch)
         if validation_split:
             (x, y, sample_weight), validation_data = pipeline.split_validation(
                 x, y, sample_weight, validation_split, validation_data)
@@ -334,6 +342,7 @@ class ShardedTrainer:
         if steps_per_epoch is not None:
             batches = pipeline.StepsPerEpoch(batches, steps_per_epoch)
         self.build(batches.peek())
+        build_lib.check_trainable_unchanged(self.model)
         self._use_train_programs(donate=self.keep_last_good is not True)
         plan = None
         if self.mesh.devices.flat[0].platform != "cpu":  # accelerators report capacity
@@ -345,7 +354,8 @@ class ShardedTrainer:
                 validation_data, batch_size, validation_batch_size)
             val = self._batches(validation_data, None, None, val_batch_size, False,
                                 steps=validation_steps)
-            self.build(val.peek())  # bad validation labels fail now, not after epoch 1
+            # Bad validation labels fail now, not after epoch 1.
+            self._builder.build(pipeline.unpack(val.peek()), data="the validation data")
         callbacks_lib.check_validation_freq(validation_freq)
         checkpoints, resume = checkpoint_lib.open_for_fit(
             checkpoint_dir, self.model, self.seed, self.multiprocess, initial_epoch,
@@ -408,6 +418,7 @@ class ShardedTrainer:
                  steps=None):
         if batch_size is not None:
             # `batch_size` is global; each process slices its part of it.
+            batch_size = pipeline.check_count("batch_size", batch_size, 1)
             batch_size = self.placement.local_batch_size(batch_size)
         batches = pipeline.make_batches(
             x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,

@@ -284,3 +284,64 @@ def test_backup_and_restore_resumes_at_the_interrupted_epoch(data, tmp_path):
     assert_weights_close(resumed, unbroken)
     # The restored epoch applies to that fit only (Keras would keep it).
     assert keras_dp.fit_sharded(resumed, x, y, **dict(kwargs, epochs=1)).epoch == [0]
+
+
+def test_an_item_of_callbacks_that_is_not_a_callback_is_named():
+    # Keras fails with "'str' object has no attribute 'on_batch_end'".
+    x, y = np.zeros((16, 28, 28, 1), "float32"), np.zeros(16, "int32")
+    for bad in ["early_stopping", None]:
+        with pytest.raises(TypeError) as error:
+            keras_dp.fit_sharded(conftest.mlp(), x, y, batch_size=8, verbose=0, devices=devices(2),
+                                 callbacks=[keras.callbacks.History(), bad])
+        assert str(error.value) == (
+            "`callbacks` takes keras.callbacks.Callback objects, such as "
+            "keras.callbacks.EarlyStopping(patience=2). Received at index 1: "
+            f"{bad!r} (of type {type(bad).__name__}).")
+
+
+@pytest.mark.parametrize("hook", ["on_train_batch_end", "on_epoch_begin"])
+def test_a_callback_that_changes_trainable_mid_fit_is_refused_and_the_model_keeps_its_steps(hook):
+    # Keras's model.fit fails on this with a shape mismatch as it syncs its
+    # state back, leaving variables it cannot read; keras_dp wrote the state
+    # back into the regrouped variables, failed alike (or with Keras's
+    # "optimizer_variables must be ... 1:1") and lost every step of the fit.
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 8)).astype("float32"), rng.integers(0, 3, 32)
+
+    def model_and_base():
+        keras.utils.set_random_seed(1)
+        base = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, name="b")])
+        inputs = keras.Input((8,))
+        model = keras.Model(inputs, keras.layers.Dense(3)(base(inputs)))
+        model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model, base
+
+    class Freeze(keras.callbacks.Callback):
+        def __init__(self, base):
+            super().__init__()
+            self.base = base
+
+        def on_train_batch_end(self, batch, logs=None):
+            if hook == "on_train_batch_end" and batch == 1:
+                self.base.trainable = False
+
+        def on_epoch_begin(self, epoch, logs=None):
+            if hook == "on_epoch_begin" and epoch == 1:
+                self.base.trainable = False
+
+    one_epoch, _ = model_and_base()
+    fit = functools.partial(keras_dp.fit_sharded, batch_size=8, shuffle=False, verbose=0,
+                            devices=devices(2))
+    fit(one_epoch, x, y, epochs=1)
+    model, base = model_and_base()
+    with pytest.raises(ValueError, match=r"^The model's trainable variables changed since its "
+                       r"optimizer was built: 2 are trainable now, the optimizer holds slots "
+                       r"for 4\. A layer's `trainable` set after training \(or during it, in a "
+                       r"callback\)") as error:
+        fit(model, x, y, epochs=3, callbacks=[Freeze(base)])
+    assert error.value.__notes__[-1] == (
+        "keras_dp: the model holds the weights after 4 steps of epoch 1, the last step that "
+        "completed.")
+    assert int(model.optimizer.iterations) == 4
+    for left, right in zip(weights(model), weights(one_epoch), strict=True):
+        np.testing.assert_array_equal(left, right)

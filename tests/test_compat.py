@@ -39,6 +39,14 @@ def test_symbolic_build_builds_optimizer_loss_and_metrics():
     assert len(model.optimizer.variables) == 2
 
 
+def test_optimizer_trainable_variables_are_those_it_was_built_for_in_order():
+    model, optimizer, _ = _compiled_mlp()
+    optimizer.build(model.trainable_variables)
+    model.layers[0].trainable = False
+    assert [id(v) for v in _compat.optimizer_trainable_variables(optimizer)] == [
+        id(v) for v in model.layers[0].weights + model.layers[1].weights]
+
+
 def test_compile_arguments_are_the_objects_given():
     model, optimizer, loss = _compiled_mlp()
     arguments = _compat.compile_arguments(model)

@@ -197,3 +197,101 @@ def test_a_custom_train_step_returning_a_short_state_is_named():
                                         r"optimizer_variables, metrics_variables\)"):
         keras_dp.fit_sharded(model, np.ones((8, 3)), np.ones((8, 2)), verbose=0,
                              devices=devices(2))
+
+
+@pytest.mark.parametrize("argument, value", [
+    ("batch_size", 16.5), ("batch_size", 16.0), ("batch_size", "16"), ("epochs", 2.0),
+    ("initial_epoch", 1.0), ("steps_per_epoch", 2.5), ("validation_batch_size", 8.5)])
+def test_a_count_that_is_not_an_integer_is_refused_not_rounded(argument, value):
+    # Keras fails on these deep in its loop ("slice indices must be
+    # integers"); keras_dp used to train batch_size=16.5 as 16, silently.
+    x, y = np.zeros((32, 28, 28, 1), "float32"), np.zeros(32, "int32")
+    with pytest.raises(TypeError) as error:
+        keras_dp.fit_sharded(mlp(), x, y, verbose=0, devices=devices(2), validation_data=(x, y),
+                             **{"batch_size": 8, argument: value})
+    assert str(error.value) == (
+        f"`{argument}` must be an integer. Received: {argument}={value!r} (of type "
+        f"{type(value).__name__}). Pass an int; keras_dp does not round it.")
+    assert error.value.__cause__ is None and error.value.__suppress_context__
+
+
+def test_integer_counts_of_numpy_types_are_accepted():
+    x, y = np.zeros((32, 28, 28, 1), "float32"), np.zeros(32, "int32")
+    history = keras_dp.fit_sharded(mlp(), x, y, batch_size=np.int64(8), epochs=np.int32(1),
+                                   verbose=0, devices=devices(2))
+    assert len(history.history["loss"]) == 1
+
+
+def test_validation_data_without_labels_is_named_as_the_validation_data():
+    x, y = np.zeros((32, 28, 28, 1), "float32"), np.zeros(32, "int32")
+    for validation_data in [(x,), x]:
+        with pytest.raises(ValueError) as error:
+            keras_dp.fit_sharded(mlp(), x, y, batch_size=8, verbose=0, devices=devices(2),
+                                 validation_data=validation_data)
+        assert str(error.value) == (
+            "The model is compiled with a loss (sparse_categorical_crossentropy), but the "
+            "validation data has no labels: give it labels, validation_data=(x_val, y_val) "
+            "or (x, y) batches. A model whose losses all come from add_loss is compiled "
+            "without one: model.compile(optimizer=...).")
+
+
+def test_a_list_of_numbers_or_a_single_value_as_data_is_refused_with_the_fix():
+    # Keras fails on these with "tuple index out of range" or "Unrecognized
+    # data type"; keras_dp said the data's arrays had shapes [(64, 8), (), (), ...].
+    x, y = np.zeros((32, 28, 28, 1), "float32"), np.zeros(32, "int32")
+    with pytest.raises(ValueError) as error:
+        keras_dp.fit_sharded(mlp(), x, list(y), verbose=0, devices=devices(2))
+    assert str(error.value) == (
+        "y is a Python list of 32 numbers. A list is read as one array per model input or "
+        "output, as in Keras; for one value per sample, pass an array: np.asarray(y).")
+    with pytest.raises(ValueError, match=r"^sample_weight is a Python tuple of 32 numbers"):
+        keras_dp.fit_sharded(mlp(), x, y, sample_weight=(1.0,) * 32, verbose=0)
+    with pytest.raises(ValueError) as error:
+        keras_dp.fit_sharded(mlp(), x, 3, verbose=0, devices=devices(2))
+    assert str(error.value) == (
+        "y is a single value (3), not an array with one row per sample. Pass an array of "
+        "one row per sample for y.")
+
+
+def test_trainable_changed_after_training_without_a_new_optimizer_is_named():
+    # Keras's model.fit fails here inside its step with "Argument
+    # `optimizer_variables` must be a list of tensors corresponding 1:1 ...".
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(16, 8)).astype("float32"), rng.integers(0, 3, 16)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, name="base"),
+                              keras.layers.Dense(3)])
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    keras_dp.fit_sharded(model, x, y, batch_size=8, verbose=0, devices=devices(2))
+    trained = model.get_weights()
+    model.get_layer("base").trainable = False
+    for _ in range(2):  # uncompiled, then compiled with the built optimizer again
+        with pytest.raises(ValueError) as error:
+            keras_dp.fit_sharded(model, x, y, batch_size=8, verbose=0, devices=devices(2))
+        assert str(error.value) == (
+            "The model's trainable variables changed since its optimizer was built: 2 are "
+            "trainable now, the optimizer holds slots for 4. A layer's `trainable` set after "
+            "training (or during it, in a callback) takes effect, as in Keras, only after "
+            "model.compile(...) with a new optimizer (for example keras.optimizers.Adam(1e-5)); "
+            "compiling with the built model.optimizer again keeps its old slots. The weights "
+            "are kept.")
+        for left, right in zip(model.get_weights(), trained, strict=True):
+            np.testing.assert_array_equal(left, right)
+        model.compile(optimizer=model.optimizer, loss=model.loss)
+    model.compile(optimizer="sgd", loss=model.loss)
+    keras_dp.fit_sharded(model, x, y, batch_size=8, verbose=0, devices=devices(2))
+    np.testing.assert_array_equal(model.get_layer("base").get_weights()[0], trained[0])
+
+
+@pytest.mark.parametrize("argument, value, error, message", [
+    ("seed", "a", TypeError, "`seed` must be an integer. Received: seed='a' (of type str)."),
+    ("seed", -1, ValueError, "`seed` must be at least 0. Received: seed=-1."),
+    ("prefetch", -1, ValueError, "`prefetch` must be at least 0. Received: prefetch=-1."),
+    ("prefetch", 1.5, TypeError, "`prefetch` must be an integer. Received: prefetch=1.5 (of type float)."),
+    ("unroll", -1, ValueError, "`unroll` must be at least 0. Received: unroll=-1."),
+])
+def test_trainer_counts_are_checked_when_it_is_made(argument, value, error, message):
+    # seed="a" failed at the first shuffle with numpy's "unrecognized seed
+    # string"; prefetch=-1, prefetch=1.5 and unroll=-1 were taken silently.
+    with pytest.raises(error) as raised:
+        keras_dp.ShardedTrainer(mlp(), devices=devices(2), **{argument: value})
+    assert str(raised.value).startswith(message)

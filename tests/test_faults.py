@@ -296,3 +296,43 @@ def test_nan_gradients_with_a_finite_loss_stop_at_their_batch_and_keep_the_weigh
     for left, right in zip(model.get_weights(), five_steps.get_weights(), strict=True):
         assert np.isfinite(left).all()
         np.testing.assert_allclose(left, right, rtol=1e-6, atol=1e-7)
+
+
+INTERRUPTED_WHILE_COMPILING_AHEAD = """
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import keras_dp
+import jax, keras, numpy as np
+
+x, y = np.random.default_rng(0).normal(size=(64, 8)).astype("float32"), np.arange(64) % 3
+model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layers.Dense(3)])
+model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+              steps_per_execution=2)
+
+
+class Interrupt(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        raise KeyboardInterrupt
+
+
+try:
+    keras_dp.fit_sharded(model, x, y, batch_size=8, epochs=2, verbose=0, callbacks=[Interrupt()],
+                         validation_data=(x[:24], y[:24]), devices=jax.devices()[:2])
+except KeyboardInterrupt:
+    print("interrupted", int(model.optimizer.iterations))
+"""
+
+
+@pytest.mark.slow  # 7 s: a fresh Python, to see how it exits
+def test_an_interrupt_while_programs_compile_ahead_exits_python_cleanly():
+    # The validation's programs were compiling in a daemon thread when the
+    # KeyboardInterrupt ended fit; Python's exit killed it mid-compile and
+    # the process aborted ("terminate called after throwing an instance of
+    # ''", SIGABRT) in 4 of 4 runs on this 2-core VM.
+    env = dict(os.environ, PYTHONPATH=str(ROOT), KERAS_DP_COMPILATION_CACHE="0")
+    env.pop("XLA_FLAGS", None)
+    done = subprocess.run([sys.executable, "-c", INTERRUPTED_WHILE_COMPILING_AHEAD],
+                          capture_output=True, text=True, timeout=200, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "terminate called" not in done.stderr and "FATAL" not in done.stderr
+    assert done.stdout.split() == ["interrupted", "2"]  # one call of 2 steps, then Ctrl-C

@@ -1,5 +1,6 @@
 """fit_sharded as a Keras user meets it: data kinds, callbacks, write-back."""
 
+import jax
 import keras
 import numpy as np
 import pytest
@@ -49,7 +50,8 @@ def test_evaluate_matches_keras_evaluate(mnist):
     np.testing.assert_allclose(ours["accuracy"], theirs["accuracy"], rtol=1e-6)
 
 
-@pytest.mark.parametrize("kind", ["tuple", "sample_weight", "tf.data", "list", "generator"])
+@pytest.mark.parametrize("kind", ["tuple", "sample_weight", "tf.data", "list", "generator",
+                                  "jax.Array", "tf.Tensor"])
 def test_every_input_kind_gives_the_same_training(mnist, kind):
     (x, y), _ = mnist
     x, y = x[:256], y[:256]
@@ -62,9 +64,11 @@ def test_every_input_kind_gives_the_same_training(mnist, kind):
         "tf.data": tf.data.Dataset.from_tensor_slices((x, y)).batch(64),
         "list": batches,
         "generator": (batch for batch in batches),
+        "jax.Array": (jax.numpy.asarray(x), jax.numpy.asarray(y)),
+        "tf.Tensor": (tf.constant(x), tf.constant(y)),
     }[kind]
     model = mlp()
-    batch_size = 64 if kind in ("tuple", "sample_weight") else None
+    batch_size = 64 if kind in ("tuple", "sample_weight", "jax.Array", "tf.Tensor") else None
     keras_dp.fit_sharded(model, data, batch_size=batch_size, shuffle=False, verbose=0, devices=devices(2))
     for a, b in zip(weights(reference), weights(model)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
@@ -184,3 +188,111 @@ def test_resnet18_is_d2ls_and_its_loss_falls_on_two_devices(mnist):
                                    shuffle=False, verbose=0, devices=devices(2))
     losses = history.history["loss"]
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_shuffle_batch_permutes_rows_within_each_batch_as_keras_does():
+    # model.fit(shuffle="batch") keeps every batch's rows and place and permutes
+    # only within a batch; keras_dp used to read "batch" as a full shuffle.
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(100, 8)).astype("float32"), rng.integers(0, 3, 100)
+    batches = keras_dp.pipeline.make_batches(x, y, batch_size=32, shuffle="batch", seed=3)
+    order = batches.order(1)
+    assert not np.array_equal(order, np.arange(100))
+    for start in range(0, 100, 32):
+        np.testing.assert_array_equal(np.sort(order[start:start + 32]), np.arange(start, min(start + 32, 100)))
+
+    def tiny():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    expected, model = tiny(), tiny()
+    keras_losses = expected.fit(x, y, batch_size=32, epochs=2, shuffle="batch", verbose=0).history["loss"]
+    history = keras_dp.fit_sharded(model, x, y, batch_size=32, epochs=2, shuffle="batch", verbose=0,
+                                   devices=devices(2))
+    np.testing.assert_allclose(history.history["loss"], keras_losses, rtol=1e-5)
+    for left, right in zip(weights(model), weights(expected), strict=True):
+        np.testing.assert_allclose(left, right, rtol=1e-5, atol=1e-5 * np.abs(right).max())
+
+
+def _transfer_model():
+    """A base of two Dense layers under a head, with fixed initial weights."""
+    keras.utils.set_random_seed(1)
+    base = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu", name="b1"),
+                             keras.layers.Dense(16, activation="relu", name="b2")], name="base")
+    inputs = keras.Input((8,))
+    return keras.Model(inputs, keras.layers.Dense(3, name="head")(base(inputs))), base
+
+
+def _transfer_compile(model, learning_rate):
+    model.compile(optimizer=keras.optimizers.Adam(learning_rate),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+
+def test_transfer_learning_freeze_then_fine_tune_equals_keras():
+    # Phase 1: base frozen; phase 2: b2 unfrozen, recompiled at a lower rate.
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(64, 8)).astype("float32"), rng.integers(0, 3, 64)
+    runs = {}
+    for name, fit in [
+        ("keras", lambda model: model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)),
+        ("keras_dp", lambda model: keras_dp.fit_sharded(model, x, y, batch_size=16, epochs=2,
+                                                        shuffle=False, verbose=0, devices=devices(2))),
+    ]:
+        model, base = _transfer_model()
+        initial = [w.copy() for w in base.get_weights()]
+        base.trainable = False
+        _transfer_compile(model, 1e-2)
+        phase1 = fit(model).history["loss"]
+        for left, right in zip(base.get_weights(), initial, strict=True):
+            np.testing.assert_array_equal(left, right)  # frozen: bitwise unchanged
+        base.trainable = True
+        base.get_layer("b1").trainable = False
+        _transfer_compile(model, 1e-3)
+        phase2 = fit(model).history["loss"]
+        np.testing.assert_array_equal(base.get_layer("b1").get_weights()[0], initial[0])
+        assert not np.array_equal(base.get_layer("b2").get_weights()[0], initial[2])
+        runs[name] = (model, phase1 + phase2)
+    (expected, keras_losses), (model, losses) = runs["keras"], runs["keras_dp"]
+    np.testing.assert_allclose(losses, keras_losses, rtol=1e-5)
+    for left, right in zip(weights(model), weights(expected), strict=True):
+        np.testing.assert_allclose(left, right, rtol=1e-5, atol=1e-5 * np.abs(right).max())
+
+
+@pytest.mark.slow  # 7 s: seven fits, each compiling its steps
+def test_a_program_of_several_fits_equals_keras(tmp_path):
+    # fit twice (the optimizer's state carried on), evaluate then fit, a new
+    # learning rate assigned, a recompile with another optimizer, and a
+    # save/load_model between fits: each step equals Keras's model.fit.
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(48, 8)).astype("float32"), rng.integers(0, 3, 48)
+
+    def program(fit):
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                                  keras.layers.BatchNormalization(), keras.layers.Dense(3)])
+        model.compile(optimizer=keras.optimizers.Adam(1e-2),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        logs = fit(model) + fit(model) + [model.evaluate(x, y, verbose=0)] + fit(model)
+        model.optimizer.learning_rate.assign(1e-3)
+        logs += fit(model)
+        model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss=model.loss)
+        logs += fit(model)
+        path = tmp_path / f"{len(list(tmp_path.iterdir()))}.keras"
+        model.save(path)
+        model = keras.models.load_model(path)
+        return model, logs + fit(model)
+
+    expected, keras_logs = program(
+        lambda model: model.fit(x, y, batch_size=16, shuffle=False, verbose=0).history["loss"])
+    model, logs = program(lambda model: keras_dp.fit_sharded(
+        model, x, y, batch_size=16, shuffle=False, verbose=0, devices=devices(2)).history["loss"])
+    np.testing.assert_allclose(logs, keras_logs, rtol=1e-5)
+    assert int(model.optimizer.iterations) == int(expected.optimizer.iterations) == 6
+    for left, right in zip(weights(model), weights(expected), strict=True):
+        np.testing.assert_allclose(left, right, rtol=1e-5, atol=1e-5 * np.abs(right).max())
+    for left, right in zip(model.optimizer.variables, expected.optimizer.variables, strict=True):
+        right = np.asarray(right)
+        np.testing.assert_allclose(np.asarray(left), right, rtol=1e-5, atol=1e-5 * np.abs(right).max())

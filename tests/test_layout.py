@@ -159,7 +159,7 @@ def test_a_checkpoint_of_full_on_4_devices_resumes_replicated_on_2(mnist, tmp_pa
 
 def test_memory_plan_reads_the_compiled_programs_own_analysis(mnist):
     (x, y), _ = mnist
-    plans = {mode: keras_dp.memory_plan(convnet(), x[:4], y[:4], batch_size=256,
+    plans = {mode: keras_dp.memory_plan(mlp(), x[:4], y[:4], batch_size=256,
                                         devices=devices(4), state_sharding=mode)
              for mode in ("replicated", "optimizer", "full")}
     replicated, optimizer, full = plans.values()

@@ -1,5 +1,6 @@
 """The train and test programs, compiled once per call shape, the rest ahead of time."""
 
+import threading
 import time
 
 import jax
@@ -283,3 +284,34 @@ def test_a_datasets_plan_is_its_first_batchs_calls():
     like = programs.like_host_batch(dataset.peek(), 4, 64, keras_dp.make_mesh(devices(2)))
     assert [(leaf.shape, str(leaf.dtype)) for leaf in jax.tree.leaves(like)] == [
         ((4, 64, 28, 28, 1), "uint8"), ((4, 64), "int32")]  # as JAX places them
+
+
+class BlockingLowered:
+    """A lowered program whose `compile` says it `started`, waits for `release`, and records itself."""
+
+    def __init__(self, started, release, compiled):
+        self.started, self.release, self.compiled = started, release, compiled
+
+    def compile(self):
+        self.started.set()
+        self.release.wait(60)
+        self.compiled.append(self)
+        return FakeCompiled(1.0)
+
+
+def test_compiles_ahead_of_an_ended_fit_are_cancelled_and_python_waits_for_the_running_one():
+    # A daemon thread killed mid-compile at exit (after Ctrl-C in a fit with
+    # programs still to compile) aborted Python: "terminate called after
+    # throwing an instance of ''", status 134.
+    started, release, compiled, store = threading.Event(), threading.Event(), [], {}
+    lowered = [BlockingLowered(started, release, compiled) for _ in range(3)]
+    programs.compile_ahead([(store, key, low) for key, low in enumerate(lowered)])
+    [thread] = [t for t in threading.enumerate() if t.name == "keras_dp-compile"]
+    assert not thread.daemon  # Python's exit waits for it
+    assert started.wait(60)
+    programs.cancel_ahead(store)  # as the fit's end does: key 0 is compiling already
+    release.set()
+    thread.join(60)
+    assert not thread.is_alive() and compiled == lowered[:1]
+    assert isinstance(programs.finished(store, 0), FakeCompiled)
+    assert programs.finished(store, 1) is None and programs.finished(store, 2) is None

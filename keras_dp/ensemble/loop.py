@@ -42,6 +42,9 @@ class MembersLive(LiveModel):
                 for group in TrainState.variables_of(member)._replace(metrics=[])
                 for variable in group]
 
+    def _state_variables(self):
+        return None  # `_write` writes each member's own variables
+
     def _write(self, state):
         members_lib.write_back_members(state, self.members)
 

@@ -15,6 +15,8 @@ import numpy as np
 
 from keras_dp.pipeline.arrays import ArrayBatches
 from keras_dp.pipeline.batch import batch_rows
+from keras_dp.pipeline.batch import check_count
+from keras_dp.pipeline.batch import check_not_scalars
 from keras_dp.pipeline.batch import check_not_ragged
 from keras_dp.pipeline.batch import class_weight_to_sample_weight
 from keras_dp.pipeline.batch import unpack
@@ -32,6 +34,7 @@ __all__ = [
     "IterableBatches",
     "StepsPerEpoch",
     "batch_rows",
+    "check_count",
     "class_weight_to_sample_weight",
     "group_steps",
     "hide_gpus_from_tensorflow",
@@ -76,6 +79,7 @@ def make_batches(x, y=None, sample_weight=None, *, batch_size=None, shuffle=Fals
         if isinstance(x, tuple) and y is None:
             x, y, sample_weight = unpack(x)
         check_not_ragged(x)
+        check_not_scalars(x, y, sample_weight)
         return ArrayBatches(x, y, sample_weight, batch_size=batch_size,
                             shuffle=shuffle, seed=seed, class_weight=class_weight)
     if y is not None or sample_weight is not None:
@@ -115,6 +119,8 @@ def validation_source(validation_data, batch_size=None, validation_batch_size=No
             dataset.
     """
     validation_data = validation_tuple(validation_data)
+    if validation_batch_size is not None:
+        validation_batch_size = check_count("validation_batch_size", validation_batch_size, 1)
     if is_array_data(validation_data):
         return validation_data, validation_batch_size or batch_size
     if validation_batch_size is not None:
@@ -159,6 +165,7 @@ def split_validation(x, y, sample_weight, validation_split, validation_data=None
     if isinstance(x, tuple) and y is None:
         x, y, sample_weight = unpack(x)
     check_not_ragged(x)
+    check_not_scalars(x, y, sample_weight)
     arrays = jax.tree.map(np.asarray, (x, y, sample_weight))
     total = batch_rows(arrays)
     split = int(np.floor(total * (1 - validation_split)))

@@ -5,6 +5,7 @@ import numpy as np
 
 from keras_dp.pipeline.batch import apply_class_weight
 from keras_dp.pipeline.batch import batch_rows
+from keras_dp.pipeline.batch import check_count
 from keras_dp.pipeline.batch import check_dtypes
 
 
@@ -19,11 +20,7 @@ class ArrayBatches:
         self.num_samples = batch_rows(arrays)
         if self.num_samples == 0:
             raise ValueError("The data has no rows. Pass at least one sample.")
-        self.batch_size = 32 if batch_size is None else int(batch_size)
-        if self.batch_size < 1:
-            raise ValueError(
-                f"`batch_size` must be at least 1. Received: batch_size={batch_size}."
-            )
+        self.batch_size = 32 if batch_size is None else check_count("batch_size", batch_size, 1)
         if class_weight is not None:
             arrays = apply_class_weight(arrays, class_weight)
         self._arrays, self._shuffle, self._seed = arrays, shuffle, seed
@@ -54,11 +51,20 @@ class ArrayBatches:
 
         The permutation is `np.random.default_rng([seed, epoch])`'s, so it
         depends only on the seed and the epoch (`keras_dp.resident` sends
-        the same one to the devices).
+        the same one to the devices). With `shuffle="batch"`, as in
+        `model.fit`, each batch keeps its rows and its place, and only the
+        rows within it are permuted.
         """
         if not self._shuffle:
             return None
-        return np.random.default_rng([self._seed, epoch]).permutation(self.num_samples)
+        rng = np.random.default_rng([self._seed, epoch])
+        if isinstance(self._shuffle, str) and self._shuffle == "batch":
+            order = np.arange(self.num_samples)
+            for start in range(0, self.num_samples, self.batch_size):
+                rows = order[start:start + self.batch_size]  # a view: permuted in place
+                rows[:] = rng.permutation(rows)
+            return order
+        return rng.permutation(self.num_samples)
 
     def epoch(self, epoch, skip=0):
         """Yield this epoch's host batches from batch `skip` on; every row exactly once."""

@@ -1,5 +1,7 @@
 """What a host batch is: `(x, y, sample_weight)` of numpy arrays, and its checks."""
 
+import operator
+
 import jax
 import keras
 import numpy as np
@@ -42,6 +44,29 @@ def batch_rows(batch):
     return sizes.pop()
 
 
+def check_count(name, value, minimum=None):
+    """Return `value` as an int, or raise naming the argument `name`.
+
+    Accepts what Python takes as an index (an int, a numpy integer), as
+    Keras's loops do; a float such as `16.0` or a string is refused, not
+    rounded.
+
+    Raises:
+        TypeError: `value` is not an integer.
+        ValueError: `value` is below `minimum`.
+    """
+    try:
+        count = operator.index(value)
+    except TypeError:
+        raise TypeError(
+            f"`{name}` must be an integer. Received: {name}={value!r} (of type "
+            f"{type(value).__name__}). Pass an int; keras_dp does not round it."
+        ) from None
+    if minimum is not None and count < minimum:
+        raise ValueError(f"`{name}` must be at least {minimum}. Received: {name}={value!r}.")
+    return count
+
+
 def short_list(items, limit=6):
     """`items` as text, the first `limit` of them and a count of the rest: messages stay short."""
     items = list(items)
@@ -72,6 +97,27 @@ def check_not_ragged(x):
         "one length first: keras.utils.pad_sequences(x) gives one array of "
         "shape (samples, longest)."
     )
+
+
+def check_not_scalars(x, y, sample_weight):
+    """Raise a `ValueError` with the fix if `x`, `y` or `sample_weight` is a number, or a list of numbers.
+
+    Beside `y`, a list is read as one array per model input (or output), as
+    in Keras, so a list of numbers would be that many one-value arrays; it
+    is meant as one value per sample, an array.
+    """
+    for name, part in (("x", x), ("y", y), ("sample_weight", sample_weight)):
+        if isinstance(part, (list, tuple)) and part and all(np.ndim(item) == 0 for item in part):
+            raise ValueError(
+                f"{name} is a Python {type(part).__name__} of {len(part)} numbers. A list is "
+                "read as one array per model input or output, as in Keras; for one "
+                f"value per sample, pass an array: np.asarray({name})."
+            )
+        if part is not None and not isinstance(part, (dict, list, tuple)) and np.ndim(part) == 0:
+            raise ValueError(
+                f"{name} is a single value ({part!r}), not an array with one row per "
+                f"sample. Pass an array of one row per sample for {name}."
+            )
 
 
 def _length(item):

@@ -11,6 +11,7 @@ import numpy as np
 
 from keras_dp.pipeline import grain_source
 from keras_dp.pipeline.batch import batch_rows
+from keras_dp.pipeline.batch import check_count
 
 
 class FixedSteps:
@@ -41,11 +42,7 @@ class StepsPerEpoch(FixedSteps):
     """
 
     def __init__(self, batches, steps):
-        if int(steps) < 1:
-            raise ValueError(
-                f"`steps_per_epoch` must be at least 1. Received: {steps}."
-            )
-        self.steps = int(steps)
+        self.steps = check_count("steps_per_epoch", steps, 1)
         self.exhausted = False
         self._batches = batches
         self._stream = None  # started by the first `epoch`
