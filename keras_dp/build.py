@@ -333,14 +333,25 @@ def _mark_built(model):
 
 
 def check_labels(model, x, y, y_pred, sample_weight):
-    """Raise a `ValueError` naming the shapes if `y` does not fit `y_pred` under the loss."""
+    """Raise a `ValueError` naming the shapes if `y` or `sample_weight` does not fit `y_pred` under the loss."""
+    def loss_spec(weights):
+        return _compat.compute_output_spec(
+            model.compute_loss, x=x, y=y, y_pred=y_pred, sample_weight=weights, training=False)
+
     try:
-        _compat.compute_output_spec(
-            model.compute_loss, x=x, y=y, y_pred=y_pred,
-            sample_weight=sample_weight, training=False,
-        )
+        loss_spec(sample_weight)
     except Exception as error:
         shapes = lambda tree: jax.tree.map(lambda s: tuple(s.shape), tree)  # noqa: E731
+        if sample_weight is not None and _fits(loss_spec, None):
+            raise ValueError(
+                f"The labels fit the model's output, but the sample weights (shape "
+                f"{shapes(sample_weight)}) do not fit its loss (y has shape {shapes(y)}, "
+                f"the model outputs shape {shapes(y_pred)}). Give one weight per row, "
+                "or per row and timestep, (rows, steps), for a per-timestep loss. "
+                "class_weight gives one weight per row, as in Keras's model.fit; for "
+                "per-timestep labels pass sample_weight=np.vectorize(lambda c: "
+                f"class_weight.get(c, 1.0))(y) instead. Keras reported: {_first_line(error)}"
+            ) from None
         # Keras's traceback and error wrapping add nothing to this message.
         raise ValueError(
             f"The labels do not fit the model's output under its loss: y has "
@@ -350,6 +361,15 @@ def check_labels(model, x, y, y_pred, sample_weight):
             "sparse_categorical_crossentropy, one-hot rows of shape (batch, "
             f"classes) for categorical_crossentropy. Keras reported: {_first_line(error)}"
         ) from None
+
+
+def _fits(loss_spec, sample_weight):
+    """Whether `loss_spec(sample_weight)` traces."""
+    try:
+        loss_spec(sample_weight)
+    except Exception:
+        return False
+    return True
 
 
 def _loss_name(loss):

@@ -255,3 +255,31 @@ def test_per_timestep_predictions_of_batches_padded_to_different_lengths_are_ref
                        r".*Pad every batch to one length") as raised:
         trainer.predict(batches, verbose=0)
     assert raised.value.__context__ is None
+
+
+def test_class_weight_on_per_timestep_labels_is_refused_with_the_sample_weight_fix():
+    # class_weight gives one weight per row (as in Keras, which fails with
+    # "Incompatible shapes for broadcasting"); keras_dp said "the labels do not
+    # fit", though they do. The fix it names trains as Keras does.
+    tokens, _ = padded_tokens()
+    labels, class_weight = tokens % 3, {0: 0.5, 2: 2.0}
+
+    def build():
+        model = keras.Sequential([keras.Input((STEPS,), dtype="int32"),
+                                  layers.Embedding(VOCAB, 4), layers.Dense(3)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    reference, model = twins(build)
+    kwargs = dict(batch_size=BATCH, shuffle=False, verbose=0)
+    with pytest.raises(ValueError, match=r"labels fit the model's output, but the sample weights "
+                       r"\(shape \(16,\)\) do not fit .*np\.vectorize") as raised:
+        keras_dp.fit_sharded(model, tokens, labels, class_weight=class_weight,
+                             devices=devices(3), **kwargs)
+    assert raised.value.__suppress_context__  # no chain of Keras's internals
+    weights = np.vectorize(lambda c: class_weight.get(c, 1.0))(labels)
+    np.testing.assert_allclose(
+        keras_dp.fit_sharded(model, tokens, labels, sample_weight=weights, devices=devices(3),
+                             **kwargs).history["loss"],
+        reference.fit(tokens, labels, sample_weight=weights, **kwargs).history["loss"], rtol=1e-5)
