@@ -77,7 +77,7 @@ def tagger():
     return model
 
 
-@pytest.mark.slow  # 24-30 s on the 2-core VM: 8 compilations of attention and an LSTM
+@pytest.mark.slow  # 20-30 s on the 2-core VM: 8 compilations of attention and an LSTM
 def test_a_masked_transformer_and_lstm_tagger_with_temporal_weights_equals_keras():
     # The mask reaches attention, the LSTM, every timestep's loss and the
     # metrics; the (rows, steps) sample weights weigh each timestep; 3 devices
