@@ -118,6 +118,11 @@ TENSORFLOW_LAYERS = (
 )
 
 
+def _names(layers):
+    """Layers as `name (Class), ...`, for messages."""
+    return ", ".join(f"{layer.name} ({type(layer).__name__})" for layer in layers)
+
+
 def check_no_tensorflow_layers(model):
     """Raise a `ValueError` naming the fix if `model` holds a TensorFlow-only layer.
 
@@ -132,10 +137,9 @@ def check_no_tensorflow_layers(model):
     found = [layer for layer in found if id(layer) not in inner]  # TextVectorization's own lookup
     if not found:
         return
-    names = ", ".join(f"{layer.name} ({type(layer).__name__})" for layer in found)
     raise ValueError(
         f"The model holds layers that run TensorFlow ops, which JAX cannot compile "
-        f"into keras_dp's step (nor into Keras's own on JAX): {names}. Move them into "
+        f"into keras_dp's step (nor into Keras's own on JAX): {_names(found)}. Move them into "
         "the tf.data pipeline, before batching or after: dataset.map(lambda x, y: "
         "(layer(x), y)) with the layer adapted, and start the model at their output "
         "(keras.Input(shape, dtype=\"int64\") for token ids)."
@@ -248,10 +252,9 @@ def explain_jit_failures(model):
                   if not getattr(layer, "supports_jit", True)]
         if not layers:
             raise
-        names = ", ".join(f"{layer.name} ({type(layer).__name__})" for layer in layers)
         raise ValueError(
             f"keras_dp compiles every step with jax.jit, and this model has layers "
-            f"that set supports_jit=False: {names}. Keras's own model.fit runs such "
+            f"that set supports_jit=False: {_names(layers)}. Keras's own model.fit runs such "
             "a model un-jitted; here the compiled step failed to trace: "
             f"{type(error).__name__}: {str(error).splitlines()[0]} Do that "
             "augmentation in the input pipeline instead (tf.data, or a "
