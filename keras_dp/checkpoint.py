@@ -68,15 +68,18 @@ class Checkpoints:
             `keras_dp.checkpoint_guard`); across processes, process 0 locks.
         source: an input whose position is saved with the state and set
             on restore (`keras_dp.pipeline.grain_source.GrainEpochs`), or None.
+        plan: what decides which rows each step of an epoch takes (`plan_of`),
+            saved with the state; a checkpoint taken mid-epoch resumes only
+            under the same plan. None: not saved, not checked.
 
     Raises:
         DirectoryInUseError: with `lock`, another live run holds `directory`.
     """
 
-    def __init__(self, directory, max_to_keep=2, lock=True, source=None):
+    def __init__(self, directory, max_to_keep=2, lock=True, source=None, plan=None):
         import orbax.checkpoint as ocp
 
-        self.source = source
+        self.source, self.plan = source, plan
 
         self._ocp = ocp
         self.directory = os.path.abspath(os.fspath(directory))
@@ -110,6 +113,8 @@ class Checkpoints:
         }
         if self.source is not None:  # where the input stands, per process
             tree["input"] = self.source.saved(position)
+        if self.plan is not None:
+            tree[guard.PLAN] = _plan_tree(self.plan)
         tree[guard.SUMS] = guard.bitsums(tree)
         try:
             self._manager.save(index, args=self._ocp.args.StandardSave(tree), force=True)
@@ -133,7 +138,7 @@ class Checkpoints:
 
     def check_room(self, model):
         """Raise `OSError` if the directory's filesystem cannot take the checkpoints to come."""
-        leaves = guard.leaves(_template(abstract_state(model), self.source))
+        leaves = guard.leaves(_template(abstract_state(model), self.source, self.plan))
         nbytes = sum(leaf.size * np.dtype(leaf.dtype).itemsize for _, leaf in leaves)
         kept = len(self._manager.all_steps())
         guard.check_room(self.directory, nbytes + 8 * len(leaves),
@@ -166,15 +171,19 @@ class Checkpoints:
             ValueError: the newest readable checkpoint does not fit the model
                 (another model, optimizer or metrics wrote it: its arrays'
                 names or shapes differ), or another seed wrote it, whose
-                shuffle order would make the resumed run differ.
+                shuffle order would make the resumed run differ, or it was
+                taken mid-epoch under another plan (`plan_of`: batch size,
+                rows, steps per epoch, shuffle), so the rest of the epoch
+                would take other rows.
             DamagedCheckpointError: every checkpoint in the directory is damaged.
         """
-        tree = guard.newest_intact(self._manager, _template(abstract, self.source),
+        tree = guard.newest_intact(self._manager, _template(abstract, self.source, self.plan),
                                    self._ocp.args.StandardRestore)
         if tree is None:
             return None, None
         self._check_seed(tree, seed)
         position = Position(int(tree["position"]["epoch"]), int(tree["position"]["steps"]))
+        self._check_plan(tree, position)
         if self.source is not None:
             self.source.restore(position, tree["input"])
         return TrainState(**tree["state"]), position
@@ -187,6 +196,31 @@ class Checkpoints:
                 f"seed={saved_seed}, and this trainer has seed={seed}: the "
                 "shuffle order would differ from the interrupted run. Pass "
                 f"seed={saved_seed} to resume it, or a new checkpoint_dir."
+            )
+
+    def _check_plan(self, tree, position):
+        """Refuse a mid-epoch `position` saved under another plan than `self.plan`.
+
+        At an epoch's end the next epoch starts afresh, so a new batch size
+        or data there is a choice, not a mistake; mid-epoch, the steps done
+        are counted in batches of the old plan.
+        """
+        if position.steps == 0 or self.plan is None or guard.PLAN not in tree:
+            return
+        saved = {name: int(value) for name, value in tree[guard.PLAN].items()}
+        changed = [name for name, value in self.plan.items()
+                   if value != saved[name] and -1 not in (value, saved[name])]
+        if {"batch_size", "rows"} & set(changed):  # steps per epoch follow from them
+            changed = [name for name in changed if name != "steps"]
+        if changed:
+            was = ", ".join(_plan_words(name, saved[name]) for name in changed)
+            now = ", ".join(_plan_words(name, self.plan[name]) for name in changed)
+            raise ValueError(
+                f"The checkpoint in {self.directory} stopped {_where(position)} "
+                f"of a fit with {was}, and this fit has {now}: the rest of that "
+                "epoch would train on other rows than the interrupted run's. "
+                "Rerun with the same data, batch_size and shuffle to finish that "
+                "run, or pass a new checkpoint_dir to start afresh."
             )
 
     def close(self):
@@ -212,7 +246,7 @@ def closing(checkpoints):
 
 
 def open_for_fit(checkpoint_dir, model, seed, multiprocess, initial_epoch,
-                 steps_per_epoch=None, source=None):
+                 steps_per_epoch=None, source=None, plan=None):
     """The `Checkpoints` of a fit and where it starts: `(checkpoints, Position)`.
 
     Without `checkpoint_dir`: `(None, Position(initial_epoch, 0))`. With one
@@ -222,7 +256,8 @@ def open_for_fit(checkpoint_dir, model, seed, multiprocess, initial_epoch,
     Across processes (`multiprocess`), every process must call this with
     the same `checkpoint_dir`, on a filesystem they share; each restores the
     same newest checkpoint. A `source` (see `Checkpoints`) has its position
-    saved with each checkpoint and restored from it.
+    saved with each checkpoint and restored from it; a `plan` (`plan_of`)
+    is saved with each, and a mid-epoch checkpoint of another plan refused.
 
     The caller must `close` the `Checkpoints` (see `closing`): until then
     it holds the directory's lock. On an error here it is closed already.
@@ -248,7 +283,7 @@ def open_for_fit(checkpoint_dir, model, seed, multiprocess, initial_epoch,
     # orbax's save and restore take part in every process alike; the lock
     # is process 0's, for all of them.
     checkpoints = Checkpoints(checkpoint_dir, lock=not multiprocess or _process_index() == 0,
-                              source=source)
+                              source=source, plan=plan)
     if source is not None:
         source.recording = True
     with contextlib.ExitStack() as on_error:
@@ -257,6 +292,37 @@ def open_for_fit(checkpoint_dir, model, seed, multiprocess, initial_epoch,
         checkpoints.check_room(model)
         on_error.pop_all()
     return checkpoints, position
+
+
+_SHUFFLE_CODES = {False: 0, True: 1, "batch": 2}
+
+
+def plan_of(batches, shuffle, multiprocess):
+    """What decides which rows each step of an epoch takes, as ints (-1: unknown).
+
+    `batch_size` (rows per step, per process) and, for array data,
+    `rows` (one process's: in a run across processes, not checked) and
+    `shuffle`; `steps` per epoch wherever known (a dataset's cardinality).
+    """
+    arrays = hasattr(batches, "order")  # `pipeline.arrays.ArrayBatches`
+    steps = batches.steps
+    return {
+        "batch_size": batches.batch_size if arrays else -1,
+        "rows": batches.num_samples if arrays and not multiprocess else -1,
+        "steps": steps if isinstance(steps, int) else -1,
+        "shuffle": _SHUFFLE_CODES.get(shuffle, 1) if arrays else -1,
+    }
+
+
+def _plan_words(name, value):
+    if name == "shuffle":
+        return "shuffle=" + {code: repr(key) for key, code in _SHUFFLE_CODES.items()}[value]
+    return {"batch_size": f"batch_size={value}", "rows": f"{value} rows of training data",
+            "steps": f"{value} steps per epoch"}[name]
+
+
+def _plan_tree(plan):
+    return {name: np.asarray(value, np.int64) for name, value in plan.items()}
 
 
 def _where(position):
@@ -305,11 +371,13 @@ def abstract_state(model, shardings=None):
         for group, group_shardings in zip(variables, shardings)))
 
 
-def _template(abstract, source=None):
-    """A checkpoint's tree (without checksums) for an `abstract_state` (and `source`)."""
+def _template(abstract, source=None, plan=None):
+    """A checkpoint's tree (without checksums) for an `abstract_state` (and `source`, `plan`)."""
     tree = {"state": dict(abstract._asdict()), "position": _position_tree(0, 0, 0)}
     if source is not None:
         tree["input"] = source.template()
+    if plan is not None:
+        tree[guard.PLAN] = _plan_tree(plan)
     return tree
 
 

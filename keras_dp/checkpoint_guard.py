@@ -39,6 +39,7 @@ from jax import lax
 SUMS = "bitsums"  # the key of this keras_dp's checksums (`bitsums`)
 LEGACY_SUMS = "checksums"  # CRC-32s of each array's bytes, written before
 _SUM_DTYPES = {SUMS: np.uint32, LEGACY_SUMS: np.int64}
+PLAN = "plan"  # the rows-per-step plan of a fit (`checkpoint.plan_of`), absent before it was added
 LOCK_FILE = ".keras_dp.lock"
 # orbax's metadata files beside the arrays: a few KiB per checkpoint.
 _OVERHEAD_BYTES = 64 * 1024
@@ -178,6 +179,10 @@ def read_verified(manager, index, template, restore_args):
         saved = manager.item_metadata(index).tree
     except Exception as error:  # noqa: BLE001 - any read error means damaged
         return f"its metadata could not be read ({short(error)})", None
+    if PLAN in template and PLAN not in saved:  # an older keras_dp's: no plan to check
+        template = {key: value for key, value in template.items() if key != PLAN}
+    elif PLAN in saved and PLAN not in template:  # a reader that checks none: read it along
+        template = dict(template, **{PLAN: {name: np.zeros((), np.int64) for name in saved[PLAN]}})
     if layout(saved) != layout(template):
         raise ValueError(
             f"The checkpoint in {path} does not fit this model: it was written "

@@ -359,7 +359,8 @@ class ShardedTrainer:
         callbacks_lib.check_validation_freq(validation_freq)
         checkpoints, resume = checkpoint_lib.open_for_fit(
             checkpoint_dir, self.model, self.seed, self.multiprocess, initial_epoch,
-            steps_per_epoch, source=getattr(batches, "resumable", None))
+            steps_per_epoch, source=getattr(batches, "resumable", None),
+            plan=checkpoint_lib.plan_of(batches, shuffle, self.multiprocess))
         with checkpoint_lib.closing(checkpoints):  # its lock goes, whatever fails
             callbacks = callbacks_lib.callback_list(
                 callbacks, self.model, verbose, epochs=epochs, steps=batches.steps

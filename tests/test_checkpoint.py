@@ -97,6 +97,26 @@ def test_sigterm_mid_epoch_saves_exits_and_resumes_exactly(data, tmp_path):
     np.testing.assert_array_equal(history.history["loss"], unbroken_history.history["loss"][1:])
 
 
+def test_a_mid_epoch_checkpoint_refuses_another_batch_size_shuffle_or_data(data, tmp_path):
+    # Its steps done count batches of the interrupted fit: under another
+    # batch size, shuffle or data they would mean other rows.
+    with pytest.raises(SystemExit):
+        fit(mlp(), data, epochs=2, checkpoint_dir=tmp_path, callbacks=[SigtermAt(1, 4)])
+    x, y = data
+    start = (f"The checkpoint in {tmp_path} stopped after 5 steps of epoch 2 of a fit with ")
+    end = (": the rest of that epoch would train on other rows than the interrupted "
+           "run's. Rerun with the same data, batch_size and shuffle to finish that run, "
+           "or pass a new checkpoint_dir to start afresh.")
+    for change, was, now in [
+            (dict(batch_size=32), "batch_size=64", "batch_size=32"),
+            (dict(shuffle="batch"), "shuffle=True", "shuffle='batch'"),
+            (dict(data=(x[:448], y[:448])), "512 rows of training data",
+             "448 rows of training data")]:
+        with pytest.raises(ValueError) as refused:
+            fit(mlp(), change.pop("data", data), epochs=2, checkpoint_dir=tmp_path, **change)
+        assert str(refused.value) == f"{start}{was}, and this fit has {now}{end}"
+
+
 def test_sigterm_during_a_save_leaves_it_complete(data, tmp_path, monkeypatch):
     save = checkpoint_lib.Checkpoints.save
 
