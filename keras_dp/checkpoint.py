@@ -82,7 +82,7 @@ class Checkpoints:
         self.source, self.plan = source, plan
 
         self._ocp = ocp
-        self.directory = os.path.abspath(os.fspath(directory))
+        self.directory = os.path.abspath(os.path.expanduser(os.fspath(directory)))
         self.max_to_keep = max_to_keep
         self._lock = guard.DirectoryLock(self.directory) if lock else None
         self._manager = _manager_class(ocp)(

@@ -285,6 +285,21 @@ def test_a_directory_in_use_by_a_live_run_is_refused_and_a_dead_runs_lock_taken_
     assert sorted(os.listdir(tmp_path)) == [".keras_dp.lock", "0"]
 
 
+def test_a_checkpoint_dir_under_home_with_a_space_is_expanded_not_made_literally(
+        data, tmp_path, monkeypatch):
+    home, work = tmp_path / "home", tmp_path / "work"
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    model = mlp()
+    fit(model, data, epochs=1, checkpoint_dir="~/my runs/ckpt")
+    assert sorted(os.listdir(home / "my runs" / "ckpt")) == [".keras_dp.lock", "0"]
+    assert os.listdir(work) == []  # no directory named "~" here
+    resumed = mlp(seed=7)
+    assert fit(resumed, data, epochs=1, checkpoint_dir="~/my runs/ckpt").epoch == []
+    assert_weights_equal(resumed, model)
+
+
 def test_a_checkpoint_dir_that_is_a_file_is_named_before_the_first_step(data, tmp_path):
     path = tmp_path / "weights.txt"
     path.write_text("not a directory")
