@@ -80,6 +80,7 @@ class Checkpoints:
         import orbax.checkpoint as ocp
 
         self.source, self.plan = source, plan
+        self.restored = None  # the `Position` restored by `restore`, if any
 
         self._ocp = ocp
         self.directory = os.path.abspath(os.path.expanduser(os.fspath(directory)))
@@ -154,7 +155,25 @@ class Checkpoints:
         state, position = self.restore_state(abstract_state(model), seed)
         if state is not None:
             write_back(state, model)
+        self.restored = position
         return position
+
+    def resume_note(self, epochs):
+        """One line saying where a fit of `epochs` epochs resumes, or that it has nothing to do.
+
+        None if nothing was restored.
+        """
+        position = self.restored
+        if position is None:
+            return None
+        at = (f"at the end of epoch {position.epoch}" if position.steps == 0 else
+              f"after {position.steps} steps of epoch {position.epoch + 1}")
+        if position.epoch >= epochs:
+            return (f"keras_dp: the checkpoint in {self.directory} is {at}, and "
+                    f"epochs={epochs}: nothing is left to train, and the model holds "
+                    "the checkpoint's weights. Pass a larger epochs to train on, or a "
+                    "new checkpoint_dir to start afresh.")
+        return f"keras_dp: resuming from the checkpoint in {self.directory}, {at}."
 
     def restore_state(self, abstract, seed):
         """The newest intact checkpoint's state, laid out as `abstract`, and its `Position`.

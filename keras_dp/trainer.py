@@ -362,6 +362,9 @@ class ShardedTrainer:
             steps_per_epoch, source=getattr(batches, "resumable", None),
             plan=checkpoint_lib.plan_of(batches, shuffle, self.multiprocess))
         with checkpoint_lib.closing(checkpoints):  # its lock goes, whatever fails
+            note = checkpoints and checkpoints.resume_note(epochs)
+            if note and verbose != 0 and distributed.is_primary():
+                print(note, flush=True)
             callbacks = callbacks_lib.callback_list(
                 callbacks, self.model, verbose, epochs=epochs, steps=batches.steps
             )

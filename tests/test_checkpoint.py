@@ -50,6 +50,26 @@ def test_stop_after_epoch_1_and_resume_equals_an_unbroken_run(data, tmp_path):
     assert fit(resumed, data, checkpoint_dir=tmp_path).epoch == []
 
 
+def test_a_rerun_says_where_it_resumes_or_that_nothing_is_left(data, tmp_path, capsys):
+    model = mlp()
+    fit(model, data, epochs=1, checkpoint_dir=tmp_path)
+    resumed = mlp(seed=7)
+    history = fit(resumed, data, epochs=1, checkpoint_dir=tmp_path, verbose=2)
+    assert history.epoch == [] and history.history == {}
+    assert_weights_equal(resumed, model)
+    assert capsys.readouterr().out == (
+        f"keras_dp: the checkpoint in {tmp_path} is at the end of epoch 1, and "
+        "epochs=1: nothing is left to train, and the model holds the checkpoint's "
+        "weights. Pass a larger epochs to train on, or a new checkpoint_dir to start "
+        "afresh.\n")
+    assert fit(resumed, data, epochs=2, checkpoint_dir=tmp_path, verbose=2).epoch == [1]
+    assert capsys.readouterr().out.startswith(
+        f"keras_dp: resuming from the checkpoint in {tmp_path}, at the end of epoch 1.\n"
+        "Epoch 2/2\n")
+    fit(resumed, data, epochs=3, checkpoint_dir=tmp_path)  # verbose=0: nothing printed
+    assert capsys.readouterr().out == ""
+
+
 def test_a_checkpoint_of_full_sharding_on_4_devices_resumes_replicated_on_2(data, tmp_path):
     # Saved split as the state lies, read into the model and laid out anew:
     # another device count and state_sharding resume the same run.
