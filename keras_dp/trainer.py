@@ -318,7 +318,10 @@ class ShardedTrainer:
                 arrives: then at the next step boundary, after which the
                 process exits with status 143. If the directory holds a
                 checkpoint, training resumes from it (its epoch and step
-                replace `initial_epoch`) and ends as an unbroken run would.
+                replace `initial_epoch`) and ends as an unbroken run would;
+                one taken mid-epoch resumes only with the same `batch_size`,
+                training rows and `shuffle` (else a `ValueError` says which
+                changed). `~` is expanded.
             profile_dir: write a `jax.profiler` trace of 5 calls of the
                 first epoch there, after its first call (which compiles);
                 TensorBoard's profile plugin reads it.
