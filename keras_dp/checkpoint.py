@@ -45,6 +45,7 @@ import numpy as np
 from keras_dp import checkpoint_guard as guard
 from keras_dp.checkpoint_guard import DamagedCheckpointError  # noqa: F401 - raised here too
 from keras_dp.checkpoint_guard import DirectoryInUseError  # noqa: F401 - raised here too
+from keras_dp.pipeline.batch import batch_rows
 from keras_dp.state import TrainState
 from keras_dp.state import write_back
 
@@ -319,14 +320,21 @@ _SHUFFLE_CODES = {False: 0, True: 1, "batch": 2}
 def plan_of(batches, shuffle, multiprocess):
     """What decides which rows each step of an epoch takes, as ints (-1: unknown).
 
-    `batch_size` (rows per step, per process) and, for array data,
-    `rows` (one process's: in a run across processes, not checked) and
-    `shuffle`; `steps` per epoch wherever known (a dataset's cardinality).
+    `batch_size` (rows per step, per process; for a dataset, its first
+    batch's rows, in one process and without a Grain position), and, for
+    array data, `rows` (one process's: in a run across processes, not
+    checked) and `shuffle`; `steps` per epoch wherever known.
     """
     arrays = hasattr(batches, "order")  # `pipeline.arrays.ArrayBatches`
     steps = batches.steps
+    if arrays:
+        batch_size = batches.batch_size
+    elif multiprocess or getattr(batches, "resumable", None) is not None:
+        batch_size = -1
+    else:  # read already, by `fit`'s build
+        batch_size = batch_rows(batches.peek())
     return {
-        "batch_size": batches.batch_size if arrays else -1,
+        "batch_size": batch_size,
         "rows": batches.num_samples if arrays and not multiprocess else -1,
         "steps": steps if isinstance(steps, int) else -1,
         "shuffle": _SHUFFLE_CODES.get(shuffle, 1) if arrays else -1,

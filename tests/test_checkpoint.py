@@ -135,6 +135,16 @@ def test_a_mid_epoch_checkpoint_refuses_another_batch_size_shuffle_or_data(data,
         with pytest.raises(ValueError) as refused:
             fit(mlp(), change.pop("data", data), epochs=2, checkpoint_dir=tmp_path, **change)
         assert str(refused.value) == f"{start}{was}, and this fit has {now}{end}"
+    # A dataset's batches: their row count is compared.
+    def batches(size):
+        return [(x[i:i + size], y[i:i + size]) for i in range(0, ROWS, size)]
+
+    with pytest.raises(SystemExit):
+        keras_dp.fit_sharded(mlp(), batches(64), epochs=2, verbose=0, devices=devices(2),
+                             checkpoint_dir=tmp_path / "dataset", callbacks=[SigtermAt(1, 4)])
+    with pytest.raises(ValueError, match=r"with batch_size=64, and this fit has batch_size=32:"):
+        keras_dp.fit_sharded(mlp(), batches(32), epochs=2, verbose=0, devices=devices(2),
+                             checkpoint_dir=tmp_path / "dataset")
 
 
 def test_sigterm_during_a_save_leaves_it_complete(data, tmp_path, monkeypatch):
