@@ -266,7 +266,7 @@ def closing(checkpoints):
 
 
 def open_for_fit(checkpoint_dir, model, seed, multiprocess, initial_epoch,
-                 steps_per_epoch=None, source=None, plan=None):
+                 steps_per_epoch=None, source=None, plan=None, max_to_keep=2):
     """The `Checkpoints` of a fit and where it starts: `(checkpoints, Position)`.
 
     Without `checkpoint_dir`: `(None, Position(initial_epoch, 0))`. With one
@@ -278,6 +278,7 @@ def open_for_fit(checkpoint_dir, model, seed, multiprocess, initial_epoch,
     same newest checkpoint. A `source` (see `Checkpoints`) has its position
     saved with each checkpoint and restored from it; a `plan` (`plan_of`)
     is saved with each, and a mid-epoch checkpoint of another plan refused.
+The newest `max_to_keep` checkpoints are kept.
 
     The caller must `close` the `Checkpoints` (see `closing`): until then
     it holds the directory's lock. On an error here it is closed already.
@@ -303,7 +304,7 @@ def open_for_fit(checkpoint_dir, model, seed, multiprocess, initial_epoch,
     # orbax's save and restore take part in every process alike; the lock
     # is process 0's, for all of them.
     checkpoints = Checkpoints(checkpoint_dir, lock=not multiprocess or _process_index() == 0,
-                              source=source, plan=plan)
+                              source=source, plan=plan, max_to_keep=max_to_keep)
     if source is not None:
         source.recording = True
     with contextlib.ExitStack() as on_error:

@@ -10,7 +10,8 @@ def fit_sharded(model, x=None, y=None, *, epochs=1, batch_size=None,
                 validation_steps=None, validation_batch_size=None, validation_freq=1,
                 steps_per_execution=None, optimizer=None,
                 loss=None, metrics=None, mesh=None, devices=None, seed=0,
-                checkpoint_dir=None, state_sharding="replicated", data_on_device="auto",
+                checkpoint_dir=None, checkpoints_to_keep=2, state_sharding="replicated",
+                data_on_device="auto",
                 keep_last_good="auto", compilation_cache=True, profile_dir=None):
     """Train `model` with synchronous data parallelism and return its History.
 
@@ -42,6 +43,9 @@ def fit_sharded(model, x=None, y=None, *, epochs=1, batch_size=None,
         checkpoint_dir: save the whole training state there after every
             epoch and on SIGTERM, and resume from it when it holds a
             checkpoint (see `ShardedTrainer.fit`).
+        checkpoints_to_keep: how many of the newest checkpoints stay in
+            `checkpoint_dir` (orbax's `max_to_keep`; default 2: one older
+            in case the newest is damaged).
         state_sharding: `"replicated"` (default), `"optimizer"` or `"full"`:
             keep a full copy of the state on every device, or split the
             optimizer state, or the whole state, over the devices
@@ -86,5 +90,6 @@ def fit_sharded(model, x=None, y=None, *, epochs=1, batch_size=None,
         class_weight=class_weight, sample_weight=sample_weight,
         initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
         validation_steps=validation_steps, validation_batch_size=validation_batch_size,
-        validation_freq=validation_freq, checkpoint_dir=checkpoint_dir, profile_dir=profile_dir,
+        validation_freq=validation_freq, checkpoint_dir=checkpoint_dir,
+        checkpoints_to_keep=checkpoints_to_keep, profile_dir=profile_dir,
     )

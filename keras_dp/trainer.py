@@ -273,7 +273,7 @@ class ShardedTrainer:
             shuffle=True, class_weight=None, sample_weight=None,
             initial_epoch=0, steps_per_epoch=None, validation_steps=None,
             validation_batch_size=None, validation_freq=1, checkpoint_dir=None,
-            profile_dir=None):
+            checkpoints_to_keep=2, profile_dir=None):
         """Train for `epochs` epochs, as `model.fit` does, on every device.
 
         Every row is used exactly once per epoch, whatever `batch_size` and
@@ -322,6 +322,8 @@ class ShardedTrainer:
                 one taken mid-epoch resumes only with the same `batch_size`,
                 training rows and `shuffle` (else a `ValueError` says which
                 changed). `~` is expanded.
+            checkpoints_to_keep: how many of the newest checkpoints stay in
+                `checkpoint_dir` (orbax's `max_to_keep`); the older are deleted.
             profile_dir: write a `jax.profiler` trace of 5 calls of the
                 first epoch there, after its first call (which compiles);
                 TensorBoard's profile plugin reads it.
@@ -337,6 +339,7 @@ class ShardedTrainer:
         """
         epochs = pipeline.check_count("epochs", epochs)
         initial_epoch = pipeline.check_count("initial_epoch", initial_epoch)
+        checkpoints_to_keep = pipeline.check_count("checkpoints_to_keep", checkpoints_to_keep, 1)
         if validation_split:
             (x, y, sample_weight), validation_data = pipeline.split_validation(
                 x, y, sample_weight, validation_split, validation_data)
@@ -363,7 +366,8 @@ class ShardedTrainer:
         checkpoints, resume = checkpoint_lib.open_for_fit(
             checkpoint_dir, self.model, self.seed, self.multiprocess, initial_epoch,
             steps_per_epoch, source=getattr(batches, "resumable", None),
-            plan=checkpoint_lib.plan_of(batches, shuffle, self.multiprocess))
+            plan=checkpoint_lib.plan_of(batches, shuffle, self.multiprocess),
+            max_to_keep=checkpoints_to_keep)
         with checkpoint_lib.closing(checkpoints):  # its lock goes, whatever fails
             note = checkpoints and checkpoints.resume_note(epochs)
             if note and verbose != 0 and distributed.is_primary():

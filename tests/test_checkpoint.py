@@ -330,6 +330,17 @@ def test_a_checkpoint_dir_under_home_with_a_space_is_expanded_not_made_literally
     assert_weights_equal(resumed, model)
 
 
+def test_checkpoints_to_keep_sets_how_many_stay(data, tmp_path):
+    fit(mlp(), data, epochs=2, checkpoint_dir=tmp_path / "one", checkpoints_to_keep=1)
+    assert sorted(os.listdir(tmp_path / "one")) == [".keras_dp.lock", "1"]
+    fit(mlp(), data, checkpoint_dir=tmp_path / "three", checkpoints_to_keep=3)
+    assert sorted(os.listdir(tmp_path / "three")) == [".keras_dp.lock", "0", "1", "2"]
+    with pytest.raises(ValueError, match=r"^`checkpoints_to_keep` must be at least 1\. "
+                                         r"Received: checkpoints_to_keep=0\.$"):
+        fit(mlp(), data, checkpoint_dir=tmp_path / "none", checkpoints_to_keep=0)
+    assert not (tmp_path / "none").exists()
+
+
 def test_a_checkpoint_dir_that_is_a_file_is_named_before_the_first_step(data, tmp_path):
     path = tmp_path / "weights.txt"
     path.write_text("not a directory")
