@@ -278,7 +278,7 @@ def open_for_fit(checkpoint_dir, model, seed, multiprocess, initial_epoch,
     same newest checkpoint. A `source` (see `Checkpoints`) has its position
     saved with each checkpoint and restored from it; a `plan` (`plan_of`)
     is saved with each, and a mid-epoch checkpoint of another plan refused.
-The newest `max_to_keep` checkpoints are kept.
+    The newest `max_to_keep` checkpoints are kept.
 
     The caller must `close` the `Checkpoints` (see `closing`): until then
     it holds the directory's lock. On an error here it is closed already.
