@@ -1,0 +1,130 @@
+"""Every process's `fit` checked against the others' before the first step.
+
+Across processes each process runs its own copy of the program, so a
+setting that differs between them (a `batch_size`, the `epochs`, a layer's
+width, `validation_data` on one only) or an error that one process alone
+raises while preparing (no rows, bad labels) would leave the others waiting
+in a collective for ever, abort in native code, or train silently on
+batches no process asked for. So `fit` prepares under `preparing`, and then
+every process publishes either its settings or its error, in one round
+through JAX's coordination service (`keras_dp.exchange`): each process then
+raises the same clear error, or all train.
+"""
+
+import contextlib
+import math
+import zlib
+
+import jax
+
+# An error's text travels as its bytes; this much of it is enough to say what.
+_MESSAGE_BYTES = 400
+_FAILED, _READY = 1, 0
+
+
+class Disagreement(ValueError):
+    """The processes' `fit` settings differ, or a process failed before training."""
+
+
+def settings(trainer, batches, *, batch_size, epochs, initial_epoch, shuffle, validation,
+             validation_batch_size, validation_steps, validation_freq, steps_per_epoch,
+             checkpoint_dir):
+    """What must be the same on every process, as `(name, value)` pairs.
+
+    Values are integers shown as they are, or text compared by its CRC-32.
+    """
+    model = trainer.model
+    variables = [*model.variables, *model.optimizer.variables]
+    config = {key: value for key, value in model.optimizer.get_config().items()
+              if key != "name"}
+    return [
+        ("batch_size", batch_size), ("epochs", epochs), ("initial_epoch", initial_epoch),
+        ("steps_per_execution", trainer.steps_per_execution), ("seed", trainer.seed),
+        ("shuffle", repr(shuffle)), ("steps_per_epoch", steps_per_epoch),
+        ("validation_data given", validation is not None),
+        ("validation_batch_size", validation_batch_size),
+        ("validation_steps", validation_steps), ("validation_freq", repr(validation_freq)),
+        ("checkpoint_dir", repr(checkpoint_dir)),
+        ("state_sharding", trainer.state_sharding),
+        ("kind of training data", type(batches).__name__),
+        ("the model's parameter count", sum(math.prod(v.shape) for v in model.variables)),
+        ("the model's variables (paths, shapes, dtypes)",
+         repr([(v.path, tuple(v.shape), str(v.dtype)) for v in variables])),
+        ("the optimizer", f"{type(model.optimizer).__name__} {sorted(config.items())!r}"),
+    ]
+
+
+@contextlib.contextmanager
+def preparing(placement):
+    """Run a fit's preparation, then agree with every process (see the module doc).
+
+    Yields a list to which the preparation appends its `settings`. One
+    process only: nothing to agree on.
+
+    Raises:
+        Disagreement: a setting differs, or another process failed; the
+            process that failed raises its own error.
+    """
+    found = []
+    if not placement.multiprocess:
+        yield found
+        return
+    try:
+        yield found
+    except Exception as error:
+        text = f"{type(error).__name__}: {error}".encode()[:_MESSAGE_BYTES]
+        _gather(placement, [_FAILED, *text])  # the others learn why, then stop too
+        raise
+    _check(_gather(placement, [_READY, *(_code(value) for _, value in found)]),
+           [name for name, _ in found], found)
+
+
+def _gather(placement, values):
+    return placement.exchange.channel().all_gather(values)
+
+
+def _code(value):
+    if value is None:
+        return -1
+    if isinstance(value, (bool, int)):
+        return int(value)
+    return zlib.crc32(str(value).encode())
+
+
+def _check(gathered, names, found):
+    failed = [process for process, values in enumerate(gathered) if values[0] == _FAILED]
+    if failed:
+        process = failed[0]
+        reason = bytes(gathered[process][1:]).decode(errors="replace")
+        raise Disagreement(
+            f"Process {process} failed while preparing fit, so this process "
+            f"(process {jax.process_index()}) stops too instead of waiting "
+            f"for it: {reason}"
+        ) from None
+    for index, name in enumerate(names):
+        values = [values[1 + index] for values in gathered]
+        if len(set(values)) > 1:
+            raise Disagreement(_differs(name, found[index][1], values)) from None
+
+
+def _differs(name, mine, values):
+    me = jax.process_index()
+    if isinstance(mine, bool):
+        shown = ", ".join(f"{bool(v)} on process {p}" for p, v in enumerate(values))
+    elif isinstance(mine, int) or mine is None:
+        shown = ", ".join(f"{'None' if v == -1 else v} on process {p}"
+                          for p, v in enumerate(values))
+    else:
+        groups = {}
+        for process, value in enumerate(values):
+            groups.setdefault(value, []).append(process)
+        shown = "; ".join(f"processes {', '.join(map(str, ps))} have one" if len(ps) > 1
+                          else f"process {ps[0]} has its own" for ps in groups.values())
+        shown = f"{shown} (this process, {me}: {mine!s:.200})"
+    return (
+        f"fit's settings differ between processes: {name} is {shown}. "
+        "Every process must run the same fit (the same arguments, "
+        "model and optimizer), each with its own share of the data; "
+        "otherwise they would wait for each other's steps for ever or train "
+        "on batches no process asked for."
+    )
