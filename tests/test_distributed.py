@@ -356,3 +356,17 @@ def test_fits_that_differ_between_processes_fail_on_every_process_and_stops_agre
         "Disagreement: Process 1 failed while preparing fit, so this process (process 0) "
         "stops too instead of waiting for it: ValueError: The data has no rows. Pass at "
         "least one sample.")
+
+
+def test_an_uncaught_error_on_one_process_ends_every_process_within_the_heartbeat(tmp_path):
+    # Process 1's callback raises after epoch 1. Before, process 1 waited in
+    # JAX's shutdown (up to 300 s) for process 0, which waited in epoch 2's
+    # first step for process 1: both hung until killed.
+    start = time.monotonic()
+    codes, logs = run_pair(tmp_path, timeout=60, env={distributed.HEARTBEAT_ENV: "5"},
+                           command=[sys.executable, str(MISMATCH_WORKER), "raise"])
+    assert codes[1] == 1, logs[1][-3000:]
+    assert "RuntimeError: a callback failed on process 1" in logs[1]
+    assert codes[0] not in (0, None), logs[0][-3000:]
+    assert "JAX distributed service detected fatal errors" in logs[0]
+    print(f"both ended {time.monotonic() - start:.1f} s after the start")

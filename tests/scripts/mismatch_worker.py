@@ -5,6 +5,9 @@ every process catches what its fit raises and prints `CASE <name>: <type>:
 <message>`, then goes on to the next case (the processes stay in step).
 The last case, `stop`, has a callback stop training on process 1 only,
 after epoch 1, and prints each process's optimizer iterations.
+
+With the argument `raise`, a callback raises on process 1 only, after
+epoch 1, and nothing catches it.
 """
 
 import os
@@ -55,7 +58,17 @@ def case(name, width=4, rows=16, callbacks=(), **fit):
         print(f"CASE {name}: {type(error).__name__}: {error}", flush=True)
 
 
+class RaiseOnProcess1(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        if ME == 1:
+            raise RuntimeError("a callback failed on process 1")
+
+
 other = ME == 1
+if sys.argv[1:] == ["raise"]:
+    print("training", flush=True)
+    keras_dp.fit_sharded(make_model(), *data(), batch_size=8, epochs=3, verbose=0,
+                         callbacks=[RaiseOnProcess1()])
 case("batch_size", batch_size=16 if other else 8)
 case("epochs", epochs=3 if other else 2)
 case("validation", validation_data=data(4) if other else None)
