@@ -13,6 +13,7 @@ raises the same clear error, or all train.
 
 import contextlib
 import math
+import os
 import zlib
 
 import jax
@@ -44,12 +45,14 @@ def settings(trainer, batches, *, batch_size, epochs, initial_epoch, shuffle, va
         ("validation_data given", validation is not None),
         ("validation_batch_size", validation_batch_size),
         ("validation_steps", validation_steps), ("validation_freq", repr(validation_freq)),
-        ("checkpoint_dir", repr(checkpoint_dir)),
+        ("checkpoint_dir", str(None if checkpoint_dir is None else os.fspath(checkpoint_dir))),
         ("state_sharding", trainer.state_sharding),
         ("kind of training data", type(batches).__name__),
         ("the model's parameter count", sum(math.prod(v.shape) for v in model.variables)),
-        ("the model's variables (paths, shapes, dtypes)",
-         repr([(v.path, tuple(v.shape), str(v.dtype)) for v in variables])),
+        # Not their paths: Keras numbers layer names per process, so a model
+        # made after another on one process only is named differently.
+        ("the model's variables (shapes, dtypes)",
+         repr([(tuple(v.shape), str(v.dtype)) for v in variables])),
         ("the optimizer", f"{type(model.optimizer).__name__} {sorted(config.items())!r}"),
     ]
 
@@ -108,23 +111,24 @@ def _check(gathered, names, found):
 
 
 def _differs(name, mine, values):
-    me = jax.process_index()
     if isinstance(mine, bool):
-        shown = ", ".join(f"{bool(v)} on process {p}" for p, v in enumerate(values))
+        what = f"{name} is " + ", ".join(
+            f"{bool(v)} on process {p}" for p, v in enumerate(values))
     elif isinstance(mine, int) or mine is None:
-        shown = ", ".join(f"{'None' if v == -1 else v} on process {p}"
-                          for p, v in enumerate(values))
-    else:
+        what = f"{name} is " + ", ".join(
+            f"{'None' if v == -1 else v} on process {p}" for p, v in enumerate(values))
+    else:  # text: only its CRC-32 travelled
         groups = {}
         for process, value in enumerate(values):
             groups.setdefault(value, []).append(process)
-        shown = "; ".join(f"processes {', '.join(map(str, ps))} have one" if len(ps) > 1
-                          else f"process {ps[0]} has its own" for ps in groups.values())
-        shown = f"{shown} (this process, {me}: {mine!s:.200})"
+        parts = [f"{'processes' if len(ps) > 1 else 'process'} {', '.join(map(str, ps))} "
+                 f"{'have' if len(ps) > 1 else 'has'} {'one value' if i == 0 else 'another'}"
+                 for i, ps in enumerate(groups.values())]
+        what = (f"{name} differs ({'; '.join(parts)}; this process, "
+                f"{jax.process_index()}, has {mine!s:.200})")
     return (
-        f"fit's settings differ between processes: {name} is {shown}. "
-        "Every process must run the same fit (the same arguments, "
-        "model and optimizer), each with its own share of the data; "
-        "otherwise they would wait for each other's steps for ever or train "
-        "on batches no process asked for."
+        f"fit's settings differ between processes: {what}. Every process must "
+        "run the same fit (the same arguments, model and optimizer), each with "
+        "its own share of the data; otherwise they would wait for each other's "
+        "steps for ever or train on batches no process asked for."
     )

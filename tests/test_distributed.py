@@ -333,7 +333,7 @@ def test_fits_that_differ_between_processes_fail_on_every_process_and_stops_agre
     # (width) or trained on batches neither process asked for (batch_size:
     # 4 rows from one, 8 from the other) before the processes compared them.
     codes, logs = run_pair(tmp_path, timeout=90,
-                           command=[sys.executable, str(MISMATCH_WORKER)])
+                           command=[sys.executable, str(MISMATCH_WORKER), str(tmp_path)])
     assert codes == [0, 0], logs[1][-3000:]
     cases = [dict(re.findall(r"^CASE ([^:]+): (.*)$", log, re.MULTILINE)) for log in logs]
     differ = "Disagreement: fit's settings differ between processes: "
@@ -348,6 +348,9 @@ def test_fits_that_differ_between_processes_fail_on_every_process_and_stops_agre
             f"{differ}validation_data given is False on process 0, True on process 1. ")
         assert case["width"].startswith(
             f"{differ}the model's parameter count is 21 on process 0, 41 on process 1. ")
+        assert case["checkpoint_dir"].startswith(
+            f"{differ}checkpoint_dir differs (process 0 has one value; process 1 has another; "
+            f"this process, {cases.index(case)}, has ")
         # EarlyStopping-like: process 1's callback stops after epoch 1 of 4;
         # both stop there (16 rows per process, global batch 8: 4 steps).
         assert case["stop"] == "trained 4 steps"

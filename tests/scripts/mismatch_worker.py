@@ -6,7 +6,8 @@ every process catches what its fit raises and prints `CASE <name>: <type>:
 The last case, `stop`, has a callback stop training on process 1 only,
 after epoch 1, and prints each process's optimizer iterations.
 
-With the argument `raise`, a callback raises on process 1 only, after
+The argument is a directory for process 1's `checkpoint_dir` case; with
+`raise` instead, a callback raises on process 1 only, after
 epoch 1, and nothing catches it.
 """
 
@@ -65,7 +66,7 @@ class RaiseOnProcess1(keras.callbacks.Callback):
 
 
 other = ME == 1
-if sys.argv[1:] == ["raise"]:
+if sys.argv[1] == "raise":
     print("training", flush=True)
     keras_dp.fit_sharded(make_model(), *data(), batch_size=8, epochs=3, verbose=0,
                          callbacks=[RaiseOnProcess1()])
@@ -73,6 +74,7 @@ case("batch_size", batch_size=16 if other else 8)
 case("epochs", epochs=3 if other else 2)
 case("validation", validation_data=data(4) if other else None)
 case("width", width=8 if other else 4)
+case("checkpoint_dir", checkpoint_dir=sys.argv[1] if other else None)
 case("no rows", rows=0 if other else 16)
 case("stop", epochs=4, callbacks=[StopOnProcess1()])
 print("done", flush=True)
