@@ -30,14 +30,12 @@ class Disagreement(ValueError):
 def settings(trainer, batches, *, batch_size, epochs, initial_epoch, shuffle, validation,
              validation_batch_size, validation_steps, validation_freq, steps_per_epoch,
              checkpoint_dir):
-    """What must be the same on every process, as `(name, value)` pairs.
+    """What must be the same on every process in `fit`, as `(name, value)` pairs.
 
     Values are integers shown as they are, or text compared by its CRC-32.
     """
-    model = trainer.model
-    variables = [*model.variables, *model.optimizer.variables]
-    config = {key: value for key, value in model.optimizer.get_config().items()
-              if key != "name"}
+    optimizer = trainer.model.optimizer
+    config = {key: value for key, value in optimizer.get_config().items() if key != "name"}
     return [
         ("batch_size", batch_size), ("epochs", epochs), ("initial_epoch", initial_epoch),
         ("steps_per_execution", trainer.steps_per_execution), ("seed", trainer.seed),
@@ -48,21 +46,40 @@ def settings(trainer, batches, *, batch_size, epochs, initial_epoch, shuffle, va
         ("checkpoint_dir", str(None if checkpoint_dir is None else os.fspath(checkpoint_dir))),
         ("state_sharding", trainer.state_sharding),
         ("kind of training data", type(batches).__name__),
-        ("the model's parameter count", sum(math.prod(v.shape) for v in model.variables)),
-        # Not their paths: Keras numbers layer names per process, so a model
-        # made after another on one process only is named differently.
-        ("the model's variables (shapes, dtypes)",
-         repr([(tuple(v.shape), str(v.dtype)) for v in variables])),
-        ("the optimizer", f"{type(model.optimizer).__name__} {sorted(config.items())!r}"),
+        *_model(trainer.model.variables),
+        ("the optimizer", f"{type(optimizer).__name__} {sorted(config.items())!r}"),
+        ("the optimizer's variables (shapes, dtypes)", _shapes(optimizer.variables)),
     ]
 
 
-@contextlib.contextmanager
-def preparing(placement):
-    """Run a fit's preparation, then agree with every process (see the module doc).
+def inference_settings(trainer, batches, *, batch_size, steps):
+    """What must be the same on every process in `evaluate` and `predict`."""
+    return [
+        ("batch_size", batch_size), ("steps", steps),
+        ("steps_per_execution", trainer.steps_per_execution),
+        ("state_sharding", trainer.state_sharding),
+        ("kind of data", type(batches).__name__),
+        *_model(trainer.model.variables),
+    ]
 
-    Yields a list to which the preparation appends its `settings`. One
-    process only: nothing to agree on.
+
+def _model(variables):
+    # Not their paths: Keras numbers layer names per process, so a model
+    # made after another on one process only is named differently.
+    return [("the model's parameter count", sum(math.prod(v.shape) for v in variables)),
+            ("the model's variables (shapes, dtypes)", _shapes(variables))]
+
+
+def _shapes(variables):
+    return repr([(tuple(v.shape), str(v.dtype)) for v in variables])
+
+
+@contextlib.contextmanager
+def preparing(placement, call="fit"):
+    """Run the preparation of a fit (or evaluate, predict), then agree with every process (see the module doc).
+
+    Yields a list to which the preparation appends its `settings`; `call`
+    names the method in the messages. One process only: nothing to agree on.
 
     Raises:
         Disagreement: a setting differs, or another process failed; the
@@ -78,8 +95,7 @@ def preparing(placement):
         text = f"{type(error).__name__}: {error}".encode()[:_MESSAGE_BYTES]
         _gather(placement, [_FAILED, *text])  # the others learn why, then stop too
         raise
-    _check(_gather(placement, [_READY, *(_code(value) for _, value in found)]),
-           [name for name, _ in found], found)
+    _check(_gather(placement, [_READY, *(_code(value) for _, value in found)]), found, call)
 
 
 def _gather(placement, values):
@@ -94,23 +110,23 @@ def _code(value):
     return zlib.crc32(str(value).encode())
 
 
-def _check(gathered, names, found):
+def _check(gathered, found, call):
     failed = [process for process, values in enumerate(gathered) if values[0] == _FAILED]
     if failed:
         process = failed[0]
         reason = bytes(gathered[process][1:]).decode(errors="replace")
         raise Disagreement(
-            f"Process {process} failed while preparing fit, so this process "
+            f"Process {process} failed while preparing {call}, so this process "
             f"(process {jax.process_index()}) stops too instead of waiting "
             f"for it: {reason}"
         ) from None
-    for index, name in enumerate(names):
+    for index, (name, mine) in enumerate(found):
         values = [values[1 + index] for values in gathered]
         if len(set(values)) > 1:
-            raise Disagreement(_differs(name, found[index][1], values)) from None
+            raise Disagreement(_differs(call, name, mine, values)) from None
 
 
-def _differs(name, mine, values):
+def _differs(call, name, mine, values):
     if isinstance(mine, bool):
         what = f"{name} is " + ", ".join(
             f"{bool(v)} on process {p}" for p, v in enumerate(values))
@@ -127,8 +143,8 @@ def _differs(name, mine, values):
         what = (f"{name} differs ({'; '.join(parts)}; this process, "
                 f"{jax.process_index()}, has {mine!s:.200})")
     return (
-        f"fit's settings differ between processes: {what}. Every process must "
-        "run the same fit (the same arguments, model and optimizer), each with "
+        f"{call}'s settings differ between processes: {what}. Every process must "
+        f"run the same {call} (the same arguments, model and optimizer), each with "
         "its own share of the data; otherwise they would wait for each other's "
         "steps for ever or train on batches no process asked for."
     )

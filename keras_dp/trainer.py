@@ -396,9 +396,12 @@ class ShardedTrainer:
             The loss alone when there are no metrics, else a list in the
             order of `model.metrics_names`, or a dict with `return_dict`.
         """
-        build_lib.require_compiled(self.model, "evaluate")
-        batches = self._batches(x, y, sample_weight, batch_size, False, steps=steps)
-        self.build(batches.peek())
+        with agreement.preparing(self.placement, "evaluate") as settings:
+            build_lib.require_compiled(self.model, "evaluate")
+            batches = self._batches(x, y, sample_weight, batch_size, False, steps=steps)
+            self.build(batches.peek())
+            settings += agreement.inference_settings(self, batches, batch_size=batch_size,
+                                                     steps=steps)
         callbacks = callbacks_lib.callback_list(callbacks, self.model, verbose, steps=batches.steps)
         logs, non_trainable, metrics = inference.evaluate(
             self, model_weights(self.model, self.mesh, self.state_layout()), batches, callbacks)
@@ -418,8 +421,11 @@ class ShardedTrainer:
             Numpy arrays with the structure of the model's outputs and
             exactly one row per input row.
         """
-        batches = self._batches(x, None, None, batch_size, False, steps=steps)
-        self.build(batches.peek(), for_training=False)
+        with agreement.preparing(self.placement, "predict") as settings:
+            batches = self._batches(x, None, None, batch_size, False, steps=steps)
+            self.build(batches.peek(), for_training=False)
+            settings += agreement.inference_settings(self, batches, batch_size=batch_size,
+                                                     steps=steps)
         callbacks = callbacks_lib.callback_list(callbacks, self.model, verbose, steps=batches.steps)
         shardings = layout.state_shardings(TrainState(
             self.model.trainable_variables, self.model.non_trainable_variables, None, None,

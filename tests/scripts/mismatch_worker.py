@@ -4,7 +4,8 @@ Each case is a fit in which process 1 does something process 0 does not;
 every process catches what its fit raises and prints `CASE <name>: <type>:
 <message>`, then goes on to the next case (the processes stay in step).
 The last case, `stop`, has a callback stop training on process 1 only,
-after epoch 1, and prints each process's optimizer iterations.
+after epoch 1, and prints each process's optimizer iterations. Then
+`evaluate` with another batch size, and `predict` of no rows, on process 1.
 
 The argument is a directory for process 1's `checkpoint_dir` case; with
 `raise` instead, a callback raises on process 1 only, after
@@ -77,5 +78,14 @@ case("width", width=8 if other else 4)
 case("checkpoint_dir", checkpoint_dir=sys.argv[1] if other else None)
 case("no rows", rows=0 if other else 16)
 case("stop", epochs=4, callbacks=[StopOnProcess1()])
+trainer = keras_dp.ShardedTrainer(make_model())
+for name, call in [("evaluate", lambda: trainer.evaluate(*data(), batch_size=16 if other else 8,
+                                                        verbose=0)),
+                   ("predict", lambda: trainer.predict(data(0 if other else 16)[0], verbose=0))]:
+    try:
+        call()
+        print(f"CASE {name}: returned", flush=True)
+    except Exception as error:
+        print(f"CASE {name}: {type(error).__name__}: {error}", flush=True)
 print("done", flush=True)
 sys.exit(0)
