@@ -1,11 +1,12 @@
-"""Every process's `fit` checked against the others' before the first step.
+"""Every process's `fit`, `evaluate` or `predict` checked against the others' first.
 
 Across processes each process runs its own copy of the program, so a
 setting that differs between them (a `batch_size`, the `epochs`, a layer's
 width, `validation_data` on one only) or an error that one process alone
 raises while preparing (no rows, bad labels) would leave the others waiting
 in a collective for ever, abort in native code, or train silently on
-batches no process asked for. So `fit` prepares under `preparing`, and then
+batches no process asked for. So `fit`, `evaluate` and `predict` prepare
+under `preparing` (everything up to their first collective), and then
 every process publishes either its settings or its error, in one round
 through JAX's coordination service (`keras_dp.exchange`): each process then
 raises the same clear error, or all train.
@@ -24,7 +25,7 @@ _FAILED, _READY = 1, 0
 
 
 class Disagreement(ValueError):
-    """The processes' `fit` settings differ, or a process failed before training."""
+    """The processes' settings of a call differ, or a process failed preparing it."""
 
 
 def settings(trainer, batches, *, batch_size, epochs, initial_epoch, shuffle, validation,
@@ -76,7 +77,7 @@ def _shapes(variables):
 
 @contextlib.contextmanager
 def preparing(placement, call="fit"):
-    """Run the preparation of a fit (or evaluate, predict), then agree with every process (see the module doc).
+    """Run a call's preparation, then agree with every process (see the module doc).
 
     Yields a list to which the preparation appends its `settings`; `call`
     names the method in the messages. One process only: nothing to agree on.
