@@ -6,7 +6,7 @@ width, `validation_data` on one only) or an error that one process alone
 raises while preparing (no rows, bad labels) would leave the others waiting
 in a collective for ever, abort in native code, or train silently on
 batches no process asked for. So `fit`, `evaluate` and `predict` prepare
-under `preparing` (everything up to their first collective), and then
+under `preparing` (their checks of the data and the building of the model), and then
 every process publishes either its settings or its error, in one round
 through JAX's coordination service (`keras_dp.exchange`): each process then
 raises the same clear error, or all train.
