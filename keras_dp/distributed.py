@@ -14,8 +14,10 @@ This module holds the runtime and the processes' shares; nothing here runs
 inside a step.
 """
 
+import atexit
 import os
 import socket
+import sys
 import threading
 
 import jax
@@ -46,6 +48,10 @@ def initialize(coordinator_address=None, num_processes=None, process_id=None, *,
     Call it once per process, before anything starts JAX's backend (the
     first `jax.devices()`, array or compiled call): JAX fixes its device
     list when it starts.
+
+    A process that then ends by an uncaught exception exits at once, with
+    status 1, instead of waiting in JAX's shutdown for processes that wait
+    for it: the others stop within the heartbeat timeout.
 
     Args:
         coordinator_address: `"host:port"` of process 0, reachable by all.
@@ -88,6 +94,23 @@ def initialize(coordinator_address=None, num_processes=None, process_id=None, *,
                         initialization_timeout=initialization_timeout + _JAX_DEADLINE_MARGIN_S,
                         heartbeat_timeout_seconds=heartbeat or DEFAULT_HEARTBEAT_TIMEOUT,
                     ))
+    atexit.register(_end_after_uncaught_error)  # runs before JAX's own shutdown
+
+
+def _end_after_uncaught_error():
+    """At exit after an uncaught exception, end this process at once.
+
+    JAX's shutdown at exit waits (up to 300 s) for every process to shut
+    down, while the others wait in the next collective for this one: both
+    would hang. Ended now, this process stops its heartbeats, and the
+    runtime stops the others within the heartbeat timeout. A clean exit
+    (or a caught exception) shuts down as JAX does.
+    """
+    if (getattr(sys, "last_value", None) is not None and _compat.jax_backend_started()
+            and jax.process_count() > 1):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def _connect_within(timeout, coordinator_address, num_processes, process_id, connect):

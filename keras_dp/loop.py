@@ -134,7 +134,7 @@ def fit(trainer, batches, val, callbacks, *, epochs, resume, validation_freq,
                 skip = resume.steps if epoch == resume.epoch else 0
                 epoch_logs = run_epoch(run, epoch, skip, val if validate_now else None)
                 end_epoch(run, epoch)
-                if model.stop_training or getattr(batches, "exhausted", False):
+                if stops_after(run, epoch, epochs):
                     break
         if run.live.lost is not None:  # never silently: a state left unwritten
             raise RuntimeError(run.live.report())
@@ -165,6 +165,20 @@ def _validation_programs(trainer, val, epochs, validation_freq):
                               for epoch in epochs):
         return None
     return programs_lib.EvalPrograms(trainer, val)
+
+
+def stops_after(run, epoch, epochs):
+    """Whether training stops after `epoch` (`stop_training`, a stream run dry).
+
+    Across processes they decide together, in one round, unless `epoch` is
+    the last anyway: a callback that stops one process (an `EarlyStopping`
+    on a value of its own) stops all, where the others would wait for it in
+    the next step for ever.
+    """
+    stop = run.model.stop_training or getattr(run.batches, "exhausted", False)
+    if run.trainer.placement.multiprocess and epoch + 1 < epochs:
+        stop = run.model.stop_training = run.trainer.placement.any_process(stop)
+    return stop
 
 
 def run_epoch(run, epoch, skip, val):

@@ -14,6 +14,7 @@ at the end of fit, and whenever `fit` exits by an exception or an interrupt.
 """
 
 
+from keras_dp import agreement
 from keras_dp import build as build_lib
 from keras_dp import callbacks as callbacks_lib
 from keras_dp import checkpoint as checkpoint_lib
@@ -23,6 +24,7 @@ from keras_dp import distributed
 from keras_dp import inflight
 from keras_dp import layout
 from keras_dp import inference
+from keras_dp import labels as labels_lib
 from keras_dp import loop
 from keras_dp import memory as memory_lib
 from keras_dp import mesh as mesh_lib
@@ -337,32 +339,45 @@ class ShardedTrainer:
                 before that step. Not raised when a callback such as
                 `keras.callbacks.TerminateOnNaN` stops training instead.
         """
-        epochs = pipeline.check_count("epochs", epochs)
-        initial_epoch = pipeline.check_count("initial_epoch", initial_epoch)
-        checkpoints_to_keep = pipeline.check_count("checkpoints_to_keep", checkpoints_to_keep, 1)
-        if validation_split:
-            (x, y, sample_weight), validation_data = pipeline.split_validation(
-                x, y, sample_weight, validation_split, validation_data)
-        build_lib.require_compiled(self.model, "fit")
-        batches = self._batches(x, y, sample_weight, batch_size, shuffle, class_weight)
-        if steps_per_epoch is not None:
-            batches = pipeline.StepsPerEpoch(batches, steps_per_epoch)
-        self.build(batches.peek())
-        build_lib.check_trainable_unchanged(self.model)
-        self._use_train_programs(donate=self.keep_last_good is not True)
-        plan = None
-        if self.mesh.devices.flat[0].platform != "cpu":  # accelerators report capacity
-            plan = memory_lib.plan(self, batches.peek())
-            memory_lib.check_fits(plan)
-        val = None
-        if validation_data is not None:
-            validation_data, val_batch_size = pipeline.validation_source(
-                validation_data, batch_size, validation_batch_size)
-            val = self._batches(validation_data, None, None, val_batch_size, False,
-                                steps=validation_steps)
-            # Bad validation labels fail now, not after epoch 1.
-            self._builder.build(pipeline.unpack(val.peek()), data="the validation data")
-        callbacks_lib.check_validation_freq(validation_freq)
+        # Across processes, every process's preparation and settings are
+        # checked against the others' before anything waits on them.
+        with agreement.preparing(self.placement) as settings:
+            epochs = pipeline.check_count("epochs", epochs)
+            initial_epoch = pipeline.check_count("initial_epoch", initial_epoch)
+            checkpoints_to_keep = pipeline.check_count(
+                "checkpoints_to_keep", checkpoints_to_keep, 1)
+            if validation_split:
+                (x, y, sample_weight), validation_data = pipeline.split_validation(
+                    x, y, sample_weight, validation_split, validation_data)
+            build_lib.require_compiled(self.model, "fit")
+            batches = self._batches(x, y, sample_weight, batch_size, shuffle, class_weight)
+            if steps_per_epoch is not None:
+                batches = pipeline.StepsPerEpoch(batches, steps_per_epoch)
+            self.build(batches.peek())
+            build_lib.check_trainable_unchanged(self.model)
+            self._use_train_programs(donate=self.keep_last_good is not True)
+            plan = None
+            if self.mesh.devices.flat[0].platform != "cpu":  # accelerators report capacity
+                plan = memory_lib.plan(self, batches.peek())
+                memory_lib.check_fits(plan)
+            val = None
+            if validation_data is not None:
+                validation_data, val_batch_size = pipeline.validation_source(
+                    validation_data, batch_size, validation_batch_size)
+                val = self._batches(validation_data, None, None, val_batch_size, False,
+                                    steps=validation_steps)
+                # Bad validation labels fail now, not after epoch 1.
+                self._builder.build(pipeline.unpack(val.peek()), data="the validation data")
+            callbacks_lib.check_validation_freq(validation_freq)
+            labels_lib.check_data(self.model, (batches, "the training data"),
+                                  (val, "the validation data"))
+            settings += agreement.settings(
+                self, batches, batch_size=batch_size, epochs=epochs,
+                initial_epoch=initial_epoch, shuffle=shuffle, validation=val,
+                validation_batch_size=validation_batch_size,
+                validation_steps=validation_steps, validation_freq=validation_freq,
+                steps_per_epoch=steps_per_epoch, checkpoint_dir=checkpoint_dir,
+                checkpoints_to_keep=checkpoints_to_keep)
         checkpoints, resume = checkpoint_lib.open_for_fit(
             checkpoint_dir, self.model, self.seed, self.multiprocess, initial_epoch,
             steps_per_epoch, source=getattr(batches, "resumable", None),
@@ -394,9 +409,12 @@ class ShardedTrainer:
             The loss alone when there are no metrics, else a list in the
             order of `model.metrics_names`, or a dict with `return_dict`.
         """
-        build_lib.require_compiled(self.model, "evaluate")
-        batches = self._batches(x, y, sample_weight, batch_size, False, steps=steps)
-        self.build(batches.peek())
+        with agreement.preparing(self.placement, "evaluate") as settings:
+            build_lib.require_compiled(self.model, "evaluate")
+            batches = self._batches(x, y, sample_weight, batch_size, False, steps=steps)
+            self.build(batches.peek())
+            settings += agreement.inference_settings(self, batches, batch_size=batch_size,
+                                                     steps=steps)
         callbacks = callbacks_lib.callback_list(callbacks, self.model, verbose, steps=batches.steps)
         logs, non_trainable, metrics = inference.evaluate(
             self, model_weights(self.model, self.mesh, self.state_layout()), batches, callbacks)
@@ -416,8 +434,11 @@ class ShardedTrainer:
             Numpy arrays with the structure of the model's outputs and
             exactly one row per input row.
         """
-        batches = self._batches(x, None, None, batch_size, False, steps=steps)
-        self.build(batches.peek(), for_training=False)
+        with agreement.preparing(self.placement, "predict") as settings:
+            batches = self._batches(x, None, None, batch_size, False, steps=steps)
+            self.build(batches.peek(), for_training=False)
+            settings += agreement.inference_settings(self, batches, batch_size=batch_size,
+                                                     steps=steps)
         callbacks = callbacks_lib.callback_list(callbacks, self.model, verbose, steps=batches.steps)
         shardings = layout.state_shardings(TrainState(
             self.model.trainable_variables, self.model.non_trainable_variables, None, None,

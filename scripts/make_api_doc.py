@@ -31,6 +31,7 @@ MODULES = [
     "keras_dp.checkpoint",
     "keras_dp.preemption",
     "keras_dp.distributed",
+    "keras_dp.agreement",
     "keras_dp.models",
     "keras_dp.datasets",
     "keras_dp.pipeline",

@@ -123,11 +123,13 @@ def test_two_processes_with_k_steps_and_look_ahead_equal_one_process_of_four(
         np.testing.assert_allclose(mine, reference, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(first["counts"], np.ones(798))  # every row once, last epoch
     # Host round trips per epoch: one for the epoch's plan of rows, one to
-    # agree whether to read the model; never one per step (it was 14 per
-    # epoch of 13 steps, plus a broadcast of the whole state). A dataset's
-    # counts go 8 steps at a time: 3 rounds for its 13 steps, plus one.
-    assert float(first["rounds_per_epoch"]) == 2
-    assert float(first["dataset_rounds_per_epoch"]) == 4
+    # agree whether to read the model, and one after each epoch but the last
+    # to agree whether to stop; never one per step (it was 14 per epoch of
+    # 13 steps, plus a broadcast of the whole state). A dataset's counts go
+    # 8 steps at a time: 3 rounds for its 13 steps, plus one. And one round
+    # per fit compares the processes' settings (3 fits in all: 3 epochs).
+    assert round(float(first["rounds_per_epoch"]) * 3) == 3 * 2 + 2 + 1
+    assert round(float(first["dataset_rounds_per_epoch"]) * 3) == 3 * 4 + 2 + 1
     # After the first epoch's start no collective moves host values: the
     # state stays on the devices and the metrics' reset values are placed
     # locally (they were broadcast at every epoch's start before).
@@ -319,3 +321,66 @@ def _free_port():
     from keras_dp.cli.launch import _free_port as free_port
 
     return free_port()
+
+
+MISMATCH_WORKER = WORKER.parent / "mismatch_worker.py"
+AGREE = ("Every process must run the same fit (the same arguments, model and optimizer), "
+         "each with its own share of the data")
+
+
+def test_fits_that_differ_between_processes_fail_on_every_process_and_stops_agree(tmp_path):
+    # Each case hung (epochs, no rows, stop: until killed), aborted in gloo
+    # (width) or trained on batches neither process asked for (batch_size:
+    # 4 rows from one, 8 from the other) before the processes compared them.
+    codes, logs = run_pair(tmp_path, timeout=90,
+                           command=[sys.executable, str(MISMATCH_WORKER), str(tmp_path)])
+    assert codes == [0, 0], logs[1][-3000:]
+    cases = [dict(re.findall(r"^CASE ([^:]+): (.*)$", log, re.MULTILINE)) for log in logs]
+    differ = "Disagreement: fit's settings differ between processes: "
+    for case in cases:
+        assert case["batch_size"] == (
+            f"{differ}batch_size is 8 on process 0, 16 on process 1. {AGREE}; otherwise they "
+            "would wait for each other's steps for ever or train on batches no process "
+            "asked for.")
+        assert case["epochs"].startswith(
+            f"{differ}epochs is 2 on process 0, 3 on process 1. {AGREE}")
+        assert case["validation"].startswith(
+            f"{differ}validation_data given is False on process 0, True on process 1. ")
+        assert case["width"].startswith(
+            f"{differ}the model's parameter count is 21 on process 0, 41 on process 1. ")
+        assert case["checkpoint_dir"].startswith(
+            f"{differ}checkpoint_dir differs (process 0 has one value; process 1 has another; "
+            f"this process, {cases.index(case)}, has ")
+        # EarlyStopping-like: process 1's callback stops after epoch 1 of 4;
+        # both stop there (16 rows per process, global batch 8: 4 steps).
+        assert case["stop"] == "trained 4 steps"
+        assert case["evaluate"] == (
+            "Disagreement: evaluate's settings differ between processes: batch_size is 8 on "
+            "process 0, 16 on process 1. Every process must run the same evaluate (the same "
+            "arguments, model and optimizer), each with its own share of the data; otherwise "
+            "they would wait for each other's steps for ever or train on batches no process "
+            "asked for.")
+    assert cases[1]["no rows"] == "ValueError: The data has no rows. Pass at least one sample."
+    assert cases[0]["no rows"] == (
+        "Disagreement: Process 1 failed while preparing fit, so this process (process 0) "
+        "stops too instead of waiting for it: ValueError: The data has no rows. Pass at "
+        "least one sample.")
+    assert cases[1]["predict"] == "ValueError: The data has no rows. Pass at least one sample."
+    assert cases[0]["predict"] == (
+        "Disagreement: Process 1 failed while preparing predict, so this process (process 0) "
+        "stops too instead of waiting for it: ValueError: The data has no rows. Pass at "
+        "least one sample.")
+
+
+def test_an_uncaught_error_on_one_process_ends_every_process_within_the_heartbeat(tmp_path):
+    # Process 1's callback raises after epoch 1. Before, process 1 waited in
+    # JAX's shutdown (up to 300 s) for process 0, which waited in epoch 2's
+    # first step for process 1: both hung until killed.
+    start = time.monotonic()
+    codes, logs = run_pair(tmp_path, timeout=60, env={distributed.HEARTBEAT_ENV: "5"},
+                           command=[sys.executable, str(MISMATCH_WORKER), "raise"])
+    assert codes[1] == 1, logs[1][-3000:]
+    assert "RuntimeError: a callback failed on process 1" in logs[1]
+    assert codes[0] not in (0, None), logs[0][-3000:]
+    assert "JAX distributed service detected fatal errors" in logs[0]
+    print(f"both ended {time.monotonic() - start:.1f} s after the start")

@@ -1,0 +1,152 @@
+"""Every process's `fit`, `evaluate` or `predict` checked against the others' first.
+
+Across processes each process runs its own copy of the program, so a
+setting that differs between them (a `batch_size`, the `epochs`, a layer's
+width, `validation_data` on one only) or an error that one process alone
+raises while preparing (no rows, bad labels) would leave the others waiting
+in a collective for ever, abort in native code, or train silently on
+batches no process asked for. So `fit`, `evaluate` and `predict` prepare
+under `preparing` (their checks of the data and the building of the model), and then
+every process publishes either its settings or its error, in one round
+through JAX's coordination service (`keras_dp.exchange`): each process then
+raises the same clear error, or all train.
+"""
+
+import contextlib
+import math
+import os
+import zlib
+
+import jax
+
+# An error's text travels as its bytes; this much of it is enough to say what.
+_MESSAGE_BYTES = 400
+_FAILED, _READY = 1, 0
+
+
+class Disagreement(ValueError):
+    """The processes' settings of a call differ, or a process failed preparing it."""
+
+
+def settings(trainer, batches, *, batch_size, epochs, initial_epoch, shuffle, validation,
+             validation_batch_size, validation_steps, validation_freq, steps_per_epoch,
+             checkpoint_dir, checkpoints_to_keep=2):
+    """What must be the same on every process in `fit`, as `(name, value)` pairs.
+
+    Values are integers shown as they are, or text compared by its CRC-32.
+    """
+    optimizer = trainer.model.optimizer
+    config = {key: value for key, value in optimizer.get_config().items() if key != "name"}
+    return [
+        ("batch_size", batch_size), ("epochs", epochs), ("initial_epoch", initial_epoch),
+        ("steps_per_execution", trainer.steps_per_execution), ("seed", trainer.seed),
+        ("shuffle", repr(shuffle)), ("steps_per_epoch", steps_per_epoch),
+        ("validation_data given", validation is not None),
+        ("validation_batch_size", validation_batch_size),
+        ("validation_steps", validation_steps), ("validation_freq", repr(validation_freq)),
+        ("checkpoint_dir", str(None if checkpoint_dir is None else os.fspath(checkpoint_dir))),
+        ("checkpoints_to_keep", checkpoints_to_keep),
+        ("state_sharding", trainer.state_sharding),
+        ("kind of training data", type(batches).__name__),
+        *_model(trainer.model.variables),
+        ("the optimizer", f"{type(optimizer).__name__} {sorted(config.items())!r}"),
+        ("the optimizer's variables (shapes, dtypes)", _shapes(optimizer.variables)),
+    ]
+
+
+def inference_settings(trainer, batches, *, batch_size, steps):
+    """What must be the same on every process in `evaluate` and `predict`."""
+    return [
+        ("batch_size", batch_size), ("steps", steps),
+        ("steps_per_execution", trainer.steps_per_execution),
+        ("state_sharding", trainer.state_sharding),
+        ("kind of data", type(batches).__name__),
+        *_model(trainer.model.variables),
+    ]
+
+
+def _model(variables):
+    # Not their paths: Keras numbers layer names per process, so a model
+    # made after another on one process only is named differently.
+    return [("the model's parameter count", sum(math.prod(v.shape) for v in variables)),
+            ("the model's variables (shapes, dtypes)", _shapes(variables))]
+
+
+def _shapes(variables):
+    return repr([(tuple(v.shape), str(v.dtype)) for v in variables])
+
+
+@contextlib.contextmanager
+def preparing(placement, call="fit"):
+    """Run a call's preparation, then agree with every process (see the module doc).
+
+    Yields a list to which the preparation appends its `settings`; `call`
+    names the method in the messages. One process only: nothing to agree on.
+
+    Raises:
+        Disagreement: a setting differs, or another process failed; the
+            process that failed raises its own error.
+    """
+    found = []
+    if not placement.multiprocess:
+        yield found
+        return
+    try:
+        yield found
+    except Exception as error:
+        text = f"{type(error).__name__}: {error}".encode()[:_MESSAGE_BYTES]
+        _gather(placement, [_FAILED, *text])  # the others learn why, then stop too
+        raise
+    _check(_gather(placement, [_READY, *(_code(value) for _, value in found)]), found, call)
+
+
+def _gather(placement, values):
+    return placement.exchange.channel().all_gather(values)
+
+
+def _code(value):
+    if value is None:
+        return -1
+    if isinstance(value, (bool, int)):
+        return int(value)
+    return zlib.crc32(str(value).encode())
+
+
+def _check(gathered, found, call):
+    failed = [process for process, values in enumerate(gathered) if values[0] == _FAILED]
+    if failed:
+        process = failed[0]
+        reason = bytes(gathered[process][1:]).decode(errors="replace")
+        raise Disagreement(
+            f"Process {process} failed while preparing {call}, so this process "
+            f"(process {jax.process_index()}) stops too instead of waiting "
+            f"for it: {reason}"
+        ) from None
+    for index, (name, mine) in enumerate(found):
+        values = [values[1 + index] for values in gathered]
+        if len(set(values)) > 1:
+            raise Disagreement(_differs(call, name, mine, values)) from None
+
+
+def _differs(call, name, mine, values):
+    if isinstance(mine, bool):
+        what = f"{name} is " + ", ".join(
+            f"{bool(v)} on process {p}" for p, v in enumerate(values))
+    elif isinstance(mine, int) or mine is None:
+        what = f"{name} is " + ", ".join(
+            f"{'None' if v == -1 else v} on process {p}" for p, v in enumerate(values))
+    else:  # text: only its CRC-32 travelled
+        groups = {}
+        for process, value in enumerate(values):
+            groups.setdefault(value, []).append(process)
+        parts = [f"{'processes' if len(ps) > 1 else 'process'} {', '.join(map(str, ps))} "
+                 f"{'have' if len(ps) > 1 else 'has'} {'one value' if i == 0 else 'another'}"
+                 for i, ps in enumerate(groups.values())]
+        what = (f"{name} differs ({'; '.join(parts)}; this process, "
+                f"{jax.process_index()}, has {mine!s:.200})")
+    return (
+        f"{call}'s settings differ between processes: {what}. Every process must "
+        f"run the same {call} (the same arguments, model and optimizer), each with "
+        "its own share of the data; otherwise they would wait for each other's "
+        "steps for ever or train on batches no process asked for."
+    )

@@ -1,0 +1,91 @@
+"""One of 2 processes whose fits differ on purpose (tests/test_distributed.py).
+
+Each case is a fit in which process 1 does something process 0 does not;
+every process catches what its fit raises and prints `CASE <name>: <type>:
+<message>`, then goes on to the next case (the processes stay in step).
+The last case, `stop`, has a callback stop training on process 1 only,
+after epoch 1, and prints each process's optimizer iterations. Then
+`evaluate` with another batch size, and `predict` of no rows, on process 1.
+
+The argument is a directory for process 1's `checkpoint_dir` case; with
+`raise` instead, a callback raises on process 1 only, after
+epoch 1, and nothing catches it.
+"""
+
+import os
+import sys
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import keras_dp  # noqa: E402
+from keras_dp import distributed  # noqa: E402
+
+distributed.initialize()
+
+import jax  # noqa: E402
+
+ME = jax.process_index()
+
+
+def make_model(width=4):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(width),
+                              keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+def data(rows=16):
+    x = np.random.default_rng(ME).normal(size=(rows, 3)).astype("float32")
+    return x, x.sum(axis=1, keepdims=True)
+
+
+class StopOnProcess1(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        if ME == 1:
+            self.model.stop_training = True
+
+
+def case(name, width=4, rows=16, callbacks=(), **fit):
+    model = make_model(width)
+    x, y = data(rows)
+    fit = dict(dict(batch_size=8, epochs=2, shuffle=False, verbose=0), **fit)
+    try:
+        keras_dp.fit_sharded(model, x, y, callbacks=list(callbacks), **fit)
+        print(f"CASE {name}: trained {int(model.optimizer.iterations.numpy())} steps", flush=True)
+    except Exception as error:
+        print(f"CASE {name}: {type(error).__name__}: {error}", flush=True)
+
+
+class RaiseOnProcess1(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        if ME == 1:
+            raise RuntimeError("a callback failed on process 1")
+
+
+other = ME == 1
+if sys.argv[1] == "raise":
+    print("training", flush=True)
+    keras_dp.fit_sharded(make_model(), *data(), batch_size=8, epochs=3, verbose=0,
+                         callbacks=[RaiseOnProcess1()])
+case("batch_size", batch_size=16 if other else 8)
+case("epochs", epochs=3 if other else 2)
+case("validation", validation_data=data(4) if other else None)
+case("width", width=8 if other else 4)
+case("checkpoint_dir", checkpoint_dir=sys.argv[1] if other else None)
+case("no rows", rows=0 if other else 16)
+case("stop", epochs=4, callbacks=[StopOnProcess1()])
+trainer = keras_dp.ShardedTrainer(make_model())
+for name, call in [("evaluate", lambda: trainer.evaluate(*data(), batch_size=16 if other else 8,
+                                                        verbose=0)),
+                   ("predict", lambda: trainer.predict(data(0 if other else 16)[0], verbose=0))]:
+    try:
+        call()
+        print(f"CASE {name}: returned", flush=True)
+    except Exception as error:
+        print(f"CASE {name}: {type(error).__name__}: {error}", flush=True)
+print("done", flush=True)
+sys.exit(0)
