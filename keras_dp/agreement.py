@@ -15,6 +15,7 @@ raises the same clear error, or all train.
 import contextlib
 import math
 import os
+import warnings
 import zlib
 
 import jax
@@ -34,9 +35,15 @@ def settings(trainer, batches, *, batch_size, epochs, initial_epoch, shuffle, va
     """What must be the same on every process in `fit`, as `(name, value)` pairs.
 
     Values are integers shown as they are, or text compared by its CRC-32.
+    In one process, `[]`: there is nothing to agree on, and the optimizer's
+    config reads its learning rate off the device.
     """
+    if not trainer.multiprocess:
+        return []
     optimizer = trainer.model.optimizer
-    config = {key: value for key, value in optimizer.get_config().items() if key != "name"}
+    with warnings.catch_warnings():  # Keras's own numpy 2 `copy=` DeprecationWarning
+        warnings.simplefilter("ignore", DeprecationWarning)
+        config = {key: value for key, value in optimizer.get_config().items() if key != "name"}
     return [
         ("batch_size", batch_size), ("epochs", epochs), ("initial_epoch", initial_epoch),
         ("steps_per_execution", trainer.steps_per_execution), ("seed", trainer.seed),
@@ -55,7 +62,9 @@ def settings(trainer, batches, *, batch_size, epochs, initial_epoch, shuffle, va
 
 
 def inference_settings(trainer, batches, *, batch_size, steps):
-    """What must be the same on every process in `evaluate` and `predict`."""
+    """What must be the same on every process in `evaluate` and `predict` (one process: `[]`)."""
+    if not trainer.multiprocess:
+        return []
     return [
         ("batch_size", batch_size), ("steps", steps),
         ("steps_per_execution", trainer.steps_per_execution),
