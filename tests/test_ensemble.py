@@ -331,7 +331,7 @@ def assert_members_close(ours, theirs, rtol):
         np.testing.assert_allclose(a, b, rtol=0, atol=rtol * np.abs(b).max())
 
 
-@pytest.mark.parametrize("member_shuffle", [False, True])
+@pytest.mark.parametrize("member_shuffle", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_k_steps_per_call_equal_one_step_per_call(member_shuffle):
     # 300 rows in batches of 32: 9 full batches (two calls of 4, one single)
     # and a partial batch of 12, run alone.

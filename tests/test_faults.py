@@ -59,6 +59,7 @@ def sigterm_exit(directory, seed, host):
     assert (int(saved[2]) - 1) * 8 + int(saved[1]) == at
 
 
+@pytest.mark.slow  # tests/test_checkpoint.py's SIGTERM test exits 143 and resumes in CI
 def test_sigterm_saves_and_exits_143_cleanly(tmp_path):
     sigterm_exit(tmp_path, seed=3, host=True)  # with the look-ahead thread running
 
