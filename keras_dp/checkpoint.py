@@ -321,16 +321,17 @@ _SHUFFLE_CODES = {False: 0, True: 1, "batch": 2}
 def plan_of(batches, shuffle, multiprocess):
     """What decides which rows each step of an epoch takes, as ints (-1: unknown).
 
-    `batch_size` (rows per step, per process; for a dataset, its first
-    batch's rows, in one process and without a Grain position), and, for
-    array data, `rows` (one process's: in a run across processes, not
-    checked) and `shuffle`; `steps` per epoch wherever known.
+    `batch_size` (rows per step; for a dataset, its first batch's rows,
+    without a Grain position), and, for array data, `rows` and `shuffle`;
+    `steps` per epoch wherever known. Across processes only `shuffle`: the
+    others are each process's share, which differ between processes with
+    uneven shares, while the checkpoint holds one plan.
     """
     arrays = hasattr(batches, "order")  # `pipeline.arrays.ArrayBatches`
-    steps = batches.steps
-    if arrays:
+    steps = batches.steps if not multiprocess else None
+    if arrays and not multiprocess:
         batch_size = batches.batch_size
-    elif multiprocess or getattr(batches, "resumable", None) is not None:
+    elif arrays or multiprocess or getattr(batches, "resumable", None) is not None:
         batch_size = -1
     else:  # read already, by `fit`'s build
         batch_size = batch_rows(batches.peek())
