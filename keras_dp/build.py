@@ -207,8 +207,9 @@ def build(model, batch, for_training=True, data="the data"):
 
     Raises:
         ValueError: the model holds a TensorFlow-only layer
-            (`check_no_tensorflow_layers`), cannot be built on `x`, or the
-            labels are missing or do not fit its output.
+            (`check_no_tensorflow_layers`), cannot be built on `x`, the
+            labels are missing or do not fit its output, or its loss is not
+            a scalar (`check_scalar_loss`).
     """
     check_no_tensorflow_layers(model)  # an ensemble's members pass here only
     x, y, sample_weight = jax.tree.map(spec, batch)
@@ -226,7 +227,9 @@ def build(model, batch, for_training=True, data="the data"):
         if for_training and not all(layer.built for layer in _compat.all_layers(model)):
             _trace(model, x, training=True)  # layers called only in training mode
         if for_training and y is not None and _compat.compiled_loss(model) is not None:
-            check_labels(model, x, y, y_pred, sample_weight)  # predict ignores y, as Keras
+            loss = check_labels(model, x, y, y_pred, sample_weight)  # predict ignores y, as Keras
+            if not _compat.custom_step(model, "train_step"):
+                check_scalar_loss(model, loss)
     else:
         _mark_built(model)
     if for_training:
@@ -335,14 +338,36 @@ def _mark_built(model):
     model.built = True
 
 
+def check_scalar_loss(model, loss):
+    """Raise a `ValueError` if `loss`, the spec of `model.compute_loss`, is not one number.
+
+    Keras's step differentiates the loss; `jax.grad` of anything else fails
+    inside the first compiled step (under `model.fit` as well) with "Gradient
+    only defined for scalar-output functions".
+    """
+    if tuple(loss.shape) == ():
+        return
+    raise ValueError(
+        f"The model's loss must be one number per batch, but its compute_loss "
+        f"returns shape {tuple(loss.shape)} (loss: {_loss_name(model.loss)}). A "
+        "keras.losses.Loss made with reduction=None returns one value per sample: "
+        "use reduction='sum_over_batch_size' (Keras's default), 'mean' or 'sum', or "
+        "reduce it to a scalar in your compute_loss."
+    )
+
+
 def check_labels(model, x, y, y_pred, sample_weight):
-    """Raise a `ValueError` naming the shapes if `y` or `sample_weight` does not fit `y_pred` under the loss."""
+    """Raise a `ValueError` naming the shapes if `y` or `sample_weight` does not fit `y_pred` under the loss.
+
+    Returns:
+        The spec of the loss (`model.compute_loss`) on the batch.
+    """
     def loss_spec(weights):
         return _compat.compute_output_spec(
             model.compute_loss, x=x, y=y, y_pred=y_pred, sample_weight=weights, training=False)
 
     try:
-        loss_spec(sample_weight)
+        return loss_spec(sample_weight)
     except Exception as error:
         shapes = lambda tree: jax.tree.map(lambda s: tuple(s.shape), tree)  # noqa: E731
         if sample_weight is not None and _fits(loss_spec, None):

@@ -63,14 +63,21 @@ def evaluate(trainer, weights, batches, callbacks, programs=None):
 
 
 def predict(trainer, weights, batches, callbacks):
-    """The model's outputs for every row of `batches`, in order, as numpy.
+    """The model's outputs for every row of `batches`, in order, and the non-trainable values.
 
     `steps_per_execution` predict steps per compiled call, as `evaluate`
     runs them; `on_predict_batch_end` gets each call's outputs (K batches'
     rows, concatenated), as under `model.predict`. Each call's outputs are
-    copied to the host before the next is dispatched.
+    copied to the host before the next is dispatched. The non-trainable
+    values are carried from call to call, as `model.predict` carries them
+    (a `SeedGenerator` advances each batch).
+
+    Returns:
+        `(outputs, non_trainable)`: numpy arrays with one row per input
+        row, and the non-trainable values the last predict step left.
     """
     placement, outputs, index = trainer.placement, [], 0
+    trainable, non_trainable = weights
     callbacks.on_predict_begin()
     inputs = (batch[0] for batch in batches.epoch(0))
     placed = placement.steps(inputs, trainer.steps_per_execution, batches.peek()[0],
@@ -79,16 +86,18 @@ def predict(trainer, weights, batches, callbacks):
         for steps, x_device in placed:
             callbacks.on_predict_batch_begin(index)
             if steps == 1:
-                output = jax.tree.map(lambda out: placement.local_rows(out, x_device),
-                                      trainer._predict_step(weights, x_device))
+                output, non_trainable = trainer._predict_step((trainable, non_trainable), x_device)
+                output = jax.tree.map(lambda out: placement.local_rows(out, x_device), output)
             else:
+                output, non_trainable = trainer._predict_steps((trainable, non_trainable),
+                                                               x_device)
                 output = jax.tree.map(lambda out: placement.stacked_local_rows(out, x_device),
-                                      trainer._predict_steps(weights, x_device))
+                                      output)
             outputs.append(output)
             index += steps
             callbacks.on_predict_batch_end(index - 1, {"outputs": output})
     callbacks.on_predict_end()
-    return jax.tree.map(_join, *outputs)
+    return jax.tree.map(_join, *outputs), non_trainable
 
 
 def _join(*parts):

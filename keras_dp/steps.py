@@ -266,37 +266,47 @@ def _test_step(model, mesh, state_sharding):
     return test_step
 
 
-def make_predict_step(model, mesh):
-    """Return the jitted `predict_step(weights, batch) -> y_pred`.
+def make_predict_step(model, mesh, state_sharding="replicated"):
+    """Return the jitted `predict_step(weights, batch) -> (y_pred, non_trainable)`.
 
     `batch` is a `DeviceBatch` of inputs. `y_pred` has as many rows as the
     batch has padded rows, split over `"batch"` like the input: row i of
     the output is row i of the input, and padding rows (past `batch.rows`,
     or past each process block's real rows) are zeros (the model never sees
-    the padding).
+    the padding). The non-trainable values come back as the step leaves
+    them, laid out as `state_sharding` says: `model.predict` carries them
+    from batch to batch and keeps them, so a layer that draws random
+    numbers in inference mode (a `SeedGenerator`) draws new ones each batch.
     """
-    return jax.jit(_predict_step(model, mesh))
+    return jax.jit(_predict_step(model, mesh, state_sharding))
 
 
-def make_multi_predict_step(model, mesh, unroll=1):
-    """Return the jitted `predict_steps(weights, batches) -> y_pred`.
+def make_multi_predict_step(model, mesh, unroll=1, state_sharding="replicated"):
+    """Return the jitted `predict_steps(weights, batches) -> (y_pred, non_trainable)`.
 
     K predict steps in one program over a stacked `DeviceBatch`, each
-    exactly the step of `make_predict_step`: every output has shape
-    `[K, padded_rows, ...]`, sharded `PartitionSpec(None, "batch")` like the
-    input, step k's rows at index k.
+    exactly the step of `make_predict_step`, carrying the non-trainable
+    values from step to step: every output has shape `[K, padded_rows,
+    ...]`, sharded `PartitionSpec(None, "batch")` like the input, step k's
+    rows at index k; the non-trainable values are those the last step left.
     """
-    step = _predict_step(model, mesh)
+    step = _predict_step(model, mesh, state_sharding)
 
     def predict_steps(weights, batches):
-        _, outputs = jax.lax.scan(
-            lambda carry, batch: (carry, step(weights, batch)), None, batches, unroll=unroll)
-        return outputs
+        trainable, non_trainable = weights
 
-    return jax.jit(predict_steps, out_shardings=mesh_lib.stacked_batch_sharded(mesh))
+        def body(non_trainable, batch):
+            y_pred, non_trainable = step((trainable, non_trainable), batch)
+            return non_trainable, y_pred
+
+        non_trainable, outputs = jax.lax.scan(body, non_trainable, batches, unroll=unroll)
+        stacked = mesh_lib.stacked_batch_sharded(mesh)
+        return jax.lax.with_sharding_constraint(outputs, stacked), non_trainable
+
+    return jax.jit(predict_steps)
 
 
-def _predict_step(model, mesh):
+def _predict_step(model, mesh, state_sharding):
     """The unjitted sharded predict step shared by the single- and multi-step programs."""
     custom = _compat.custom_step(model, "predict_step")
 
@@ -304,16 +314,19 @@ def _predict_step(model, mesh):
         trainable, non_trainable = weights
         x = placement.real_rows(batch, mesh)
         if custom:  # called as model.predict calls it
-            y_pred, _ = model.predict_step((trainable, non_trainable), _keras_data((x,)))
+            y_pred, non_trainable = model.predict_step((trainable, non_trainable),
+                                                       _keras_data((x,)))
         else:
-            y_pred, _ = model.stateless_call(trainable, non_trainable, x,
-                                             **inference_kwargs(model))
-        return jax.tree.map(
+            y_pred, non_trainable = model.stateless_call(trainable, non_trainable, x,
+                                                         **inference_kwargs(model))
+        y_pred = jax.tree.map(
             lambda out: jax.lax.with_sharding_constraint(
                 placement.restore_rows(out, batch), mesh_lib.batch_sharded(mesh)
             ),
             y_pred,
         )
+        return y_pred, layout.constrain(non_trainable, layout.group_shardings(
+            non_trainable, mesh, state_sharding, "non_trainable"))
 
     return predict_step
 

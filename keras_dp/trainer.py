@@ -140,8 +140,8 @@ class ShardedTrainer:
         self._use_train_programs(donate=self.keep_last_good is not True)
         self._test_step = steps_lib.make_test_step(model, self.mesh, mode)
         self._test_steps = steps_lib.make_multi_test_step(model, self.mesh, unroll, mode)
-        self._predict_step = steps_lib.make_predict_step(model, self.mesh)
-        self._predict_steps = steps_lib.make_multi_predict_step(model, self.mesh, unroll)
+        self._predict_step = steps_lib.make_predict_step(model, self.mesh, mode)
+        self._predict_steps = steps_lib.make_multi_predict_step(model, self.mesh, unroll, mode)
 
     def _use_train_programs(self, donate):
         """Train with the programs that donate their state, or keep it; each made once."""
@@ -428,7 +428,9 @@ class ShardedTrainer:
         """Return the model's outputs for every row of `x`, in order.
 
         With `steps`, for the rows of the first `steps` batches only (needed
-        for an endless dataset).
+        for an endless dataset). As under `model.predict`, the model keeps
+        the non-trainable values the predict steps leave: a layer that draws
+        random numbers in inference mode draws new ones each batch and call.
 
         Returns:
             Numpy arrays with the structure of the model's outputs and
@@ -443,8 +445,13 @@ class ShardedTrainer:
         shardings = layout.state_shardings(TrainState(
             self.model.trainable_variables, self.model.non_trainable_variables, None, None,
         ), self.mesh, self.state_sharding)
-        return inference.predict(self, model_weights(self.model, self.mesh, shardings), batches,
-                            callbacks)
+        outputs, non_trainable = inference.predict(
+            self, model_weights(self.model, self.mesh, shardings), batches, callbacks)
+        # As model.predict does: the model keeps what the predict steps left
+        # (a SeedGenerator's state). The model may have no optimizer here.
+        write_back(TrainState(None, non_trainable, None, None), self.model,
+                   TrainState(None, self.model.non_trainable_variables, None, None))
+        return outputs
 
     def _batches(self, x, y, sample_weight, batch_size, shuffle, class_weight=None,
                  steps=None):

@@ -30,6 +30,26 @@ def test_labels_that_do_not_fit_the_output_are_refused_before_compiling(mnist):
         "until the last dimension: target.shape=(64, 3), output.shape=(64, 10)")
 
 
+def test_a_loss_of_one_value_per_sample_is_refused_before_compiling():
+    # Keras's model.fit fails inside its first step: "Gradient only defined for
+    # scalar-output functions. Output had shape: (6,)".
+    class SquaredError(keras.losses.Loss):
+        def call(self, y_true, y_pred):
+            return keras.ops.mean(keras.ops.square(y_true - y_pred), axis=-1)
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile("sgd", SquaredError(reduction=None, name="squared_error"))
+    x, y = np.ones((6, 3), "float32"), np.ones((6, 2), "float32")
+    with pytest.raises(ValueError, match=r"one number per batch, but its compute_loss returns "
+                       r"shape \(6,\) \(loss: squared_error\).*reduction=None") as error:
+        keras_dp.fit_sharded(model, x, y, batch_size=6, verbose=0, devices=devices(2))
+    assert error.value.__cause__ is None and error.value.__context__ is None
+    assert int(model.optimizer.iterations) == 0
+    model.compile("sgd", SquaredError(reduction="sum"))  # the fix trains
+    losses = keras_dp.fit_sharded(model, x, y, batch_size=6, verbose=0, devices=devices(2))
+    assert len(losses.history["loss"]) == 1
+
+
 def test_an_uncompiled_model_without_optimizer_and_loss_is_refused():
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     trainer = keras_dp.ShardedTrainer(model)  # enough to predict

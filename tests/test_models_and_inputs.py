@@ -514,3 +514,36 @@ def test_a_layer_that_cannot_compile_is_named_with_the_fix(data):
     with pytest.raises(ValueError, match="supports_jit=False: random_crop.*RandomCrop.*input pipeline"):
         keras_dp.fit_sharded(_augmented(keras.layers.RandomCrop(24, 24, seed=1)), x, y,
                              batch_size=32, verbose=0, devices=devices(2))
+
+
+class InferenceNoise(keras.layers.Layer):
+    """Scales its input by uniform noise in every mode (Monte Carlo sampling at predict)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seed_generator = keras.random.SeedGenerator(7)
+
+    def call(self, x):
+        return x * keras.random.uniform(keras.ops.shape(x), seed=self.seed_generator)
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 2])
+def test_predict_draws_new_random_numbers_each_batch_and_call_as_keras_does(steps_per_execution):
+    # Before, predict dropped the non-trainable values its steps left: every
+    # batch and every call drew the same numbers from the same seed state.
+    def noisy():
+        model = keras.Sequential([keras.Input((6,)), InferenceNoise()])
+        model.compile("sgd", "mse", steps_per_execution=steps_per_execution)
+        return model
+
+    x = np.random.default_rng(0).uniform(1, 2, size=(50, 6)).astype("float32")
+    reference, model = noisy(), noisy()
+    trainer = keras_dp.ShardedTrainer(model, devices=devices(3))
+    for _ in range(2):  # 4 batches of 16, 16, 16 and 2 rows, twice
+        expected = reference.predict(x, batch_size=16, verbose=0)
+        got = trainer.predict(x, batch_size=16, verbose=0)
+        np.testing.assert_allclose(got, expected, rtol=1e-6)
+    assert not np.allclose(got[:16] / x[:16], got[16:32] / x[16:32])
+    np.testing.assert_array_equal(np.asarray(model.layers[0].seed_generator.state.value), [7, 8])
+    np.testing.assert_array_equal(np.asarray(model.layers[0].seed_generator.state.value),
+                                  np.asarray(reference.layers[0].seed_generator.state.value))

@@ -33,6 +33,22 @@ def test_steps_per_execution_comes_from_compile_and_scan_unrolls_on_cpu():
         keras_dp.ShardedTrainer(mlp(), steps_per_execution=0)
 
 
+@pytest.mark.parametrize("value", [0, -2])
+def test_a_compiled_steps_per_execution_below_1_is_refused_not_read_as_1(value):
+    # Keras's compile stores it as given (its fit then fails on 0 with "range()
+    # arg 3 must not be zero"); keras_dp read 0 as 1 and trained silently.
+    def build():
+        model = mlp()
+        model.compile(optimizer="sgd", loss=model.loss, steps_per_execution=value)
+        return model
+
+    message = rf"at least 1. Received: model.compile\(steps_per_execution={value}\)"
+    with pytest.raises(ValueError, match=message):
+        keras_dp.fit_sharded(build(), np.zeros((4, 28, 28, 1)), np.zeros(4), devices=devices(2))
+    with pytest.raises(ValueError, match=message):
+        keras_dp.fit_ensemble(build, np.zeros((4, 28, 28, 1)), np.zeros(4), devices=devices(2))
+
+
 class EvaluateAndPredictEnds(keras.callbacks.Callback):
     """Records the batch index of every test and predict batch end, and each call's rows."""
 

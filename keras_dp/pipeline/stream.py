@@ -140,14 +140,19 @@ def steps_per_execution(model, value=None):
     """K, the steps per compiled call: `value`, else the model's from `compile`, else 1.
 
     Raises:
-        ValueError: `value` is not an int of at least 1.
+        ValueError: `value`, or the model's from `compile` when `value` is
+            None, is not an int of at least 1.
     """
+    received = f"steps_per_execution={value!r}"
     if value is None:
-        value = getattr(model, "steps_per_execution", None) or 1
+        value = getattr(model, "steps_per_execution", None)
+        # Keras's compile stores any value; its fit then fails on 0 deep in its loop.
+        received = f"model.compile(steps_per_execution={value!r})"
+        value = 1 if value is None else value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(
             "`steps_per_execution` is the number of steps each compiled call "
-            f"runs, an int of at least 1. Received: steps_per_execution={value!r}."
+            f"runs, an int of at least 1. Received: {received}."
         )
     return int(value)
 
