@@ -345,3 +345,49 @@ def test_a_callback_that_changes_trainable_mid_fit_is_refused_and_the_model_keep
     assert int(model.optimizer.iterations) == 4
     for left, right in zip(weights(model), weights(one_epoch), strict=True):
         np.testing.assert_array_equal(left, right)
+
+
+class RecordsParams(keras.callbacks.Callback):
+    """Records `self.params` at the start of each fit, evaluate and predict."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_train_begin(self, logs=None):
+        self.seen.append(("fit", dict(self.params)))
+
+    def on_test_begin(self, logs=None):
+        self.seen.append(("evaluate", dict(self.params)))
+
+    def on_predict_begin(self, logs=None):
+        self.seen.append(("predict", dict(self.params)))
+
+
+def test_evaluate_and_predict_keep_the_fits_history_and_params_are_keras(data, capsys):
+    # Before: evaluate and predict added a History of their own, so after
+    # `fit; evaluate` model.history was an empty History; their params
+    # lacked epochs=1, fit's said verbose=1 for "auto", and evaluate's
+    # return_dict put loss before accuracy (Keras sorts logs by name).
+    x, y, (x_val, y_val) = data
+    results = []
+    for fit in ("keras", "sharded"):
+        model, record = sgd_mlp(), RecordsParams()
+        runner = model if fit == "keras" else keras_dp.ShardedTrainer(model, devices=devices(2))
+        history = runner.fit(x[:128], y[:128], batch_size=BATCH, epochs=2, verbose="auto",
+                             shuffle=False, callbacks=[record])
+        scores = runner.evaluate(x_val, y_val, batch_size=BATCH, verbose=0, return_dict=True,
+                                 callbacks=[record])
+        runner.predict(x_val[:10], verbose=0, callbacks=[record])
+        assert model.history is history
+        assert history.epoch == [0, 1] and len(history.history["loss"]) == 2
+        results.append((record.seen, history.params, scores))
+    (keras_seen, keras_params, keras_scores), (seen, params, scores) = results
+    assert seen == keras_seen == [
+        ("fit", {"verbose": "auto", "epochs": 2, "steps": 2}),
+        ("evaluate", {"verbose": 0, "epochs": 1, "steps": 4}),
+        ("predict", {"verbose": 0, "epochs": 1, "steps": 1})]
+    assert params == keras_params
+    assert list(scores) == list(keras_scores) == ["accuracy", "loss"]
+    np.testing.assert_allclose(list(scores.values()), list(keras_scores.values()), rtol=1e-5)
+    capsys.readouterr()
