@@ -54,8 +54,8 @@ from keras_dp.state import write_back
 class Position:
     """Where a run stands: `steps` steps of epoch `epoch` (0-based) are done.
 
-    `stopped`: the run ended there before its last epoch (`stop_training`,
-    set by a callback such as `EarlyStopping`); a rerun trains nothing.
+    `stopped`: `stop_training` ended the run there (a callback such as
+    `EarlyStopping`, or a stream run dry); a rerun trains nothing.
     """
 
     epoch: int

@@ -184,9 +184,10 @@ def stops_after(run, epoch, epochs):
     """Whether training stops after `epoch` (`stop_training`, a stream run dry).
 
     Across processes they decide together, in one round, unless `epoch` is
-    the last anyway and no checkpoint is marked stopped: a callback that
-    stops one process (an `EarlyStopping` on a value of its own) stops all,
-    where the others would wait for it in the next step for ever.
+    the last anyway and no checkpoint is kept (whose `stopped` mark they
+    share): a callback that stops one process (an `EarlyStopping` on a
+    value of its own) stops all, where the others would wait for it in the
+    next step for ever.
     """
     stop = run.model.stop_training or getattr(run.batches, "exhausted", False)
     if run.trainer.placement.multiprocess and (
