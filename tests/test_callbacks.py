@@ -391,3 +391,44 @@ def test_evaluate_and_predict_keep_the_fits_history_and_params_are_keras(data, c
     assert list(scores) == list(keras_scores) == ["accuracy", "loss"]
     np.testing.assert_allclose(list(scores.values()), list(keras_scores.values()), rtol=1e-5)
     capsys.readouterr()
+
+
+class ChangesRateThenStops(keras.callbacks.Callback):
+    """Sets the rate to 0.2 after batch 1 and stops after batch 5; records the batch ends."""
+
+    def __init__(self):
+        super().__init__()
+        self.ends = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.ends.append((batch, logs["loss"]))
+        if batch == 1:
+            self.model.optimizer.learning_rate.assign(0.2)
+        if batch == 5:
+            self.model.stop_training = True
+
+
+def test_a_rate_change_and_a_stop_mid_epoch_act_per_k_step_call_as_under_keras(data):
+    # At steps_per_execution=2, Keras calls the batch hooks once per call
+    # (batches 1, 3, 5): the new rate trains from batch 2, the first step of
+    # the next call, and the stop after batch 5 ends the epoch there.
+    x, y, _ = data
+    results = []
+    for fit in ("keras", "sharded"):
+        model, record = sgd_mlp(), ChangesRateThenStops()
+        model.compile(optimizer=model.optimizer, loss=model.loss, metrics=["accuracy"],
+                      steps_per_execution=2)
+        runner = model if fit == "keras" else keras_dp.ShardedTrainer(model, devices=devices(2))
+        history = runner.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False,
+                             callbacks=[record])
+        results.append((model, history, record))
+    (keras_model, keras_history, keras_record), (model, history, record) = results
+    assert [batch for batch, _ in record.ends] == [batch for batch, _ in keras_record.ends] \
+        == [1, 3, 5]
+    np.testing.assert_allclose([loss for _, loss in record.ends],
+                               [loss for _, loss in keras_record.ends], rtol=1e-5)
+    assert history.epoch == keras_history.epoch == [0]
+    np.testing.assert_allclose(history.history["loss"], keras_history.history["loss"], rtol=1e-5)
+    assert float(model.optimizer.learning_rate.numpy()) == pytest.approx(0.2)
+    assert int(model.optimizer.iterations.numpy()) == 6
+    assert_weights_close(model, keras_model)
