@@ -105,6 +105,21 @@ def test_a_rerun_of_an_early_stopped_run_returns_its_final_weights_at_once(data,
         "checkpoint_dir to train again.\n")
 
 
+@pytest.mark.slow  # 5 s: three fits
+def test_a_callbacks_own_state_starts_afresh_on_resume_as_under_backup_and_restore(data, tmp_path):
+    # Keras's BackupAndRestore saves the weights and the epoch, not the
+    # callbacks' state; nor does checkpoint_dir. EarlyStopping's `best` and
+    # `wait` restart, so the resumed run stops one epoch later.
+    def early_stopping():  # epoch 1 is the best; the next does not improve by 10: stop
+        return keras.callbacks.EarlyStopping(monitor="loss", patience=1, min_delta=10)
+
+    assert fit(mlp(), data, epochs=6, callbacks=[early_stopping()]).epoch == [0, 1]
+    assert fit(mlp(), data, epochs=1, checkpoint_dir=tmp_path).epoch == [0]
+    stop = early_stopping()
+    assert fit(mlp(), data, epochs=6, checkpoint_dir=tmp_path, callbacks=[stop]).epoch == [1, 2]
+    assert stop.stopped_epoch == 2
+
+
 def test_a_checkpoint_of_full_sharding_on_4_devices_resumes_replicated_on_2(data, tmp_path):
     # Saved split as the state lies, read into the model and laid out anew:
     # another device count and state_sharding resume the same run.
