@@ -317,11 +317,18 @@ def validate(run, val):
     """Score the validation data with the live weights: `val_*` logs.
 
     As under `model.fit`, the non-trainable values the test steps leave (a
-    seed generator advanced in inference mode) carry into the next epoch.
+    seed generator advanced in inference mode) carry into the next epoch,
+    and what a callback changed in the model is honoured: at the last
+    batch's end it is scored and trained on; in `on_test_begin` it is
+    scored (`SwapEMAWeights` swaps the moving averages in), and what
+    `on_test_end` leaves (the averages swapped out) is trained on.
     """
-    logs, non_trainable, _ = inference.evaluate(run.trainer, run.live.state.weights, val,
-                                                run.callbacks, run.validation)
-    run.live.stepped(run.live.state._replace(non_trainable=non_trainable))
+    live, read = run.live, run.trainer.init_state
+    any_process = run.trainer.placement.any_process if run.trainer.multiprocess else None
+    logs, non_trainable, _ = inference.evaluate(
+        run.trainer, lambda: live.current(read, any_process).weights, val, run.callbacks,
+        run.validation)
+    live.stepped(live.current(read, any_process)._replace(non_trainable=non_trainable))
     return {f"val_{name}": value for name, value in logs.items()}
 
 

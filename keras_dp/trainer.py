@@ -418,8 +418,9 @@ class ShardedTrainer:
                                                      steps=steps)
         callbacks = callbacks_lib.callback_list(callbacks, self.model, verbose, history=False,
                                                epochs=1, steps=batches.steps)
-        logs, non_trainable, metrics = inference.evaluate(
-            self, model_weights(self.model, self.mesh, self.state_layout()), batches, callbacks)
+        logs, non_trainable, metrics = inference.evaluate(  # read after on_test_begin
+            self, lambda: model_weights(self.model, self.mesh, self.state_layout()), batches,
+            callbacks)
         # As model.evaluate does: the model keeps what the test steps left.
         write_back(TrainState(None, non_trainable, None, metrics), self.model)
         if return_dict:
@@ -446,8 +447,8 @@ class ShardedTrainer:
         shardings = layout.state_shardings(TrainState(
             self.model.trainable_variables, self.model.non_trainable_variables, None, None,
         ), self.mesh, self.state_sharding)
-        return inference.predict(self, model_weights(self.model, self.mesh, shardings), batches,
-                            callbacks)
+        return inference.predict(  # read after on_predict_begin
+            self, lambda: model_weights(self.model, self.mesh, shardings), batches, callbacks)
 
     def _batches(self, x, y, sample_weight, batch_size, shuffle, class_weight=None,
                  steps=None):

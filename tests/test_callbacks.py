@@ -432,3 +432,74 @@ def test_a_rate_change_and_a_stop_mid_epoch_act_per_k_step_call_as_under_keras(d
     assert float(model.optimizer.learning_rate.numpy()) == pytest.approx(0.2)
     assert int(model.optimizer.iterations.numpy()) == 6
     assert_weights_close(model, keras_model)
+
+
+class HalvesKernelAtLastBatch(keras.callbacks.Callback):
+    """Halves the last layer's kernel at the end of each epoch's last batch."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.params["steps"] - 1:
+            kernel = self.model.layers[-1].kernel
+            kernel.assign(kernel.numpy() * 0.5)
+
+
+class ScoresHalvedKernel(keras.callbacks.Callback):
+    """Halves the last layer's kernel while evaluating or predicting, as
+    `SwapEMAWeights` swaps the averages in and out."""
+
+    def _halve(self, logs=None):
+        kernel = self.model.layers[-1].kernel
+        self.kept = kernel.numpy()
+        kernel.assign(self.kept * 0.5)
+
+    def _restore(self, logs=None):
+        self.model.layers[-1].kernel.assign(self.kept)
+
+    on_test_begin = on_predict_begin = _halve
+    on_test_end = on_predict_end = _restore
+
+
+def test_what_callbacks_change_around_validation_is_scored_and_trained_on_as_under_keras(data):
+    # Before: validation scored the weights of the last step, ignoring a
+    # change at the last batch's end or in on_test_begin, and the epoch's
+    # end wrote them back over the model, so the last batch's change was
+    # lost (epoch 2's loss 1.39 against Keras's 1.69).
+    x, y, (x_val, y_val) = data
+    results = []
+    for fit in ("keras", "sharded"):
+        model = sgd_mlp()
+        runner = model if fit == "keras" else keras_dp.ShardedTrainer(model, devices=devices(2))
+        history = runner.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False,
+                             validation_data=(x_val, y_val),
+                             callbacks=[HalvesKernelAtLastBatch(), ScoresHalvedKernel()])
+        scores = runner.evaluate(x_val, y_val, batch_size=BATCH, verbose=0,
+                                 callbacks=[ScoresHalvedKernel()])
+        outputs = runner.predict(x_val[:100], batch_size=BATCH, verbose=0,
+                                 callbacks=[ScoresHalvedKernel()])
+        results.append((model, history.history, scores, outputs))
+    (keras_model, keras_history, keras_scores, keras_outputs), (model, history, scores,
+                                                                outputs) = results
+    for name in ("loss", "val_loss", "val_accuracy"):
+        np.testing.assert_allclose(history[name], keras_history[name], rtol=1e-5)
+    np.testing.assert_allclose(scores, keras_scores, rtol=1e-5)
+    np.testing.assert_allclose(outputs, keras_outputs, rtol=1e-5, atol=1e-5)
+    assert_weights_close(model, keras_model)
+
+
+def test_swap_ema_weights_validates_with_the_moving_averages_as_under_keras(data):
+    x, y, val = data
+    histories = []
+    for fit in ("keras", "sharded"):
+        model = sgd_mlp()
+        model.compile(optimizer=keras.optimizers.SGD(0.05, use_ema=True, ema_momentum=0.9),
+                      loss=model.loss, metrics=["accuracy"])
+        runner = model if fit == "keras" else keras_dp.ShardedTrainer(model, devices=devices(2))
+        histories.append(runner.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False,
+                                    validation_data=val,
+                                    callbacks=[keras.callbacks.SwapEMAWeights()]).history)
+        histories[-1]["weights"] = weights(model)
+    keras_history, history = histories
+    for name in ("loss", "val_loss"):  # val_loss was 2.15 after epoch 1, Keras's 2.26
+        np.testing.assert_allclose(history[name], keras_history[name], rtol=1e-5)
+    for mine, theirs in zip(history["weights"], keras_history["weights"], strict=True):
+        np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
