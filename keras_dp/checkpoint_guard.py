@@ -40,8 +40,8 @@ SUMS = "bitsums"  # the key of this keras_dp's checksums (`bitsums`)
 LEGACY_SUMS = "checksums"  # CRC-32s of each array's bytes, written before
 _SUM_DTYPES = {SUMS: np.uint32, LEGACY_SUMS: np.int64}
 PLAN = "plan"  # the rows-per-step plan of a fit (`checkpoint.plan_of`), absent before it was added
-# Present only in the checkpoints of a run that stopped before its last epoch
-# (`stop_training`); a reader's template never holds it, it is read along.
+# Present only in the checkpoints of a run that `stop_training` ended
+# (`checkpoint.Position.stopped`); a reader's template never holds it: read along.
 STOPPED = "stopped"
 LOCK_FILE = ".keras_dp.lock"
 # orbax's metadata files beside the arrays: a few KiB per checkpoint.
