@@ -14,17 +14,21 @@ from keras_dp import _compat
 from keras_dp import distributed as distributed_lib
 
 
-def callback_list(callbacks, model, verbose, **params):
+def callback_list(callbacks, model, verbose, history=True, **params):
     """The `CallbackList` `model.fit` would make: History, and a progress bar
-    unless `verbose` is 0 (on process 0 only, across processes)."""
+    unless `verbose` is 0 (on process 0 only, across processes).
+
+    `history=False` for `evaluate` and `predict`: as under Keras, they add
+    no History, so `model.history` stays the last fit's. `verbose` reaches
+    the callbacks' `params` as given (`"auto"` too, as in `model.fit`).
+    """
     if isinstance(callbacks, keras.callbacks.CallbackList):
         return callbacks
     check_callbacks(callbacks)
-    verbose = 1 if verbose == "auto" else verbose
     if not distributed_lib.is_primary():
         verbose = 0  # one progress bar, on process 0, for all processes
     return keras.callbacks.CallbackList(
-        callbacks, add_history=True, add_progbar=verbose != 0, model=model,
+        callbacks, add_history=history, add_progbar=verbose != 0, model=model,
         verbose=verbose, **params,
     )
 

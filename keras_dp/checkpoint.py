@@ -52,10 +52,15 @@ from keras_dp.state import write_back
 
 @dataclasses.dataclass(frozen=True)
 class Position:
-    """Where a run stands: `steps` steps of epoch `epoch` (0-based) are done."""
+    """Where a run stands: `steps` steps of epoch `epoch` (0-based) are done.
+
+    `stopped`: `stop_training` ended the run there (a callback such as
+    `EarlyStopping`, or a stream run dry); a rerun trains nothing.
+    """
 
     epoch: int
     steps: int
+    stopped: bool = False
 
 
 class Checkpoints:
@@ -117,6 +122,8 @@ class Checkpoints:
             tree["input"] = self.source.saved(position)
         if self.plan is not None:
             tree[guard.PLAN] = _plan_tree(self.plan)
+        if position.stopped:
+            tree[guard.STOPPED] = {"stopped": np.asarray(1, np.int64)}
         tree[guard.SUMS] = guard.bitsums(tree)
         try:
             self._manager.save(index, args=self._ocp.args.StandardSave(tree), force=True)
@@ -169,6 +176,11 @@ class Checkpoints:
             return None
         at = (f"at the end of epoch {position.epoch}" if position.steps == 0 else
               f"after {position.steps} steps of epoch {position.epoch + 1}")
+        if position.stopped:
+            return (f"keras_dp: the run in {self.directory} stopped early, {at} "
+                    "(a callback set model.stop_training, e.g. EarlyStopping): nothing "
+                    "is left to train, and the model holds the weights that run ended "
+                    "with. Pass a new checkpoint_dir to train again.")
         if position.epoch >= epochs:
             return (f"keras_dp: the checkpoint in {self.directory} is {at}, and "
                     f"epochs={epochs}: nothing is left to train, and the model holds "
@@ -202,7 +214,8 @@ class Checkpoints:
         if tree is None:
             return None, None
         self._check_seed(tree, seed)
-        position = Position(int(tree["position"]["epoch"]), int(tree["position"]["steps"]))
+        position = Position(int(tree["position"]["epoch"]), int(tree["position"]["steps"]),
+                            stopped=guard.STOPPED in tree)
         self._check_plan(tree, position)
         if self.source is not None:
             self.source.restore(position, tree["input"])

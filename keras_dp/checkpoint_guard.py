@@ -40,6 +40,9 @@ SUMS = "bitsums"  # the key of this keras_dp's checksums (`bitsums`)
 LEGACY_SUMS = "checksums"  # CRC-32s of each array's bytes, written before
 _SUM_DTYPES = {SUMS: np.uint32, LEGACY_SUMS: np.int64}
 PLAN = "plan"  # the rows-per-step plan of a fit (`checkpoint.plan_of`), absent before it was added
+# Present only in the checkpoints of a run that `stop_training` ended
+# (`checkpoint.Position.stopped`); a reader's template never holds it: read along.
+STOPPED = "stopped"
 LOCK_FILE = ".keras_dp.lock"
 # orbax's metadata files beside the arrays: a few KiB per checkpoint.
 _OVERHEAD_BYTES = 64 * 1024
@@ -181,8 +184,10 @@ def read_verified(manager, index, template, restore_args):
         return f"its metadata could not be read ({short(error)})", None
     if PLAN in template and PLAN not in saved:  # an older keras_dp's: no plan to check
         template = {key: value for key, value in template.items() if key != PLAN}
-    elif PLAN in saved and PLAN not in template:  # a reader that checks none: read it along
-        template = dict(template, **{PLAN: {name: np.zeros((), np.int64) for name in saved[PLAN]}})
+    for key in (PLAN, STOPPED):  # a reader that checks none: read it along
+        if key in saved and key not in template:
+            template = dict(template, **{key: {name: np.zeros((), np.int64)
+                                               for name in saved[key]}})
     if layout(saved) != layout(template):
         raise ValueError(
             f"The checkpoint in {path} does not fit this model: it was written "

@@ -22,7 +22,11 @@ from keras_dp.state import fresh_metrics
 
 
 def evaluate(trainer, weights, batches, callbacks, programs=None):
-    """Score `batches` with `weights` (`(trainable, non_trainable)`).
+    """Score `batches` with `weights` (`(trainable, non_trainable)`, or a function giving them).
+
+    A function is called after `on_test_begin`, as Keras's evaluate reads
+    the model only then: a callback may change it there
+    (`keras.callbacks.SwapEMAWeights` swaps the moving averages in).
 
     Runs `steps_per_execution` test steps per compiled call over stacked
     batches of one row count, and the rest (a partial batch, the last
@@ -40,11 +44,11 @@ def evaluate(trainer, weights, batches, callbacks, programs=None):
         with contextlib.closing(programs_lib.EvalPrograms(trainer, batches)) as programs:
             return evaluate(trainer, weights, batches, callbacks, programs)
     labels_lib.check_data(trainer.model, (batches, "the data"))
-    trainable, non_trainable = weights
     metrics = fresh_metrics(trainer.model, trainer.mesh, trainer.state_layout().metrics)
     throttle = inflight.Throttle(trainer.steps_in_flight)
     logs, index = None, 0
     callbacks.on_test_begin()
+    trainable, non_trainable = weights() if callable(weights) else weights
     placed = trainer.placement.steps(
         batches.epoch(0), trainer.steps_per_execution, batches.peek(),
         placement_lib.planned_rows(batches))
@@ -70,15 +74,17 @@ def predict(trainer, weights, batches, callbacks):
     rows, concatenated), as under `model.predict`. Each call's outputs are
     copied to the host before the next is dispatched. The non-trainable
     values are carried from call to call, as `model.predict` carries them
-    (a `SeedGenerator` advances each batch).
+    (a `SeedGenerator` advances each batch). `weights` may be a function,
+    called after `on_predict_begin` (see `evaluate`).
 
     Returns:
         `(outputs, non_trainable)`: numpy arrays with one row per input
         row, and the non-trainable values the last predict step left.
     """
     placement, outputs, index = trainer.placement, [], 0
-    trainable, non_trainable = weights
     callbacks.on_predict_begin()
+    weights = weights() if callable(weights) else weights
+    trainable, non_trainable = weights
     inputs = (batch[0] for batch in batches.epoch(0))
     placed = placement.steps(inputs, trainer.steps_per_execution, batches.peek()[0],
                              placement_lib.planned_rows(batches))

@@ -109,18 +109,24 @@ def fit(trainer, batches, val, callbacks, *, epochs, resume, validation_freq,
     failing step had consumed that state (it was donated), the model holds
     the last one written back. The exception's note says which
     (`LiveModel.report`).
+
+    A run that stops early (`stop_training`) marks its checkpoint stopped,
+    and saves it once more after `on_train_end`, so that it holds what the
+    model ends with (`EarlyStopping`'s best weights); a `resume` from such
+    a checkpoint (`resume.stopped`) trains nothing.
     """
     model = trainer.model
     model.stop_training = False
     labels_lib.check_data(model, (batches, "the training data"), (val, "the validation data"))
-    validation = _validation_programs(trainer, val, range(resume.epoch, epochs), validation_freq)
+    last = resume.epoch if resume.stopped else epochs  # a stopped run trains nothing
+    validation = _validation_programs(trainer, val, range(resume.epoch, last), validation_freq)
     feed = programs_lib.CompilingFeed(feed or HostFeed(trainer, batches), trainer, batches,
                                       validation)
     run = FitRun(trainer, batches, LiveModel(model), callbacks, feed, checkpoints,
                  validation=validation)
     run.profile = timing.Profile(profile_dir) if profile_dir is not None else None
     trainer.timings = []
-    epoch_logs, finished = {}, False
+    epoch_logs, finished, stopped = {}, False, None
     callbacks.on_train_begin()
     start = _compat.take_initial_epoch(model) or resume.epoch
     try:
@@ -128,13 +134,15 @@ def fit(trainer, batches, val, callbacks, *, epochs, resume, validation_freq,
                 trainer.multiprocess, saving=checkpoints is not None) as preemption:
             # Across processes JAX's runtime takes SIGTERM: act on it, saved or not.
             run.preemption = preemption
-            for epoch in range(start, epochs):
+            for epoch in range(start, last):
                 validate_now = val is not None and callbacks_lib.should_validate(
                     epoch, validation_freq)
                 skip = resume.steps if epoch == resume.epoch else 0
                 epoch_logs = run_epoch(run, epoch, skip, val if validate_now else None)
-                end_epoch(run, epoch)
-                if stops_after(run, epoch, epochs):
+                stop = stops_after(run, epoch, epochs)
+                stopped = checkpoint_lib.Position(epoch + 1, 0, stopped=True) if stop else None
+                end_epoch(run, epoch, stop)
+                if stop:
                     break
         if run.live.lost is not None:  # never silently: a state left unwritten
             raise RuntimeError(run.live.report())
@@ -149,13 +157,18 @@ def fit(trainer, batches, val, callbacks, *, epochs, resume, validation_freq,
         feed.close()  # no compile ahead for a fit that has ended
         if run.profile is not None:
             run.profile.close()
-        if epochs > 0:
+        if epochs > 0 and not resume.stopped:  # a stopped run's checkpoint holds the end
             # Keras's own end of fit: e.g. copy EMA weights into the model.
             model.optimizer.finalize_variable_values(model.trainable_weights)
-        if checkpoints is not None:
+        if checkpoints is not None and not finished:
             checkpoints.close()
     if finished:
         callbacks.on_train_end(epoch_logs)
+        if checkpoints is not None and stopped is not None:
+            # What the run ends with (EarlyStopping's best weights) is what a rerun gets.
+            checkpoints.save(trainer.init_state(), stopped, trainer.seed)
+    if checkpoints is not None:
+        checkpoints.close()
     return model.history
 
 
@@ -171,12 +184,14 @@ def stops_after(run, epoch, epochs):
     """Whether training stops after `epoch` (`stop_training`, a stream run dry).
 
     Across processes they decide together, in one round, unless `epoch` is
-    the last anyway: a callback that stops one process (an `EarlyStopping`
-    on a value of its own) stops all, where the others would wait for it in
-    the next step for ever.
+    the last anyway and no checkpoint is kept (whose `stopped` mark they
+    share): a callback that stops one process (an `EarlyStopping` on a
+    value of its own) stops all, where the others would wait for it in the
+    next step for ever.
     """
     stop = run.model.stop_training or getattr(run.batches, "exhausted", False)
-    if run.trainer.placement.multiprocess and epoch + 1 < epochs:
+    if run.trainer.placement.multiprocess and (
+            epoch + 1 < epochs or run.checkpoints is not None):
         stop = run.model.stop_training = run.trainer.placement.any_process(stop)
     return stop
 
@@ -302,17 +317,24 @@ def validate(run, val):
     """Score the validation data with the live weights: `val_*` logs.
 
     As under `model.fit`, the non-trainable values the test steps leave (a
-    seed generator advanced in inference mode) carry into the next epoch.
+    seed generator advanced in inference mode) carry into the next epoch,
+    and what a callback changed in the model is honoured: at the last
+    batch's end it is scored and trained on; in `on_test_begin` it is
+    scored (`SwapEMAWeights` swaps the moving averages in), and what
+    `on_test_end` leaves (the averages swapped out) is trained on.
     """
-    logs, non_trainable, _ = inference.evaluate(run.trainer, run.live.state.weights, val,
-                                                run.callbacks, run.validation)
-    run.live.stepped(run.live.state._replace(non_trainable=non_trainable))
+    live, read = run.live, run.trainer.init_state
+    any_process = run.trainer.placement.any_process if run.trainer.multiprocess else None
+    logs, non_trainable, _ = inference.evaluate(
+        run.trainer, lambda: live.current(read, any_process).weights, val, run.callbacks,
+        run.validation)
+    live.stepped(live.current(read, any_process)._replace(non_trainable=non_trainable))
     return {f"val_{name}": value for name, value in logs.items()}
 
 
-def end_epoch(run, epoch):
-    """Save a checkpoint of the finished epoch; exit if SIGTERM asked to."""
-    position = checkpoint_lib.Position(epoch + 1, 0)
+def end_epoch(run, epoch, stop=False):
+    """Save a checkpoint of the finished epoch (marked `stop`ped); exit if SIGTERM asked to."""
+    position = checkpoint_lib.Position(epoch + 1, 0, stopped=stop)
     if run.checkpoints is not None:
         run.checkpoints.save_live(run.live, run.trainer, position)
     if run.preemption is not None and run.preemption.requested:

@@ -407,7 +407,8 @@ class ShardedTrainer:
 
         Returns:
             The loss alone when there are no metrics, else a list in the
-            order of `model.metrics_names`, or a dict with `return_dict`.
+            order of `model.metrics_names`, or with `return_dict` a dict
+            by name in sorted order (as Keras's logs are).
         """
         with agreement.preparing(self.placement, "evaluate") as settings:
             build_lib.require_compiled(self.model, "evaluate")
@@ -415,13 +416,15 @@ class ShardedTrainer:
             self.build(batches.peek())
             settings += agreement.inference_settings(self, batches, batch_size=batch_size,
                                                      steps=steps)
-        callbacks = callbacks_lib.callback_list(callbacks, self.model, verbose, steps=batches.steps)
-        logs, non_trainable, metrics = inference.evaluate(
-            self, model_weights(self.model, self.mesh, self.state_layout()), batches, callbacks)
+        callbacks = callbacks_lib.callback_list(callbacks, self.model, verbose, history=False,
+                                               epochs=1, steps=batches.steps)
+        logs, non_trainable, metrics = inference.evaluate(  # read after on_test_begin
+            self, lambda: model_weights(self.model, self.mesh, self.state_layout()), batches,
+            callbacks)
         # As model.evaluate does: the model keeps what the test steps left.
         write_back(TrainState(None, non_trainable, None, metrics), self.model)
         if return_dict:
-            return logs
+            return dict(sorted(logs.items()))
         return callbacks_lib.in_evaluate_order(logs, self.model)
 
     def predict(self, x, *, batch_size=None, verbose="auto", steps=None, callbacks=None):
@@ -441,12 +444,13 @@ class ShardedTrainer:
             self.build(batches.peek(), for_training=False)
             settings += agreement.inference_settings(self, batches, batch_size=batch_size,
                                                      steps=steps)
-        callbacks = callbacks_lib.callback_list(callbacks, self.model, verbose, steps=batches.steps)
+        callbacks = callbacks_lib.callback_list(callbacks, self.model, verbose, history=False,
+                                               epochs=1, steps=batches.steps)
         shardings = layout.state_shardings(TrainState(
             self.model.trainable_variables, self.model.non_trainable_variables, None, None,
         ), self.mesh, self.state_sharding)
-        outputs, non_trainable = inference.predict(
-            self, model_weights(self.model, self.mesh, shardings), batches, callbacks)
+        outputs, non_trainable = inference.predict(  # read after on_predict_begin
+            self, lambda: model_weights(self.model, self.mesh, shardings), batches, callbacks)
         # As model.predict does: the model keeps what the predict steps left
         # (a SeedGenerator's state). The model may have no optimizer here.
         write_back(TrainState(None, non_trainable, None, None), self.model,

@@ -345,3 +345,161 @@ def test_a_callback_that_changes_trainable_mid_fit_is_refused_and_the_model_keep
     assert int(model.optimizer.iterations) == 4
     for left, right in zip(weights(model), weights(one_epoch), strict=True):
         np.testing.assert_array_equal(left, right)
+
+
+class RecordsParams(keras.callbacks.Callback):
+    """Records `self.params` at the start of each fit, evaluate and predict."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_train_begin(self, logs=None):
+        self.seen.append(("fit", dict(self.params)))
+
+    def on_test_begin(self, logs=None):
+        self.seen.append(("evaluate", dict(self.params)))
+
+    def on_predict_begin(self, logs=None):
+        self.seen.append(("predict", dict(self.params)))
+
+
+def test_evaluate_and_predict_keep_the_fits_history_and_params_are_keras(data, capsys):
+    # Before: evaluate and predict added a History of their own, so after
+    # `fit; evaluate` model.history was an empty History; their params
+    # lacked epochs=1, fit's said verbose=1 for "auto", and evaluate's
+    # return_dict put loss before accuracy (Keras sorts logs by name).
+    x, y, (x_val, y_val) = data
+    results = []
+    for fit in ("keras", "sharded"):
+        model, record = sgd_mlp(), RecordsParams()
+        runner = model if fit == "keras" else keras_dp.ShardedTrainer(model, devices=devices(2))
+        history = runner.fit(x[:128], y[:128], batch_size=BATCH, epochs=2, verbose="auto",
+                             shuffle=False, callbacks=[record])
+        scores = runner.evaluate(x_val, y_val, batch_size=BATCH, verbose=0, return_dict=True,
+                                 callbacks=[record])
+        runner.predict(x_val[:10], verbose=0, callbacks=[record])
+        assert model.history is history
+        assert history.epoch == [0, 1] and len(history.history["loss"]) == 2
+        results.append((record.seen, history.params, scores))
+    (keras_seen, keras_params, keras_scores), (seen, params, scores) = results
+    assert seen == keras_seen == [
+        ("fit", {"verbose": "auto", "epochs": 2, "steps": 2}),
+        ("evaluate", {"verbose": 0, "epochs": 1, "steps": 4}),
+        ("predict", {"verbose": 0, "epochs": 1, "steps": 1})]
+    assert params == keras_params
+    assert list(scores) == list(keras_scores) == ["accuracy", "loss"]
+    np.testing.assert_allclose(list(scores.values()), list(keras_scores.values()), rtol=1e-5)
+    capsys.readouterr()
+
+
+class ChangesRateThenStops(keras.callbacks.Callback):
+    """Sets the rate to 0.2 after batch 1 and stops after batch 5; records the batch ends."""
+
+    def __init__(self):
+        super().__init__()
+        self.ends = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.ends.append((batch, logs["loss"]))
+        if batch == 1:
+            self.model.optimizer.learning_rate.assign(0.2)
+        if batch == 5:
+            self.model.stop_training = True
+
+
+def test_a_rate_change_and_a_stop_mid_epoch_act_per_k_step_call_as_under_keras(data):
+    # At steps_per_execution=2, Keras calls the batch hooks once per call
+    # (batches 1, 3, 5): the new rate trains from batch 2, the first step of
+    # the next call, and the stop after batch 5 ends the epoch there.
+    x, y, _ = data
+    results = []
+    for fit in ("keras", "sharded"):
+        model, record = sgd_mlp(), ChangesRateThenStops()
+        model.compile(optimizer=model.optimizer, loss=model.loss, metrics=["accuracy"],
+                      steps_per_execution=2)
+        runner = model if fit == "keras" else keras_dp.ShardedTrainer(model, devices=devices(2))
+        history = runner.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False,
+                             callbacks=[record])
+        results.append((model, history, record))
+    (keras_model, keras_history, keras_record), (model, history, record) = results
+    assert [batch for batch, _ in record.ends] == [batch for batch, _ in keras_record.ends] \
+        == [1, 3, 5]
+    np.testing.assert_allclose([loss for _, loss in record.ends],
+                               [loss for _, loss in keras_record.ends], rtol=1e-5)
+    assert history.epoch == keras_history.epoch == [0]
+    np.testing.assert_allclose(history.history["loss"], keras_history.history["loss"], rtol=1e-5)
+    assert float(model.optimizer.learning_rate.numpy()) == pytest.approx(0.2)
+    assert int(model.optimizer.iterations.numpy()) == 6
+    assert_weights_close(model, keras_model)
+
+
+class HalvesKernelAtLastBatch(keras.callbacks.Callback):
+    """Halves the last layer's kernel at the end of each epoch's last batch."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.params["steps"] - 1:
+            kernel = self.model.layers[-1].kernel
+            kernel.assign(kernel.numpy() * 0.5)
+
+
+class ScoresHalvedKernel(keras.callbacks.Callback):
+    """Halves the last layer's kernel while evaluating or predicting, as
+    `SwapEMAWeights` swaps the averages in and out."""
+
+    def _halve(self, logs=None):
+        kernel = self.model.layers[-1].kernel
+        self.kept = kernel.numpy()
+        kernel.assign(self.kept * 0.5)
+
+    def _restore(self, logs=None):
+        self.model.layers[-1].kernel.assign(self.kept)
+
+    on_test_begin = on_predict_begin = _halve
+    on_test_end = on_predict_end = _restore
+
+
+def test_what_callbacks_change_around_validation_is_scored_and_trained_on_as_under_keras(data):
+    # Before: validation scored the weights of the last step, ignoring a
+    # change at the last batch's end or in on_test_begin, and the epoch's
+    # end wrote them back over the model, so the last batch's change was
+    # lost (epoch 2's loss 1.39 against Keras's 1.69).
+    x, y, (x_val, y_val) = data
+    results = []
+    for fit in ("keras", "sharded"):
+        model = sgd_mlp()
+        runner = model if fit == "keras" else keras_dp.ShardedTrainer(model, devices=devices(2))
+        history = runner.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False,
+                             validation_data=(x_val, y_val),
+                             callbacks=[HalvesKernelAtLastBatch(), ScoresHalvedKernel()])
+        scores = runner.evaluate(x_val, y_val, batch_size=BATCH, verbose=0,
+                                 callbacks=[ScoresHalvedKernel()])
+        outputs = runner.predict(x_val[:100], batch_size=BATCH, verbose=0,
+                                 callbacks=[ScoresHalvedKernel()])
+        results.append((model, history.history, scores, outputs))
+    (keras_model, keras_history, keras_scores, keras_outputs), (model, history, scores,
+                                                                outputs) = results
+    for name in ("loss", "val_loss", "val_accuracy"):
+        np.testing.assert_allclose(history[name], keras_history[name], rtol=1e-5)
+    np.testing.assert_allclose(scores, keras_scores, rtol=1e-5)
+    np.testing.assert_allclose(outputs, keras_outputs, rtol=1e-5, atol=1e-5)
+    assert_weights_close(model, keras_model)
+
+
+def test_swap_ema_weights_validates_with_the_moving_averages_as_under_keras(data):
+    x, y, val = data
+    histories = []
+    for fit in ("keras", "sharded"):
+        model = sgd_mlp()
+        model.compile(optimizer=keras.optimizers.SGD(0.05, use_ema=True, ema_momentum=0.9),
+                      loss=model.loss, metrics=["accuracy"])
+        runner = model if fit == "keras" else keras_dp.ShardedTrainer(model, devices=devices(2))
+        histories.append(runner.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False,
+                                    validation_data=val,
+                                    callbacks=[keras.callbacks.SwapEMAWeights()]).history)
+        histories[-1]["weights"] = weights(model)
+    keras_history, history = histories
+    for name in ("loss", "val_loss"):  # val_loss was 2.15 after epoch 1, Keras's 2.26
+        np.testing.assert_allclose(history[name], keras_history[name], rtol=1e-5)
+    for mine, theirs in zip(history["weights"], keras_history["weights"], strict=True):
+        np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)

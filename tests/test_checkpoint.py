@@ -70,6 +70,56 @@ def test_a_rerun_says_where_it_resumes_or_that_nothing_is_left(data, tmp_path, c
     assert capsys.readouterr().out == ""
 
 
+class EpochWeights(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.seen.append(weights(self.model))
+
+
+def test_a_rerun_of_an_early_stopped_run_returns_its_final_weights_at_once(data, tmp_path, capsys):
+    # Before: the stopped run was not marked finished, and its rerun trained
+    # on (epochs 3 and 4 here) from the last epoch's weights, not the best.
+    def early_stopping():  # epoch 1 is the best; epoch 2 does not improve by 10: stop
+        return keras.callbacks.EarlyStopping(monitor="loss", patience=1, min_delta=10,
+                                             restore_best_weights=True)
+
+    model, record = mlp(), EpochWeights()
+    history = fit(model, data, epochs=6, checkpoint_dir=tmp_path,
+                  callbacks=[early_stopping(), record])
+    assert history.epoch == [0, 1]
+    for mine, best in zip(weights(model), record.seen[0], strict=True):
+        np.testing.assert_array_equal(mine, best)  # restore_best_weights: epoch 1's
+    rerun = mlp(seed=7)  # with a larger epochs too, it does not train on
+    history = fit(rerun, data, epochs=10, checkpoint_dir=tmp_path, verbose=2,
+                  callbacks=[early_stopping()])
+    assert history.epoch == [] and history.history == {}
+    assert_weights_equal(rerun, model)
+    assert int(rerun.optimizer.iterations.numpy()) == 2 * ROWS // BATCH
+    assert capsys.readouterr().out == (
+        f"keras_dp: the run in {tmp_path} stopped early, at the end of epoch 2 (a "
+        "callback set model.stop_training, e.g. EarlyStopping): nothing is left to "
+        "train, and the model holds the weights that run ended with. Pass a new "
+        "checkpoint_dir to train again.\n")
+
+
+@pytest.mark.slow  # 5 s: three fits
+def test_a_callbacks_own_state_starts_afresh_on_resume_as_under_backup_and_restore(data, tmp_path):
+    # Keras's BackupAndRestore saves the weights and the epoch, not the
+    # callbacks' state; nor does checkpoint_dir. EarlyStopping's `best` and
+    # `wait` restart, so the resumed run stops one epoch later.
+    def early_stopping():  # epoch 1 is the best; the next does not improve by 10: stop
+        return keras.callbacks.EarlyStopping(monitor="loss", patience=1, min_delta=10)
+
+    assert fit(mlp(), data, epochs=6, callbacks=[early_stopping()]).epoch == [0, 1]
+    assert fit(mlp(), data, epochs=1, checkpoint_dir=tmp_path).epoch == [0]
+    stop = early_stopping()
+    assert fit(mlp(), data, epochs=6, checkpoint_dir=tmp_path, callbacks=[stop]).epoch == [1, 2]
+    assert stop.stopped_epoch == 2
+
+
 def test_a_checkpoint_of_full_sharding_on_4_devices_resumes_replicated_on_2(data, tmp_path):
     # Saved split as the state lies, read into the model and laid out anew:
     # another device count and state_sharding resume the same run.
