@@ -369,6 +369,13 @@ class ShardedTrainer:
                 # Bad validation labels fail now, not after epoch 1.
                 self._builder.build(pipeline.unpack(val.peek()), data="the validation data")
             callbacks_lib.check_validation_freq(validation_freq)
+            pipeline.check_one_pass(batches, epochs - initial_epoch, "x",
+                                    f"epochs={epochs}, initial_epoch={initial_epoch}")
+            if val is not None:
+                validations = sum(callbacks_lib.should_validate(epoch, validation_freq)
+                                  for epoch in range(initial_epoch, epochs))
+                pipeline.check_one_pass(val, validations, "validation_data",
+                                        f"epochs={epochs}, validation_freq={validation_freq!r}")
             labels_lib.check_data(self.model, (batches, "the training data"),
                                   (val, "the validation data"))
             settings += agreement.settings(
@@ -415,7 +422,8 @@ class ShardedTrainer:
             self.build(batches.peek())
             settings += agreement.inference_settings(self, batches, batch_size=batch_size,
                                                      steps=steps)
-        callbacks = callbacks_lib.callback_list(callbacks, self.model, verbose, steps=batches.steps)
+        callbacks = callbacks_lib.callback_list(
+            callbacks, self.model, verbose, epochs=1, steps=batches.steps)
         logs, non_trainable, metrics = inference.evaluate(
             self, model_weights(self.model, self.mesh, self.state_layout()), batches, callbacks)
         # As model.evaluate does: the model keeps what the test steps left.
@@ -439,7 +447,8 @@ class ShardedTrainer:
             self.build(batches.peek(), for_training=False)
             settings += agreement.inference_settings(self, batches, batch_size=batch_size,
                                                      steps=steps)
-        callbacks = callbacks_lib.callback_list(callbacks, self.model, verbose, steps=batches.steps)
+        callbacks = callbacks_lib.callback_list(
+            callbacks, self.model, verbose, epochs=1, steps=batches.steps)
         shardings = layout.state_shardings(TrainState(
             self.model.trainable_variables, self.model.non_trainable_variables, None, None,
         ), self.mesh, self.state_sharding)
