@@ -295,3 +295,15 @@ def test_trainer_counts_are_checked_when_it_is_made(argument, value, error, mess
     with pytest.raises(error) as raised:
         keras_dp.ShardedTrainer(mlp(), devices=devices(2), **{argument: value})
     assert str(raised.value).startswith(message)
+
+
+def test_a_list_of_strings_as_x_is_named_as_text_with_the_fix():
+    # Was "x is a Python list of 20 numbers ... pass an array: np.asarray(x)",
+    # and np.asarray(x) then failed as text. model.fit says "Unrecognized data type".
+    with pytest.raises(ValueError) as error:
+        keras_dp.fit_sharded(mlp(), ["a cat", "a dog"] * 10, np.zeros(20), verbose=0,
+                             devices=devices(2))
+    assert str(error.value).startswith(
+        "x is a Python list of 20 strings; keras_dp compiles its steps with JAX, which has "
+        "no strings. Turn the text into token ids in the input pipeline: adapt a "
+        "keras.layers.TextVectorization (or StringLookup) on it")
