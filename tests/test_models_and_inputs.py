@@ -118,6 +118,50 @@ class Endless(Batches):
         return super().__getitem__(index % (len(self.x) // BATCH))
 
 
+class EndlessEvents(keras.utils.PyDataset):
+    """An endless PyDataset of `tiny_data`'s 6-row batches that records its calls in `events`."""
+
+    def __init__(self):
+        super().__init__()
+        self.x, self.y, _ = tiny_data(18)
+        self.events = []
+
+    @property
+    def num_batches(self):
+        return None
+
+    def __getitem__(self, index):
+        self.events.append("get")
+        rows = slice(index % 3 * 6, index % 3 * 6 + 6)
+        return self.x[rows], self.y[rows]
+
+    def on_epoch_begin(self):
+        self.events.append("begin")
+
+    def on_epoch_end(self):
+        self.events.append("end")
+
+
+def test_an_endless_py_dataset_gets_its_epoch_hooks_around_each_epoch_as_in_model_fit():
+    # Before: on_epoch_begin twice before epoch 1 (the first batch's peek, then the
+    # stream), on_epoch_end never; model.fit calls both each epoch.
+    data, validation = EndlessEvents(), EndlessEvents()
+    model, expected = tiny(), tiny()
+    history = keras_dp.fit_sharded(model, data, epochs=3, steps_per_epoch=2, verbose=0,
+                                   validation_data=validation, validation_steps=1,
+                                   devices=devices(3)).history
+    want = expected.fit(EndlessEvents(), epochs=3, steps_per_epoch=2, verbose=0,
+                        validation_data=EndlessEvents(), validation_steps=1).history
+    for name in want:
+        np.testing.assert_allclose(history[name], want[name], rtol=1e-5, err_msg=name)
+    assert_weights_close(model, expected)
+    # The stream goes on across epochs: batches 0, 1 | 2, 3 | 4, 5 (rows 0-5, 6-11, 12-17, ...).
+    # The first "get": batch 0 read ahead, to build the model.
+    assert data.events == ["get"] + ["begin", "get", "get", "end"] * 3
+    assert validation.events[-3:] == ["begin", "get", "end"]
+    assert validation.events.count("begin") == validation.events.count("end") >= 3
+
+
 def test_validation_batch_size_slices_validation_arrays_as_in_model_fit(data):
     x, y = data
     options = dict(batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
