@@ -5,7 +5,7 @@ import tensorflow as tf
 import pytest
 
 import keras_dp
-from conftest import devices, mlp, sgd_mlp
+from conftest import BatchEnds, devices, mlp, sgd_mlp
 
 
 def test_prefetch_keeps_order_raises_in_place_and_stops_when_closed():
@@ -119,6 +119,32 @@ def test_steps_per_epoch_reads_an_endless_dataset_and_stops_a_short_generator(mn
         history = keras_dp.fit_sharded(model, short, steps_per_epoch=5, epochs=3, verbose=0,
                                        devices=devices(2))
     assert int(model.optimizer.iterations.numpy()) == 7 and history.epoch == [0, 1]
+
+
+def test_steps_per_epoch_runs_on_into_the_next_pass_where_model_fit_cuts_the_epoch_short():
+    # What README's "Any batch size, exactly" says: 20 rows in batches of 6 are
+    # 4 batches a pass; with steps_per_epoch=3, keras_dp's epoch 2 is batch 4
+    # (2 rows) then batches 1 and 2 of the next pass. Keras's ends after batch
+    # 4 ("Your input ran out of data") and epoch 3 starts the next pass.
+    import keras
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(20, 4)).astype("float32"), rng.integers(0, 3, 20)
+
+    def model():
+        keras.utils.set_random_seed(0)
+        built = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        built.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True))
+        return built
+
+    ours, theirs = BatchEnds(), BatchEnds()
+    options = dict(batch_size=6, steps_per_epoch=3, epochs=3, shuffle=False, verbose=0)
+    keras_dp.fit_sharded(model(), x, y, devices=devices(2), callbacks=[ours], **options)
+    with pytest.warns(UserWarning, match="ran out of data"):
+        model().fit(x, y, callbacks=[theirs], **options)
+    assert ours.ends == [0, 1, 2] * 3
+    assert theirs.ends == [0, 1, 2, 0, 0, 1, 2]
 
 
 @pytest.mark.parametrize("bad, message", [
