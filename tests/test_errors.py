@@ -307,3 +307,20 @@ def test_a_list_of_strings_as_x_is_named_as_text_with_the_fix():
         "x is a Python list of 20 strings; keras_dp compiles its steps with JAX, which has "
         "no strings. Turn the text into token ids in the input pipeline: adapt a "
         "keras.layers.TextVectorization (or StringLookup) on it")
+
+
+def test_a_pandas_frame_with_text_or_nullable_columns_is_named_with_the_fix():
+    # Was "an array of dtype object ...; ragged sequences become `object`
+    # arrays: pad them" (model.fit: "Invalid dtype: str"). A category or
+    # nullable y of whole numbers is read as numbers, and trains.
+    pd = pytest.importorskip("pandas")
+    frame = pd.DataFrame({"a": np.arange(4.0), "b": ["u", "v"] * 2,
+                          "c": pd.array([1, None] * 2, dtype="Int64")})
+    with pytest.raises(ValueError) as error:
+        keras_dp.fit_sharded(mlp(), frame, np.zeros(4), verbose=0, devices=devices(2))
+    text = str(error.value).replace("'b' (object)", "'b' (str)")  # pandas 2 names str "object"
+    assert text == (
+        "x is a pandas DataFrame with columns numpy reads as objects, not numbers: "
+        "'b' (str), 'c' (Int64). keras_dp, like model.fit, trains on numeric arrays: "
+        "encode text or category columns as numbers (pd.get_dummies, or .cat.codes), and "
+        "make nullable columns floats, filling missing values first: .astype('float32').")

@@ -17,6 +17,7 @@ import numpy as np
 from keras_dp.pipeline.arrays import ArrayBatches
 from keras_dp.pipeline.batch import batch_rows
 from keras_dp.pipeline.batch import check_count
+from keras_dp.pipeline.batch import check_frames
 from keras_dp.pipeline.batch import check_not_scalars
 from keras_dp.pipeline.batch import check_not_ragged
 from keras_dp.pipeline.batch import class_weight_to_sample_weight
@@ -83,6 +84,7 @@ def make_batches(x, y=None, sample_weight=None, *, batch_size=None, shuffle=Fals
         if isinstance(x, tuple) and y is None:
             x, y, sample_weight = unpack(x)
         x, y, sample_weight = densify((x, y, sample_weight))
+        check_frames(x, y, sample_weight)
         check_not_ragged(x)
         check_not_scalars(x, y, sample_weight)
         return ArrayBatches(x, y, sample_weight, batch_size=batch_size,
@@ -196,6 +198,7 @@ def split_validation(x, y, sample_weight, validation_split, validation_data=None
     if isinstance(x, tuple) and y is None:
         x, y, sample_weight = unpack(x)
     x, y, sample_weight = densify((x, y, sample_weight))
+    check_frames(x, y, sample_weight)
     check_not_ragged(x)
     check_not_scalars(x, y, sample_weight)
     arrays = jax.tree.map(np.asarray, (x, y, sample_weight))

@@ -42,6 +42,34 @@ def densify(tree):
     return jax.tree.map(_dense, tree)
 
 
+def check_frames(x, y, sample_weight):
+    """Raise a `ValueError` naming the columns if a pandas `x`, `y` or `sample_weight` is not numeric.
+
+    numpy reads a frame with a text column, or with a nullable (`Int64`)
+    column, as an `object` array, which neither keras_dp nor `model.fit`
+    trains on; the message names those columns and how to convert them.
+    """
+    for name, part in (("x", x), ("y", y), ("sample_weight", sample_weight)):
+        for leaf in jax.tree.leaves(part):
+            if not type(leaf).__module__.startswith("pandas"):
+                continue
+            dtypes = getattr(leaf, "dtypes", None)
+            columns = dtypes.items() if hasattr(dtypes, "items") else [
+                (getattr(leaf, "name", None), getattr(leaf, "dtype", None))]
+            odd = [(column, dtype) for column, dtype in columns
+                   if not (isinstance(dtype, np.dtype) and dtype.kind in "biuf")]
+            if not odd or np.asarray(leaf).dtype.kind in "biuf":
+                continue
+            listed = ", ".join(f"{column!r} ({dtype})" for column, dtype in odd[:6])
+            listed += f", ... ({len(odd)} in all)" if len(odd) > 6 else ""
+            raise ValueError(
+                f"{name} is a pandas {type(leaf).__name__} with columns numpy reads as "
+                f"objects, not numbers: {listed}. keras_dp, like model.fit, trains on "
+                "numeric arrays: encode text or category columns as numbers "
+                "(pd.get_dummies, or .cat.codes), and make nullable columns floats, "
+                "filling missing values first: .astype('float32').")
+
+
 def is_sparse(leaf):
     """Whether `leaf` is a `scipy.sparse` matrix or array, or a `tf.SparseTensor`."""
     module = type(leaf).__module__
