@@ -1,5 +1,7 @@
 """Bad input fails at once, with a message that names the problem and the fix."""
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -324,3 +326,14 @@ def test_a_pandas_frame_with_text_or_nullable_columns_is_named_with_the_fix():
         "'b' (str), 'c' (Int64). keras_dp, like model.fit, trains on numeric arrays: "
         "encode text or category columns as numbers (pd.get_dummies, or .cat.codes), and "
         "make nullable columns floats, filling missing values first: .astype('float32').")
+
+
+def test_a_dataset_of_dicts_without_labels_is_told_to_map_them_to_tuples():
+    # A TFDS-style element {"image", "label"} is all x (model.fit reads it so
+    # too, and fails on the structure); the message said only "pass y".
+    batches = [{"image": np.zeros((4, 28, 28, 1)), "label": np.zeros(4)}]
+    with pytest.raises(ValueError, match=re.escape(
+            "has no labels: pass y (or (x, y) batches); a batch that is a dict (keys "
+            "['image', 'label']) is all x, as in model.fit: map it to a tuple, "
+            "dataset.map(lambda d: (d['image'], d['label']))")):
+        keras_dp.fit_sharded(mlp(), batches, verbose=0, devices=devices(2))
