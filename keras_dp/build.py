@@ -217,6 +217,10 @@ def build(model, batch, for_training=True, data="the data"):
             and not _compat.custom_step(model, "train_step")):
         fix = ("give it labels, validation_data=(x_val, y_val) or (x, y) batches"
                if "validation" in data else "pass y (or (x, y) batches)")
+        if isinstance(x, dict):  # a tf.data element of features and label, as TFDS gives
+            fix += (f"; a batch that is a dict (keys {sorted(x)}) is all x, as in "
+                    "model.fit: map it to a tuple, dataset.map(lambda d: (d['image'], "
+                    "d['label']))")
         raise ValueError(
             f"The model is compiled with a loss ({_loss_name(model.loss)}), but {data} "
             f"has no labels: {fix}. A model whose losses all come from add_loss "

@@ -369,6 +369,13 @@ class ShardedTrainer:
                 # Bad validation labels fail now, not after epoch 1.
                 self._builder.build(pipeline.unpack(val.peek()), data="the validation data")
             callbacks_lib.check_validation_freq(validation_freq)
+            pipeline.check_one_pass(batches, epochs - initial_epoch, "x",
+                                    f"epochs={epochs}, initial_epoch={initial_epoch}")
+            if val is not None:
+                validations = sum(callbacks_lib.should_validate(epoch, validation_freq)
+                                  for epoch in range(initial_epoch, epochs))
+                pipeline.check_one_pass(val, validations, "validation_data",
+                                        f"epochs={epochs}, validation_freq={validation_freq!r}")
             labels_lib.check_data(self.model, (batches, "the training data"),
                                   (val, "the validation data"))
             settings += agreement.settings(

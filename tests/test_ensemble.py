@@ -289,6 +289,23 @@ def test_member_shuffle_needs_shuffled_arrays_and_scoring_needs_labels(mnist):
 
 
 @pytest.mark.slow
+def test_a_generator_read_for_several_epochs_is_refused_before_any_step(mnist):
+    # As fit_sharded refuses it: before, epoch 2 raised "yielded no batches".
+    (x, y), _ = mnist
+    trainer = keras_dp.EnsembleTrainer(build_mlp, 2, devices=devices(2))
+
+    def batches():
+        yield from [(x[:64], y[:64]), (x[64:128], y[64:128])]
+
+    with pytest.raises(ValueError, match=r"`x` is a one-shot iterator .* read it 2 times "
+                       r"\(epochs=2\)"):
+        trainer.fit(batches(), epochs=2, verbose=0)
+    with pytest.raises(ValueError, match=r"`validation_data` is a one-shot iterator .* read "
+                       r"it 2 times \(epochs=2, validation_freq=1\)"):
+        trainer.fit(x[:64], y[:64], epochs=2, validation_data=batches(), verbose=0)
+
+
+@pytest.mark.slow
 def test_cli_prints_each_member_and_the_ensemble_and_saves_the_model(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "keras_dp", "train", "--ensemble", "4", "--cpu-devices", "2",

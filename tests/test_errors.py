@@ -1,5 +1,7 @@
 """Bad input fails at once, with a message that names the problem and the fix."""
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -315,3 +317,43 @@ def test_trainer_counts_are_checked_when_it_is_made(argument, value, error, mess
     with pytest.raises(error) as raised:
         keras_dp.ShardedTrainer(mlp(), devices=devices(2), **{argument: value})
     assert str(raised.value).startswith(message)
+
+
+def test_a_list_of_strings_as_x_is_named_as_text_with_the_fix():
+    # Was "x is a Python list of 20 numbers ... pass an array: np.asarray(x)",
+    # and np.asarray(x) then failed as text. model.fit says "Unrecognized data type".
+    with pytest.raises(ValueError) as error:
+        keras_dp.fit_sharded(mlp(), ["a cat", "a dog"] * 10, np.zeros(20), verbose=0,
+                             devices=devices(2))
+    assert str(error.value).startswith(
+        "x is a Python list of 20 strings; keras_dp compiles its steps with JAX, which has "
+        "no strings. Turn the text into token ids in the input pipeline: adapt a "
+        "keras.layers.TextVectorization (or StringLookup) on it")
+
+
+def test_a_pandas_frame_with_text_or_nullable_columns_is_named_with_the_fix():
+    # Was "an array of dtype object ...; ragged sequences become `object`
+    # arrays: pad them" (model.fit: "Invalid dtype: str"). A category or
+    # nullable y of whole numbers is read as numbers, and trains.
+    pd = pytest.importorskip("pandas")
+    frame = pd.DataFrame({"a": np.arange(4.0), "b": ["u", "v"] * 2,
+                          "c": pd.array([1, None] * 2, dtype="Int64")})
+    with pytest.raises(ValueError) as error:
+        keras_dp.fit_sharded(mlp(), frame, np.zeros(4), verbose=0, devices=devices(2))
+    text = str(error.value).replace("'b' (object)", "'b' (str)")  # pandas 2 names str "object"
+    assert text == (
+        "x is a pandas DataFrame with columns numpy reads as objects, not numbers: "
+        "'b' (str), 'c' (Int64). keras_dp, like model.fit, trains on numeric arrays: "
+        "encode text or category columns as numbers (pd.get_dummies, or .cat.codes), and "
+        "make nullable columns floats, filling missing values first: .astype('float32').")
+
+
+def test_a_dataset_of_dicts_without_labels_is_told_to_map_them_to_tuples():
+    # A TFDS-style element {"image", "label"} is all x (model.fit reads it so
+    # too, and fails on the structure); the message said only "pass y".
+    batches = [{"image": np.zeros((4, 28, 28, 1)), "label": np.zeros(4)}]
+    with pytest.raises(ValueError, match=re.escape(
+            "has no labels: pass y (or (x, y) batches); a batch that is a dict (keys "
+            "['image', 'label']) is all x, as in model.fit: map it to a tuple, "
+            "dataset.map(lambda d: (d['image'], d['label']))")):
+        keras_dp.fit_sharded(mlp(), batches, verbose=0, devices=devices(2))

@@ -118,6 +118,50 @@ class Endless(Batches):
         return super().__getitem__(index % (len(self.x) // BATCH))
 
 
+class EndlessEvents(keras.utils.PyDataset):
+    """An endless PyDataset of `tiny_data`'s 6-row batches that records its calls in `events`."""
+
+    def __init__(self):
+        super().__init__()
+        self.x, self.y, _ = tiny_data(18)
+        self.events = []
+
+    @property
+    def num_batches(self):
+        return None
+
+    def __getitem__(self, index):
+        self.events.append("get")
+        rows = slice(index % 3 * 6, index % 3 * 6 + 6)
+        return self.x[rows], self.y[rows]
+
+    def on_epoch_begin(self):
+        self.events.append("begin")
+
+    def on_epoch_end(self):
+        self.events.append("end")
+
+
+def test_an_endless_py_dataset_gets_its_epoch_hooks_around_each_epoch_as_in_model_fit():
+    # Before: on_epoch_begin twice before epoch 1 (the first batch's peek, then the
+    # stream), on_epoch_end never; model.fit calls both each epoch.
+    data, validation = EndlessEvents(), EndlessEvents()
+    model, expected = tiny(), tiny()
+    history = keras_dp.fit_sharded(model, data, epochs=3, steps_per_epoch=2, verbose=0,
+                                   validation_data=validation, validation_steps=1,
+                                   devices=devices(3)).history
+    want = expected.fit(EndlessEvents(), epochs=3, steps_per_epoch=2, verbose=0,
+                        validation_data=EndlessEvents(), validation_steps=1).history
+    for name in want:
+        np.testing.assert_allclose(history[name], want[name], rtol=1e-5, err_msg=name)
+    assert_weights_close(model, expected)
+    # The stream goes on across epochs: batches 0, 1 | 2, 3 | 4, 5 (rows 0-5, 6-11, 12-17, ...).
+    # The first "get": batch 0 read ahead, to build the model.
+    assert data.events == ["get"] + ["begin", "get", "get", "end"] * 3
+    assert validation.events[-3:] == ["begin", "get", "end"]
+    assert validation.events.count("begin") == validation.events.count("end") >= 3
+
+
 def test_validation_batch_size_slices_validation_arrays_as_in_model_fit(data):
     x, y = data
     options = dict(batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
@@ -182,6 +226,91 @@ def test_a_torch_data_loader_trains(data):
     dataset = torch.utils.data.TensorDataset(torch.from_numpy(x), torch.from_numpy(y.astype("int64")))
     loader = torch.utils.data.DataLoader(dataset, batch_size=BATCH)
     assert_falls(fit(mlp(), loader))
+
+
+# -- Inputs users bring: pandas, sparse matrices, a progress bar ---------------
+
+def tiny(seed=0):
+    """A 4-feature, 3-class softmax MLP under SGD: fast, and equal to Keras to rounding."""
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, activation="relu"),
+                              keras.layers.Dense(3, activation="softmax")])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+    return model
+
+
+def tiny_data(rows=20):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(rows, 4)).astype("float32")
+    x[rng.random(x.shape) < 0.6] = 0  # mostly zeros, as a sparse matrix's are
+    return x, rng.integers(0, 3, rows), rng.random(rows).astype("float32")
+
+
+def assert_fit_equals_keras(x_keras, y_keras, x, y, **kwargs):
+    """`fit_sharded(tiny(), x, y)` on 3 devices equals `tiny().fit(x_keras, y_keras)`."""
+    kwargs = dict(dict(batch_size=6, epochs=2, shuffle=False, verbose=0), **kwargs)
+    expected, model = tiny(), tiny()
+    want = expected.fit(x_keras, y_keras, **kwargs).history
+    got = keras_dp.fit_sharded(model, x, y, devices=devices(3), **kwargs).history
+    assert list(got) == list(want)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, err_msg=name)
+    assert_weights_close(model, expected)
+    return model
+
+
+def test_evaluate_and_predict_show_kerass_progress_bar_by_default(capsys):
+    # Before, their default verbose="auto" failed in Keras's ProgbarLogger
+    # with KeyError: 'epochs' (model.evaluate and model.predict pass epochs=1).
+    x, y, _ = tiny_data()
+    model = tiny()
+    trainer = keras_dp.ShardedTrainer(model, devices=devices(3))
+    np.testing.assert_allclose(trainer.predict(x, batch_size=8),
+                               model.predict(x, batch_size=8, verbose=0), rtol=1e-6)
+    np.testing.assert_allclose(trainer.evaluate(x, y, batch_size=8),
+                               model.evaluate(x, y, batch_size=8, verbose=0), rtol=1e-6)
+    out = capsys.readouterr().out
+    # 20 rows in batches of 8: 3 steps; evaluate's bar ends with its logs.
+    assert "3/3" in out and "accuracy: " in out, out
+
+
+def test_pandas_data_frames_and_series_train_as_in_model_fit():
+    pd = pytest.importorskip("pandas")
+    x, y, sample_weight = tiny_data()
+    frame, labels = pd.DataFrame(x, columns=list("abcd")), pd.Series(y)
+    weights_ = pd.Series(sample_weight)
+    model = assert_fit_equals_keras(frame, labels, frame, labels.to_frame(),
+                                    sample_weight=weights_, validation_data=(frame, labels))
+    trainer = keras_dp.ShardedTrainer(model, devices=devices(3))
+    np.testing.assert_allclose(trainer.predict(frame, batch_size=7, verbose=0),
+                               model.predict(x, batch_size=7, verbose=0), rtol=1e-6)
+
+
+@pytest.mark.parametrize("kind", [
+    "scipy.sparse",
+    pytest.param("tf.SparseTensor", marks=pytest.mark.slow),
+    pytest.param("tf.data of SparseTensor", marks=pytest.mark.slow)])
+def test_a_sparse_x_trains_as_the_dense_matrix_as_in_model_fit(kind):
+    # Before, a sparse x beside y was refused with "`y` and `sample_weight`
+    # go with array inputs only; a dataset carries its own".
+    x, y, _ = tiny_data()
+    if kind == "scipy.sparse":
+        sparse = pytest.importorskip("scipy.sparse").csr_matrix(x)
+    else:
+        tf = pytest.importorskip("tensorflow")
+        sparse = tf.sparse.from_dense(x)
+    if kind == "tf.data of SparseTensor":
+        data = tf.data.Dataset.from_tensor_slices((sparse, y)).batch(6)
+        assert_fit_equals_keras(data, None, data, None, batch_size=None, validation_data=data)
+        return
+    if kind == "tf.SparseTensor":
+        assert_fit_equals_keras(x, y, sparse, y, validation_data=(sparse, y))
+        return
+    model = assert_fit_equals_keras(x, y, sparse, y, validation_split=0.3)
+    trainer = keras_dp.ShardedTrainer(model, devices=devices(3))
+    np.testing.assert_allclose(trainer.predict(sparse, batch_size=7, verbose=0),
+                               model.predict(x, batch_size=7, verbose=0), rtol=1e-6)
 
 
 # -- Models ------------------------------------------------------------------

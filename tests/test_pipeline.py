@@ -5,7 +5,7 @@ import tensorflow as tf
 import pytest
 
 import keras_dp
-from conftest import devices, mlp
+from conftest import BatchEnds, devices, mlp, sgd_mlp
 
 
 def test_prefetch_keeps_order_raises_in_place_and_stops_when_closed():
@@ -43,12 +43,45 @@ def test_a_dataset_that_yields_nothing_is_refused(data):
         keras_dp.fit_sharded(mlp(), data, verbose=0, devices=devices(2))
 
 
-def test_a_generator_used_up_after_one_epoch_is_refused_in_the_next(mnist):
+def test_a_generator_read_for_several_epochs_is_refused_before_any_step(mnist):
+    # A generator is used up by epoch 1. Refused once epoch 1 had trained,
+    # before; model.fit trains epoch 2 on the generator's first 2 batches again.
     (x, y), _ = mnist
     batches = ((x[i:i + 64], y[i:i + 64]) for i in range(0, 128, 64))
     model = mlp()
-    with pytest.raises(ValueError, match="yielded no batches in epoch 1.*re-iterable"):
-        keras_dp.fit_sharded(model, batches, epochs=2, verbose=0, devices=devices(2))
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(ValueError, match=r"`x` is a one-shot iterator .* read it 2 times "
+                       r"\(epochs=3, initial_epoch=1\).*`steps_per_epoch`"):
+        keras_dp.fit_sharded(model, batches, epochs=3, initial_epoch=1, verbose=0,
+                             devices=devices(2))
+    for old, new in zip(before, model.get_weights(), strict=True):
+        np.testing.assert_array_equal(old, new)
+    assert int(model.optimizer.iterations.numpy()) == 0
+
+
+def test_a_validation_generator_read_at_several_epochs_is_refused_at_once(mnist):
+    # Before, epoch 2's validation raised "yielded no batches in epoch 0"
+    # after training epoch 2. Read once (validation_freq), or with
+    # validation_steps (read on from where it stopped), it is scored.
+    (x, y), _ = mnist
+    x, y = x[:128], y[:128]
+
+    def batches():
+        for i in range(0, 128, 64):
+            yield x[i:i + 64], y[i:i + 64]
+
+    with pytest.raises(ValueError, match=r"`validation_data` is a one-shot iterator .* read "
+                       r"it 2 times \(epochs=2, validation_freq=1\).*`validation_steps`"):
+        keras_dp.fit_sharded(mlp(), x, y, epochs=2, validation_data=batches(), verbose=0,
+                             devices=devices(2))
+    history = keras_dp.fit_sharded(sgd_mlp(), x, y, epochs=2, validation_freq=2, shuffle=False,
+                                   validation_data=batches(), verbose=0, devices=devices(2))
+    expected = sgd_mlp().fit(x, y, epochs=2, validation_freq=2, validation_data=(x, y),
+                             shuffle=False, verbose=0)
+    assert len(history.history["val_loss"]) == 1
+    np.testing.assert_allclose(history.history["val_loss"], expected.history["val_loss"],
+                               rtol=1e-5)
+    np.testing.assert_allclose(history.history["loss"], expected.history["loss"], rtol=1e-5)
 
 
 def test_arrays_without_rows_are_refused():
@@ -86,6 +119,32 @@ def test_steps_per_epoch_reads_an_endless_dataset_and_stops_a_short_generator(mn
         history = keras_dp.fit_sharded(model, short, steps_per_epoch=5, epochs=3, verbose=0,
                                        devices=devices(2))
     assert int(model.optimizer.iterations.numpy()) == 7 and history.epoch == [0, 1]
+
+
+def test_steps_per_epoch_runs_on_into_the_next_pass_where_model_fit_cuts_the_epoch_short():
+    # What README's "Any batch size, exactly" says: 20 rows in batches of 6 are
+    # 4 batches a pass; with steps_per_epoch=3, keras_dp's epoch 2 is batch 4
+    # (2 rows) then batches 1 and 2 of the next pass. Keras's ends after batch
+    # 4 ("Your input ran out of data") and epoch 3 starts the next pass.
+    import keras
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(20, 4)).astype("float32"), rng.integers(0, 3, 20)
+
+    def model():
+        keras.utils.set_random_seed(0)
+        built = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        built.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True))
+        return built
+
+    ours, theirs = BatchEnds(), BatchEnds()
+    options = dict(batch_size=6, steps_per_epoch=3, epochs=3, shuffle=False, verbose=0)
+    keras_dp.fit_sharded(model(), x, y, devices=devices(2), callbacks=[ours], **options)
+    with pytest.warns(UserWarning, match="ran out of data"):
+        model().fit(x, y, callbacks=[theirs], **options)
+    assert ours.ends == [0, 1, 2] * 3
+    assert theirs.ends == [0, 1, 2, 0, 0, 1, 2]
 
 
 @pytest.mark.parametrize("bad, message", [

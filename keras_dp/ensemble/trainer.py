@@ -173,6 +173,11 @@ class EnsembleTrainer:
             if validation_steps is not None:
                 val = pipeline.FirstSteps(val, validation_steps)
             self.build(val.peek())  # bad validation labels fail now, not after epoch 1
+            pipeline.check_one_pass(
+                val, sum(callbacks_lib.should_validate(epoch, validation_freq)
+                         for epoch in range(epochs)),
+                "validation_data", f"epochs={epochs}, validation_freq={validation_freq!r}")
+        pipeline.check_one_pass(sources[0], epochs, "x", f"epochs={epochs}")
         callbacks = callbacks_lib.callback_list(
             callbacks, self.averaging_model(), verbose, epochs=epochs,
             steps=sources[0].steps)

@@ -1,7 +1,8 @@
 """The host input pipeline: user data to host batches, epoch after epoch.
 
 keras_dp accepts what `model.fit` accepts most often: numpy arrays (`x`, `y`,
-`sample_weight`; `x` may be a dict or list of arrays), a `(x, y)` or
+`sample_weight`; `x` may be a dict or list of arrays; pandas objects and
+sparse matrices, densified, count as arrays), a `(x, y)` or
 `(x, y, sample_weight)` tuple of arrays, a `tf.data.Dataset` of batches, a
 `keras.utils.PyDataset`, or any re-iterable of such batches. `make_batches`
 turns each into a `Batches` object (`ArrayBatches` or `IterableBatches`)
@@ -16,9 +17,12 @@ import numpy as np
 from keras_dp.pipeline.arrays import ArrayBatches
 from keras_dp.pipeline.batch import batch_rows
 from keras_dp.pipeline.batch import check_count
+from keras_dp.pipeline.batch import check_frames
 from keras_dp.pipeline.batch import check_not_scalars
 from keras_dp.pipeline.batch import check_not_ragged
 from keras_dp.pipeline.batch import class_weight_to_sample_weight
+from keras_dp.pipeline.batch import densify
+from keras_dp.pipeline.batch import is_sparse
 from keras_dp.pipeline.batch import unpack
 from keras_dp.pipeline.iterables import IterableBatches
 from keras_dp.pipeline.iterables import hide_gpus_from_tensorflow
@@ -35,6 +39,7 @@ __all__ = [
     "StepsPerEpoch",
     "batch_rows",
     "check_count",
+    "check_one_pass",
     "class_weight_to_sample_weight",
     "group_steps",
     "hide_gpus_from_tensorflow",
@@ -78,6 +83,8 @@ def make_batches(x, y=None, sample_weight=None, *, batch_size=None, shuffle=Fals
     if is_array_data(x, y):
         if isinstance(x, tuple) and y is None:
             x, y, sample_weight = unpack(x)
+        x, y, sample_weight = densify((x, y, sample_weight))
+        check_frames(x, y, sample_weight)
         check_not_ragged(x)
         check_not_scalars(x, y, sample_weight)
         return ArrayBatches(x, y, sample_weight, batch_size=batch_size,
@@ -94,6 +101,32 @@ def make_batches(x, y=None, sample_weight=None, *, batch_size=None, shuffle=Fals
             "(for tf.data, `dataset.batch(n)`)."
         )
     return IterableBatches(x, class_weight=class_weight, shuffle=shuffle, seed=seed)
+
+
+def check_one_pass(batches, passes, what, epochs):
+    """Raise a `ValueError` at once if a one-shot iterator would be read `passes` times.
+
+    A generator is used up by its first pass, so the passes after it would
+    have no data; `model.fit` trains (or validates) them on the
+    generator's first 2 batches again, which it kept to look at.
+    `StepsPerEpoch` and `FirstSteps` read on from where they stopped, so
+    they pass.
+
+    Args:
+        batches: the `Batches` to read.
+        passes: how many times they would be read whole.
+        what: the argument they came from (`"x"`, `"validation_data"`).
+        epochs: what decides `passes`, as text for the message.
+    """
+    if passes <= 1 or getattr(batches, "reiterable", True):
+        return
+    steps = "steps_per_epoch" if what == "x" else "validation_steps"
+    raise ValueError(
+        f"`{what}` is a one-shot iterator (a generator), used up by one pass, and "
+        f"this fit would read it {passes} times ({epochs}): every pass after the "
+        f"first would have no data. Pass `{steps}` with a generator that never "
+        "ends, or data that can be read again: arrays, a list of batches, a "
+        "tf.data.Dataset or a keras.utils.PyDataset.")
 
 
 def validation_tuple(validation_data):
@@ -164,6 +197,8 @@ def split_validation(x, y, sample_weight, validation_split, validation_data=None
         )
     if isinstance(x, tuple) and y is None:
         x, y, sample_weight = unpack(x)
+    x, y, sample_weight = densify((x, y, sample_weight))
+    check_frames(x, y, sample_weight)
     check_not_ragged(x)
     check_not_scalars(x, y, sample_weight)
     arrays = jax.tree.map(np.asarray, (x, y, sample_weight))
@@ -191,12 +226,16 @@ def is_array_data(x, y=None):
     # A list or tuple beside `y` is several model inputs, as in `model.fit`.
     # Alone, a list of arrays of one row count is too (`model.predict([a, b])`);
     # any other list is a list of batches.
-    return isinstance(x, dict) or hasattr(x, "__array__") or (
+    return isinstance(x, dict) or _is_array(x) or (
         isinstance(x, (list, tuple)) and (y is not None or _inputs_alone(x))
     )
 
 
+def _is_array(x):
+    return hasattr(x, "__array__") or is_sparse(x)
+
+
 def _inputs_alone(x):
-    return bool(x) and all(hasattr(item, "__array__") for item in x) and len(
+    return bool(x) and all(_is_array(item) for item in x) and len(
         {np.shape(item)[:1] for item in x}) == 1
 

@@ -7,6 +7,14 @@ import keras
 import numpy as np
 
 
+# How to feed text: what the messages refusing strings say.
+TEXT_FIX = (
+    "Turn the text into token ids in the input pipeline: adapt a "
+    "keras.layers.TextVectorization (or StringLookup) on it, then "
+    "tf.data.Dataset.from_tensor_slices((x, y)).map(lambda s, y: (vectorize(s), y))"
+    ".batch(...), or call the layer on the arrays first.")
+
+
 def unpack(batch):
     """Split a batch into `(x, y, sample_weight)`, `None` where absent.
 
@@ -22,6 +30,61 @@ def unpack(batch):
             )
         return tuple(batch) + (None,) * (3 - len(batch))
     return batch, None, None
+
+
+def densify(tree):
+    """`tree` with each sparse matrix (`scipy.sparse`, `tf.SparseTensor`) made a dense numpy array.
+
+    Keras's `model.fit` reads such an `x` as the dense matrix it stands
+    for; keras_dp slices rows of dense arrays, so it densifies them once,
+    on the host (the memory of the dense array).
+    """
+    return jax.tree.map(_dense, tree)
+
+
+def check_frames(x, y, sample_weight):
+    """Raise a `ValueError` naming the columns if a pandas `x`, `y` or `sample_weight` is not numeric.
+
+    numpy reads a frame with a text column, or with a nullable (`Int64`)
+    column, as an `object` array, which neither keras_dp nor `model.fit`
+    trains on; the message names those columns and how to convert them.
+    """
+    for name, part in (("x", x), ("y", y), ("sample_weight", sample_weight)):
+        for leaf in jax.tree.leaves(part):
+            if not type(leaf).__module__.startswith("pandas"):
+                continue
+            dtypes = getattr(leaf, "dtypes", None)
+            columns = dtypes.items() if hasattr(dtypes, "items") else [
+                (getattr(leaf, "name", None), getattr(leaf, "dtype", None))]
+            odd = [(column, dtype) for column, dtype in columns
+                   if not (isinstance(dtype, np.dtype) and dtype.kind in "biuf")]
+            if not odd or np.asarray(leaf).dtype.kind in "biuf":
+                continue
+            listed = ", ".join(f"{column!r} ({dtype})" for column, dtype in odd[:6])
+            listed += f", ... ({len(odd)} in all)" if len(odd) > 6 else ""
+            raise ValueError(
+                f"{name} is a pandas {type(leaf).__name__} with columns numpy reads as "
+                f"objects, not numbers: {listed}. keras_dp, like model.fit, trains on "
+                "numeric arrays: encode text or category columns as numbers "
+                "(pd.get_dummies, or .cat.codes), and make nullable columns floats, "
+                "filling missing values first: .astype('float32').")
+
+
+def is_sparse(leaf):
+    """Whether `leaf` is a `scipy.sparse` matrix or array, or a `tf.SparseTensor`."""
+    module = type(leaf).__module__
+    return (module.startswith("scipy.sparse") and hasattr(leaf, "toarray")) or (
+        module.startswith("tensorflow") and type(leaf).__name__ == "SparseTensor")
+
+
+def _dense(leaf):
+    if not is_sparse(leaf):
+        return leaf
+    if hasattr(leaf, "toarray"):
+        return leaf.toarray()
+    import tensorflow as tf
+
+    return tf.sparse.to_dense(leaf).numpy()
 
 
 def batch_rows(batch):
@@ -107,6 +170,11 @@ def check_not_scalars(x, y, sample_weight):
     is meant as one value per sample, an array.
     """
     for name, part in (("x", x), ("y", y), ("sample_weight", sample_weight)):
+        if isinstance(part, (list, tuple)) and part and all(
+                isinstance(item, (str, bytes)) for item in part):
+            raise ValueError(
+                f"{name} is a Python {type(part).__name__} of {len(part)} strings; keras_dp "
+                f"compiles its steps with JAX, which has no strings. {TEXT_FIX}")
         if isinstance(part, (list, tuple)) and part and all(np.ndim(item) == 0 for item in part):
             raise ValueError(
                 f"{name} is a Python {type(part).__name__} of {len(part)} numbers. A list is "
@@ -170,11 +238,7 @@ def check_dtypes(batch, where="The data"):
         if _holds_text(leaf):
             raise ValueError(
                 f"{what} holding text; keras_dp compiles its steps with JAX, which "
-                "has no strings. Turn the text into token ids in the input pipeline: "
-                "adapt a keras.layers.TextVectorization (or StringLookup) on it, then "
-                "tf.data.Dataset.from_tensor_slices((x, y)).map(lambda s, y: "
-                "(vectorize(s), y)).batch(...), or call the layer on the arrays first."
-            )
+                f"has no strings. {TEXT_FIX}")
         raise ValueError(
             f"{what}; keras_dp trains on numeric arrays only. Convert it to "
             "numbers first; ragged sequences become `object` arrays: pad them to "

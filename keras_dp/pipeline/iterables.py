@@ -38,6 +38,8 @@ class IterableBatches:
         self._structure = None
         # Known for a PyDataset (its len), so the progress bar has a total.
         self.steps = getattr(self._source, "num_batches", None)
+        # An endless PyDataset, whose epochs `StepsPerEpoch` or `FirstSteps` mark.
+        self.epoch_hooks = getattr(self._source, "epoch_hooks", None)
         self.num_samples = None
         self.labels_checked = False
         self._label_check = None
@@ -177,8 +179,11 @@ class _PyDatasetEpochs:
     the order of an unbroken one); otherwise in index order. Keras shuffles
     with Python's unseeded `random`, so its order differs. Calls the
     dataset's `on_epoch_begin` and `on_epoch_end` around each pass, as
-    `model.fit` does, so per-epoch reshuffling inside it works. Batches
-    are read in this thread (`workers` and multiprocessing are not used).
+    `model.fit` does, so per-epoch reshuffling inside it works. An endless
+    one (`num_batches` None) has no passes: it is `epoch_hooks`, and
+    `StepsPerEpoch` and `FirstSteps` call them around each epoch they
+    read, as `model.fit` does. Batches are read in this thread (`workers`
+    and multiprocessing are not used).
     """
 
     def __init__(self, dataset, shuffle=False, seed=0):
@@ -190,17 +195,23 @@ class _PyDatasetEpochs:
     def num_batches(self):
         return self._dataset.num_batches
 
+    @property
+    def epoch_hooks(self):
+        """The dataset if it is endless (its epochs are marked by whoever counts them), else None."""
+        return self._dataset if self._dataset.num_batches is None else None
+
     def __iter__(self):
         return self.epoch(0)
 
     def epoch(self, epoch):
         """Yield epoch `epoch`'s batches in its order."""
-        self._dataset.on_epoch_begin()
         count = self._dataset.num_batches
         # No length: an endless dataset, for use with `steps_per_epoch`.
         if count is None:
-            indices = itertools.count()
-        elif self._shuffle:
+            yield from (self._dataset[index] for index in itertools.count())
+            return
+        self._dataset.on_epoch_begin()
+        if self._shuffle:
             indices = np.random.default_rng([self._seed, epoch]).permutation(count).tolist()
         else:
             indices = range(count)

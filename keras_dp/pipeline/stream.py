@@ -30,6 +30,21 @@ class FixedSteps:
         """Check the underlying data's labels (see its `check_labels`)."""
         self._batches.check_labels(check, what)
 
+    def _marked(self, batches):
+        """`batches`, between an endless PyDataset's `on_epoch_begin` and `on_epoch_end`.
+
+        Such a dataset has no passes to mark; `model.fit` calls both around
+        each epoch (and each evaluation) it reads, so per-epoch work in them
+        runs. `on_epoch_end` runs once the epoch's last batch is read.
+        """
+        hooks = getattr(self._batches, "epoch_hooks", None)
+        if hooks is None:
+            yield from batches
+            return
+        hooks.on_epoch_begin()
+        yield from batches
+        hooks.on_epoch_end()
+
 
 class StepsPerEpoch(FixedSteps):
     """Epochs of a fixed number of steps, drawn from one continuing stream.
@@ -66,7 +81,7 @@ class StepsPerEpoch(FixedSteps):
             if epochs is not None:  # where the stream starts, to save again if stopped there
                 self._states[(epoch, skip)] = epochs.restored(epoch, skip)
             self._stream = self._passes(epoch, skip)
-        return self._epoch(epoch, skip)
+        return self._marked(self._epoch(epoch, skip))
 
     def _epoch(self, epoch, skip):
         epochs = getattr(self._batches, "resumable", None)
@@ -122,6 +137,9 @@ class FirstSteps(FixedSteps):
 
     def epoch(self, epoch, skip=0):
         """Yield the data's first `steps` batches, from batch `skip` on."""
+        return self._marked(self._first(epoch, skip))
+
+    def _first(self, epoch, skip):
         count = skip
         for batch in itertools.islice(self._batches.epoch(epoch, skip), self._asked - skip):
             count += 1
