@@ -43,11 +43,13 @@ import jax
 import numpy as np
 
 from keras_dp import checkpoint_guard as guard
-from keras_dp.checkpoint_guard import DamagedCheckpointError  # noqa: F401 - raised here too
-from keras_dp.checkpoint_guard import DirectoryInUseError  # noqa: F401 - raised here too
 from keras_dp.pipeline.batch import batch_rows
 from keras_dp.state import TrainState
 from keras_dp.state import write_back
+
+# Raised by this module's restore and save too: users catch them from here.
+DamagedCheckpointError = guard.DamagedCheckpointError
+DirectoryInUseError = guard.DirectoryInUseError
 
 
 @dataclasses.dataclass(frozen=True)

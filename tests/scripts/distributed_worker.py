@@ -47,7 +47,7 @@ distributed.initialize()
 import jax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from many_hosts_data import IdHistogram, make_model, rows_of, share_ids  # noqa: E402
+from many_hosts_data import make_model, rows_of, share_ids  # noqa: E402
 
 
 def count_broadcasts():
