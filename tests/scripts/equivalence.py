@@ -19,6 +19,9 @@ parser.add_argument("--state-sharding", default="replicated",
                     help="the N-device runs' state_sharding modes, comma-separated "
                          "(the 1-device run is replicated)")
 parser.add_argument("--model", default="convnet", choices=["convnet", "odd"])
+parser.add_argument("--pairs", default=None,
+                    help="optimizer:mode pairs, comma-separated, instead of every "
+                         "optimizer with every --state-sharding mode")
 args = parser.parse_args()
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
 os.environ["KERAS_BACKEND"] = "jax"
@@ -76,9 +79,14 @@ def run(n_devices, batches, optimizer, state_sharding="replicated"):
 (x, y), _ = keras_dp.datasets.load_mnist()
 x = x[..., None].astype(keras.config.floatx())
 batches = [(x[i * 64:(i + 1) * 64], y[i * 64:(i + 1) * 64]) for i in range(args.steps)]
-for optimizer in args.optimizers.split(","):
+if args.pairs:
+    pairs = [pair.split(":") for pair in args.pairs.split(",")]
+else:
+    pairs = [(optimizer, mode) for optimizer in args.optimizers.split(",")
+             for mode in args.state_sharding.split(",")]
+for optimizer in dict.fromkeys(optimizer for optimizer, _ in pairs):
     losses_1, weights_1 = run(1, batches, optimizer)
-    for state_sharding in args.state_sharding.split(","):
+    for state_sharding in [mode for name, mode in pairs if name == optimizer]:
         losses_n, weights_n = run(args.devices, batches, optimizer, state_sharding)
         print(json.dumps({
             "optimizer": optimizer,
