@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 
 from keras_dp import _compat
+from keras_dp import agreement
 from keras_dp import build as build_lib
 from keras_dp import callbacks as callbacks_lib
 from keras_dp import checkpoint as checkpoint_lib
@@ -285,6 +286,8 @@ def train_batches(run, epoch, skip):
             run.callbacks.on_train_batch_end(index - 1, logs)
             timer.lap("callbacks_s")
             if throttle.failure is not None or run.model.stop_training:
+                if throttle.failure is None and run.trainer.multiprocess:
+                    _check_stop_everywhere(run, epoch, index - 1, placed)
                 break
         timer.lap("input_s")  # the wait that found the epoch's end
     throttle.drain()
@@ -294,6 +297,17 @@ def train_batches(run, epoch, skip):
     if throttle.failure is not None and not run.model.stop_training:
         raise FloatingPointError(inflight.failure_message(epoch, *throttle.failure))
     return logs
+
+
+def _check_stop_everywhere(run, epoch, batch, placed):
+    """Across processes, a stop before the epoch's last batch must be every process's.
+
+    A stop at the last batch needs nothing: every process goes on to the
+    epoch's end, where they agree (`stops_after`). Finding which it is
+    places the next batch (if any), which the stop then drops.
+    """
+    if next(placed, None) is not None:
+        agreement.stop_mid_epoch(run.trainer.placement, epoch, batch)
 
 
 def train_call(run, steps, device_batch, throttle, at):
