@@ -162,6 +162,26 @@ def stop_mid_epoch(placement, epoch, index):
         f"process's stop stops all. {_NO_LONGER}"))
 
 
+def same_start(placement, epoch):
+    """Check that every process's `BackupAndRestore` resumes at `epoch` (0-based), as this one's.
+
+    One round per fit with a `BackupAndRestore`: a backup that one process
+    sees and another does not would start them at different epochs.
+
+    Raises:
+        Disagreement: the processes start at different epochs.
+    """
+    starts = [values[0] for values in _gather(placement, [epoch], _absent("fit"))]
+    if len(set(starts)) > 1:
+        raise Disagreement(
+            "BackupAndRestore resumes fit at different epochs: " + ", ".join(
+                f"epoch {start + 1} on process {process}"
+                for process, start in enumerate(starts))
+            + ". Give every process the same backup_dir, on a filesystem they all "
+            "see (process 0 writes it; every process reads it)."
+        )
+
+
 def _gather(placement, values, message):
     """One round on a new channel; past `timeout()`, `NotEveryProcess(message(seconds, process))`."""
     seconds = timeout()

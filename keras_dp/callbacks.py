@@ -65,6 +65,12 @@ def for_this_process(callbacks):
     return kept
 
 
+def restores(callbacks):
+    """Whether a `CallbackList` holds a `BackupAndRestore` (or its `_RestoreOnly`)."""
+    return any(isinstance(callback, (keras.callbacks.BackupAndRestore, _RestoreOnly))
+               for callback in callbacks.callbacks)
+
+
 class _RestoreOnly(keras.callbacks.Callback):
     """A `BackupAndRestore` that restores in `on_train_begin` and writes nothing."""
 

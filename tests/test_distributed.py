@@ -407,9 +407,9 @@ CALLBACKS_WORKER = WORKER.parent / "process_callbacks_worker.py"
 def test_process_0_alone_writes_the_callbacks_files_and_evaluate_on_one_process_times_out(
         tmp_path):
     # Before, both processes ran ModelCheckpoint, CSVLogger, TensorBoard and
-    # BackupAndRestore on the same paths (2 event files per TensorBoard
-    # directory, 2 writers of each .h5), and evaluate on process 0 only
-    # waited for process 1 for ever.
+    # BackupAndRestore on the same paths (process 1's ModelCheckpoint failed
+    # with "BlockingIOError: unable to lock file"), and evaluate on process 0
+    # only waited for process 1 for ever.
     start = time.monotonic()
     codes, logs = run_pair(tmp_path, timeout=60, env={"KERAS_DP_AGREEMENT_TIMEOUT": "3"},
                            command=[sys.executable, str(CALLBACKS_WORKER), "files",
@@ -420,8 +420,9 @@ def test_process_0_alone_writes_the_callbacks_files_and_evaluate_on_one_process_
     assert re.findall(r"^SAVES (\d+)$", logs[0], re.MULTILINE) == ["4"]
     assert re.findall(r"^SAVES (\d+)$", logs[1], re.MULTILINE) == ["0"]
     files = tmp_path / "files"
+    # (the backup is gone: the resumed fit's BackupAndRestore deleted it at its end)
     assert sorted(path.name for path in files.iterdir()) == [
-        "backup", "log.csv", "tb", "w1.weights.h5", "w2.weights.h5"]
+        "log.csv", "tb", "w1.weights.h5", "w2.weights.h5"]
     rows = (files / "log.csv").read_text().splitlines()
     assert rows[0] == "epoch,loss,val_loss" and [row.split(",")[0] for row in rows[1:]] == [
         "0", "1"]
@@ -434,6 +435,15 @@ def test_process_0_alone_writes_the_callbacks_files_and_evaluate_on_one_process_
         "process 0 only (keras_dp.distributed.is_primary()). This process can no longer "
         "work with the others: let the error end it. (KERAS_DP_AGREEMENT_TIMEOUT sets how "
         "long a process waits.)"]
+    # Every process restores the backup process 0 wrote (epochs 1-2 done), or,
+    # when process 1 reads another directory, both refuse to start apart.
+    cases = [dict(re.findall(r"^CASE ([^:]+): (.*)$", log, re.MULTILINE)) for log in logs]
+    for case in cases:
+        assert case["resumed"] == "trained epochs [2]"
+        assert case["one backup"] == (
+            "Disagreement: BackupAndRestore resumes fit at different epochs: epoch 3 on "
+            "process 0, epoch 1 on process 1. Give every process the same backup_dir, on a "
+            "filesystem they all see (process 0 writes it; every process reads it).")
     # A stop after batch 1 of 4 on both processes trains 2 steps on both.
     for log in logs:
         assert "CASE both: trained 2 steps" in log, log[-3000:]

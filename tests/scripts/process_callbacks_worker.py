@@ -2,7 +2,9 @@
 
 `files DIR`: fits 2 epochs with ModelCheckpoint, CSVLogger, TensorBoard and
 BackupAndRestore writing under DIR, and prints `SAVES <n>` (this process's
-calls of `save_weights`); then a callback stops both processes after batch
+calls of `save_weights`); then a BackupAndRestore of DIR/backup resumes
+(`CASE resumed: ...`), unless process 1 reads another directory (`CASE one
+backup: ...`); then a callback stops both processes after batch
 1 of epoch 1 (`CASE both: trained <n> steps`); then process 0 alone calls
 `evaluate`, which must time out (KERAS_DP_AGREEMENT_TIMEOUT) and say why:
 `CASE evaluate: ...`.
@@ -64,6 +66,16 @@ def files(directory):
                          validation_data=data(8), callbacks=callbacks)
     print(f"SAVES {len(SAVES)}", flush=True)
     distributed.barrier("files written")
+    # The backup (epoch 2 of 2 done), seen by process 0 only, then by both.
+    for name, backup in [("one backup", "backup" if ME == 0 else "empty"),
+                         ("resumed", "backup")]:
+        try:
+            history = keras_dp.fit_sharded(
+                make_model(), *data(), batch_size=16, epochs=3, verbose=0,
+                callbacks=[keras.callbacks.BackupAndRestore(os.path.join(directory, backup))])
+            print(f"CASE {name}: trained epochs {history.epoch}", flush=True)
+        except Exception as error:
+            print(f"CASE {name}: {type(error).__name__}: {error}", flush=True)
     model = make_model()
     keras_dp.fit_sharded(model, *data(64), batch_size=16, epochs=2, verbose=0,
                          callbacks=[StopAfterBatch1((0, 1))])
