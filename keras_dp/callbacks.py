@@ -54,7 +54,8 @@ def for_this_process(callbacks):
     `on_train_begin` on every process, so that all resume at one epoch.
     A callback that reads the model also syncs it, which is collective when
     the state is split across processes: the caller then keeps them on
-    every process (`primary_writes=False`), as before.
+    every process (`primary_writes=False`), as before, writing the same
+    paths unless each process names its own.
     """
     kept = []
     for callback in keras.tree.flatten(callbacks or []):
