@@ -9,7 +9,10 @@ batches no process asked for. So `fit`, `evaluate` and `predict` prepare
 under `preparing` (their checks of the data and the building of the model), and then
 every process publishes either its settings or its error, in one round
 through JAX's coordination service (`keras_dp.exchange`): each process then
-raises the same clear error, or all train.
+raises the same clear error, or all train. A process whose peers do not
+come to the round (a call made on process 0 only, `if is_primary():
+trainer.evaluate(...)`) waits `timeout()` seconds at most and raises
+`NotEveryProcess`, instead of waiting for ever.
 """
 
 import contextlib
@@ -20,13 +23,40 @@ import zlib
 
 import jax
 
+from keras_dp import exchange as exchange_lib
+
 # An error's text travels as its bytes; this much of it is enough to say what.
 _MESSAGE_BYTES = 400
 _FAILED, _READY = 1, 0
+TIMEOUT_ENV = "KERAS_DP_AGREEMENT_TIMEOUT"
+DEFAULT_TIMEOUT = 300
 
 
 class Disagreement(ValueError):
     """The processes' settings of a call differ, or a process failed preparing it."""
+
+
+class NotEveryProcess(TimeoutError):
+    """A process did not come to a call (or a stop) that the others made, within `timeout()`."""
+
+
+def timeout():
+    """Seconds a process waits for the others at a round: `KERAS_DP_AGREEMENT_TIMEOUT`, else 300.
+
+    Raises:
+        ValueError: the variable is not a positive number.
+    """
+    text = os.environ.get(TIMEOUT_ENV)
+    if text is None:
+        return DEFAULT_TIMEOUT
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0
+    if not seconds > 0:
+        raise ValueError(f"The environment variable {TIMEOUT_ENV} is a number of seconds "
+                         f"above 0. Received: {TIMEOUT_ENV}={text!r}.") from None
+    return seconds
 
 
 def settings(trainer, batches, *, batch_size, epochs, initial_epoch, shuffle, validation,
@@ -95,6 +125,8 @@ def preparing(placement, call="fit"):
     Raises:
         Disagreement: a setting differs, or another process failed; the
             process that failed raises its own error.
+        NotEveryProcess: a process did not come to the round within
+            `timeout()` seconds.
     """
     found = []
     if not placement.multiprocess:
@@ -104,13 +136,72 @@ def preparing(placement, call="fit"):
         yield found
     except Exception as error:
         text = f"{type(error).__name__}: {error}".encode()[:_MESSAGE_BYTES]
-        _gather(placement, [_FAILED, *text])  # the others learn why, then stop too
+        with contextlib.suppress(NotEveryProcess):  # then this process's error alone
+            _gather(placement, [_FAILED, *text], _absent(call))  # the others learn why, stop too
         raise
-    _check(_gather(placement, [_READY, *(_code(value) for _, value in found)]), found, call)
+    _check(_gather(placement, [_READY, *(_code(value) for _, value in found)], _absent(call)),
+           found, call)
 
 
-def _gather(placement, values):
-    return placement.exchange.channel().all_gather(values)
+def stop_mid_epoch(placement, epoch, index):
+    """Check that every process stops after batch `index` of `epoch` (0-based), as this one does.
+
+    One round, only when `stop_training` ends an epoch before its last
+    batch: a process that did not stop there waits for this one in the next
+    step, and never comes to the round.
+
+    Raises:
+        NotEveryProcess: a process did not stop there within `timeout()` s.
+    """
+    _gather(placement, [index], lambda seconds, process: (
+        f"model.stop_training was set after batch {index} of epoch {epoch + 1} on "
+        f"process {jax.process_index()}, and process {process} did not stop there within "
+        f"{seconds:g} s: it waits for this process in the next step. Across processes a "
+        "callback must stop every process at the same batch (decide from the logs, "
+        "which are the same on every process), or at an epoch's end, where one "
+        f"process's stop stops all. {_NO_LONGER}"))
+
+
+def same_start(placement, epoch):
+    """Check that every process's `BackupAndRestore` resumes at `epoch` (0-based), as this one's.
+
+    One round per fit with a `BackupAndRestore`: a backup that one process
+    sees and another does not would start them at different epochs.
+
+    Raises:
+        Disagreement: the processes start at different epochs.
+    """
+    starts = [values[0] for values in _gather(placement, [epoch], _absent("fit"))]
+    if len(set(starts)) > 1:
+        raise Disagreement(
+            "BackupAndRestore resumes fit at different epochs: " + ", ".join(
+                f"epoch {start + 1} on process {process}"
+                for process, start in enumerate(starts))
+            + ". Give every process the same backup_dir, on a filesystem they all "
+            "see (process 0 writes it; every process reads it)."
+        )
+
+
+def _gather(placement, values, message):
+    """One round on a new channel; past `timeout()`, `NotEveryProcess(message(seconds, process))`."""
+    seconds = timeout()
+    try:
+        return placement.exchange.channel(timeout=seconds).all_gather(values)
+    except exchange_lib.TimedOut as error:
+        raise NotEveryProcess(message(seconds, error.process)) from None
+
+
+def _absent(call):
+    return lambda seconds, process: (
+        f"{call} on process {jax.process_index()} waited {seconds:g} s for every "
+        f"process to call {call} too, and process {process} did not. Across "
+        f"processes, call {call} on every process, each with its own share of the "
+        "data, and print or save its result on process 0 only "
+        f"(keras_dp.distributed.is_primary()). {_NO_LONGER}")
+
+
+_NO_LONGER = ("This process can no longer work with the others: let the error end it. "
+              f"({TIMEOUT_ENV} sets how long a process waits.)")
 
 
 def _code(value):

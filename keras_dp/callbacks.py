@@ -3,7 +3,8 @@
 `callback_list` makes the `keras.callbacks.CallbackList` `model.fit` would
 (History, progress bar); the rest are Keras's rules for logs and for
 `validation_freq`. The Keras model a callback reads is kept current by
-`keras_dp.state.LiveModel`.
+`keras_dp.state.LiveModel`. Across processes, Keras's callbacks that
+write files run on process 0 only (`for_this_process`).
 """
 
 import jax
@@ -14,23 +15,80 @@ from keras_dp import _compat
 from keras_dp import distributed as distributed_lib
 
 
-def callback_list(callbacks, model, verbose, history=True, **params):
+# Keras's callbacks that write files. Across processes every process would
+# write the same paths at once (a CSV of interleaved rows, two TensorBoard
+# event files per run, a checkpoint torn by two writers).
+FILE_WRITERS = (keras.callbacks.ModelCheckpoint, keras.callbacks.CSVLogger,
+                keras.callbacks.TensorBoard, keras.callbacks.BackupAndRestore)
+
+
+def callback_list(callbacks, model, verbose, history=True, primary_writes=True, **params):
     """The `CallbackList` `model.fit` would make: History, and a progress bar
     unless `verbose` is 0 (on process 0 only, across processes).
 
     `history=False` for `evaluate` and `predict`: as under Keras, they add
     no History, so `model.history` stays the last fit's. `verbose` reaches
     the callbacks' `params` as given (`"auto"` too, as in `model.fit`).
+    `primary_writes`: see `for_this_process`.
     """
     if isinstance(callbacks, keras.callbacks.CallbackList):
         return callbacks
     check_callbacks(callbacks)
     if not distributed_lib.is_primary():
         verbose = 0  # one progress bar, on process 0, for all processes
+        if primary_writes:
+            callbacks = for_this_process(callbacks)
     return keras.callbacks.CallbackList(
         callbacks, add_history=history, add_progbar=verbose != 0, model=model,
         verbose=verbose, **params,
     )
+
+
+def for_this_process(callbacks):
+    """`callbacks` as a process other than 0 runs them: without `FILE_WRITERS`.
+
+    As orbax writes from the primary host and `keras-dp train` saves on
+    process 0, only process 0 writes the files; the others skip those
+    callbacks (they see the same logs, so nothing else depends on them),
+    except that a `BackupAndRestore` still restores its backup in
+    `on_train_begin` on every process, so that all resume at one epoch.
+    A callback that reads the model also syncs it, which is collective when
+    the state is split across processes: the caller then keeps them on
+    every process (`primary_writes=False`), as before, writing the same
+    paths unless each process names its own.
+    """
+    kept = []
+    for callback in keras.tree.flatten(callbacks or []):
+        if isinstance(callback, keras.callbacks.BackupAndRestore):
+            kept.append(_RestoreOnly(callback))
+        elif not isinstance(callback, FILE_WRITERS):
+            kept.append(callback)
+    return kept
+
+
+def restores(callbacks):
+    """Whether a `CallbackList` holds a `BackupAndRestore` (or its `_RestoreOnly`)."""
+    return any(isinstance(callback, (keras.callbacks.BackupAndRestore, _RestoreOnly))
+               for callback in callbacks.callbacks)
+
+
+class _RestoreOnly(keras.callbacks.Callback):
+    """A `BackupAndRestore` that restores in `on_train_begin` and writes nothing."""
+
+    def __init__(self, backup):
+        super().__init__()
+        self._backup = backup
+
+    def set_model(self, model):
+        super().set_model(model)
+        self._backup.set_model(model)
+
+    def set_params(self, params):
+        super().set_params(params)
+        self._backup.set_params(params)
+
+    def on_train_begin(self, logs=None):
+        self._backup.on_train_begin(logs)
 
 
 def check_callbacks(callbacks):

@@ -17,6 +17,7 @@ two rounds' (a few bytes per channel, a few channels per epoch).
 """
 
 import itertools
+import time
 
 import jax
 
@@ -29,6 +30,18 @@ _exchanges = itertools.count()
 
 class Closed(Exception):
     """The reader of a channel went away while a round was waiting."""
+
+
+class TimedOut(Exception):
+    """A round waited its channel's `timeout` for a process that did not publish.
+
+    Attributes:
+        process: the first process whose values did not arrive.
+    """
+
+    def __init__(self, key, process):
+        super().__init__(key)
+        self.process = process
 
 
 class Exchange:
@@ -44,12 +57,13 @@ class Exchange:
         self._channels = itertools.count()
         self.rounds = 0
 
-    def channel(self, closed=None):
+    def channel(self, closed=None, timeout=None):
         """A new channel: call in the same order on every process.
 
-        `closed` (a `threading.Event`) ends a waiting round with `Closed`.
+        `closed` (a `threading.Event`) ends a waiting round with `Closed`;
+        past `timeout` seconds (None: never) a round raises `TimedOut`.
         """
-        return Channel(self, f"{self._prefix}/{next(self._channels)}", closed)
+        return Channel(self, f"{self._prefix}/{next(self._channels)}", closed, timeout)
 
     def any_process(self, flag):
         """Whether `flag` is true on any process (one round on a new channel)."""
@@ -59,8 +73,9 @@ class Exchange:
 class Channel:
     """Numbered rounds of `all_gather`, the same on every process."""
 
-    def __init__(self, exchange, name, closed):
+    def __init__(self, exchange, name, closed, timeout=None):
         self._exchange, self._name, self._closed = exchange, name, closed
+        self._timeout = timeout
         self._rounds = itertools.count()
 
     def all_gather(self, values):
@@ -72,13 +87,16 @@ class Channel:
 
         Raises:
             Closed: `closed` was set while waiting.
+            TimedOut: a process did not publish within the channel's `timeout`.
         """
         client, me = self._exchange._client, jax.process_index()
         index = next(self._rounds)
         client.key_value_set(self._key(index, me), _encode(values))
         if index >= 2:
             client.key_value_delete(self._key(index - 2, me))
-        gathered = [values if process == me else _decode(self._get(self._key(index, process)))
+        deadline = None if self._timeout is None else time.monotonic() + self._timeout
+        gathered = [values if process == me else
+                    _decode(self._get(self._key(index, process), process, deadline))
                     for process in range(jax.process_count())]
         self._exchange.rounds += 1
         return gathered
@@ -86,17 +104,21 @@ class Channel:
     def _key(self, index, process):
         return f"{self._name}/{index}/{process}"
 
-    def _get(self, key):
+    def _get(self, key, process, deadline):
         # A dead peer ends this process through the runtime's heartbeat; a
-        # closed reader ends the wait here, within a second.
+        # closed reader or the deadline ends the wait here, within a second.
         while True:
+            wait_ms = 1000 if deadline is None else int(
+                1000 * min(1, max(0.001, deadline - time.monotonic())))
             try:
-                return self._exchange._client.blocking_key_value_get(key, 1000)
+                return self._exchange._client.blocking_key_value_get(key, wait_ms)
             except jax.errors.JaxRuntimeError as error:
                 if "DEADLINE_EXCEEDED" not in str(error):
                     raise
             if self._closed is not None and self._closed.is_set():
                 raise Closed(key)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimedOut(key, process)
 
 
 def _encode(values):

@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 
 from keras_dp import _compat
+from keras_dp import agreement
 from keras_dp import build as build_lib
 from keras_dp import callbacks as callbacks_lib
 from keras_dp import checkpoint as checkpoint_lib
@@ -130,6 +131,8 @@ def fit(trainer, batches, val, callbacks, *, epochs, resume, validation_freq,
     callbacks.on_train_begin()
     start = _compat.take_initial_epoch(model) or resume.epoch
     try:
+        if trainer.multiprocess and callbacks_lib.restores(callbacks):
+            agreement.same_start(trainer.placement, start)
         with run.live.attached(), preemption_lib.preemption(
                 trainer.multiprocess, saving=checkpoints is not None) as preemption:
             # Across processes JAX's runtime takes SIGTERM: act on it, saved or not.
@@ -285,6 +288,8 @@ def train_batches(run, epoch, skip):
             run.callbacks.on_train_batch_end(index - 1, logs)
             timer.lap("callbacks_s")
             if throttle.failure is not None or run.model.stop_training:
+                if throttle.failure is None and run.trainer.multiprocess:
+                    _check_stop_everywhere(run, epoch, index - 1, placed)
                 break
         timer.lap("input_s")  # the wait that found the epoch's end
     throttle.drain()
@@ -294,6 +299,17 @@ def train_batches(run, epoch, skip):
     if throttle.failure is not None and not run.model.stop_training:
         raise FloatingPointError(inflight.failure_message(epoch, *throttle.failure))
     return logs
+
+
+def _check_stop_everywhere(run, epoch, batch, placed):
+    """Across processes, a stop before the epoch's last batch must be every process's.
+
+    A stop at the last batch needs nothing: every process goes on to the
+    epoch's end, where they agree (`stops_after`). Finding which it is
+    places the next batch (if any), which the stop then drops.
+    """
+    if next(placed, None) is not None:
+        agreement.stop_mid_epoch(run.trainer.placement, epoch, batch)
 
 
 def train_call(run, steps, device_batch, throttle, at):

@@ -276,6 +276,21 @@ def test_launch_fails_with_the_failing_child_and_stops_the_others():
     assert time.monotonic() - start < 60  # process 0 was stopped, not waited for
 
 
+def test_a_bad_agreement_timeout_is_refused_naming_the_variable(monkeypatch):
+    from keras_dp import agreement
+
+    monkeypatch.delenv("KERAS_DP_AGREEMENT_TIMEOUT", raising=False)
+    assert agreement.timeout() == 300
+    monkeypatch.setenv("KERAS_DP_AGREEMENT_TIMEOUT", "2.5")
+    assert agreement.timeout() == 2.5
+    for text in ("0", "soon"):
+        monkeypatch.setenv("KERAS_DP_AGREEMENT_TIMEOUT", text)
+        with pytest.raises(ValueError, match=f"KERAS_DP_AGREEMENT_TIMEOUT is a number of "
+                                             f"seconds above 0. Received: "
+                                             f"KERAS_DP_AGREEMENT_TIMEOUT='{text}'"):
+            agreement.timeout()
+
+
 def test_initialize_after_jax_started_says_to_call_it_first():
     jax.devices()  # this test process's backend is running
     with pytest.raises(RuntimeError, match="already started.*initialize\\(\\) first"):
@@ -384,3 +399,75 @@ def test_an_uncaught_error_on_one_process_ends_every_process_within_the_heartbea
     assert codes[0] not in (0, None), logs[0][-3000:]
     assert "JAX distributed service detected fatal errors" in logs[0]
     print(f"both ended {time.monotonic() - start:.1f} s after the start")
+
+
+CALLBACKS_WORKER = WORKER.parent / "process_callbacks_worker.py"
+
+
+def test_process_0_alone_writes_the_callbacks_files_and_evaluate_on_one_process_times_out(
+        tmp_path):
+    # Before, both processes ran ModelCheckpoint, CSVLogger, TensorBoard and
+    # BackupAndRestore on the same paths (process 1's ModelCheckpoint failed
+    # with "BlockingIOError: unable to lock file"), and evaluate on process 0
+    # only waited for process 1 for ever.
+    start = time.monotonic()
+    codes, logs = run_pair(tmp_path, timeout=60, env={"KERAS_DP_AGREEMENT_TIMEOUT": "3"},
+                           command=[sys.executable, str(CALLBACKS_WORKER), "files",
+                                    str(tmp_path / "files")])
+    elapsed = time.monotonic() - start
+    assert codes == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    # 2 epochs: a ModelCheckpoint and a BackupAndRestore save on process 0 each
+    assert re.findall(r"^SAVES (\d+)$", logs[0], re.MULTILINE) == ["4"]
+    assert re.findall(r"^SAVES (\d+)$", logs[1], re.MULTILINE) == ["0"]
+    files = tmp_path / "files"
+    # (the backup is gone: the resumed fit's BackupAndRestore deleted it at its end)
+    assert sorted(path.name for path in files.iterdir()) == [
+        "log.csv", "tb", "w1.weights.h5", "w2.weights.h5"]
+    rows = (files / "log.csv").read_text().splitlines()
+    assert rows[0] == "epoch,loss,val_loss" and [row.split(",")[0] for row in rows[1:]] == [
+        "0", "1"]
+    for part in ("train", "validation"):
+        assert len(list((files / "tb" / part).iterdir())) == 1  # one writer's event file
+    assert re.findall(r"^CASE evaluate: (.*)$", logs[0], re.MULTILINE) == [
+        "NotEveryProcess: evaluate on process 0 waited 3 s for every process to call "
+        "evaluate too, and process 1 did not. Across processes, call evaluate on every "
+        "process, each with its own share of the data, and print or save its result on "
+        "process 0 only (keras_dp.distributed.is_primary()). This process can no longer "
+        "work with the others: let the error end it. (KERAS_DP_AGREEMENT_TIMEOUT sets how "
+        "long a process waits.)"]
+    # Every process restores the backup process 0 wrote (epochs 1-2 done), or,
+    # when process 1 reads another directory, both refuse to start apart.
+    cases = [dict(re.findall(r"^CASE ([^:]+): (.*)$", log, re.MULTILINE)) for log in logs]
+    for case in cases:
+        assert case["resumed"] == "trained epochs [2]"
+        assert case["one backup"] == (
+            "Disagreement: BackupAndRestore resumes fit at different epochs: epoch 3 on "
+            "process 0, epoch 1 on process 1. Give every process the same backup_dir, on a "
+            "filesystem they all see (process 0 writes it; every process reads it).")
+    # A stop after batch 1 of 4 on both processes trains 2 steps on both.
+    for log in logs:
+        assert "CASE both: trained 2 steps" in log, log[-3000:]
+    assert "CASE evaluate" not in logs[1] and all("done" in log for log in logs)
+    assert elapsed < 45, elapsed
+    print(f"both ended {elapsed:.1f} s after the start")
+
+
+@pytest.mark.slow  # 20 s; a stop on both processes mid-epoch runs in CI (above)
+def test_a_stop_mid_epoch_on_one_process_only_ends_both_with_a_message(tmp_path):
+    # Before, process 1 left the epoch after batch 1 while process 0 waited
+    # for it in the next step, and both hung (process 1 at the epoch's end).
+    start = time.monotonic()
+    codes, logs = run_pair(tmp_path, timeout=60,
+                           env={"KERAS_DP_AGREEMENT_TIMEOUT": "3",
+                                distributed.HEARTBEAT_ENV: "5"},
+                           command=[sys.executable, str(CALLBACKS_WORKER), "stop"])
+    elapsed = time.monotonic() - start
+    assert codes[1] == 1, logs[1][-3000:]
+    assert ("NotEveryProcess: model.stop_training was set after batch 1 of epoch 1 on "
+            "process 1, and process 0 did not stop there within 3 s: it waits for this "
+            "process in the next step. Across processes a callback must stop every process "
+            "at the same batch") in logs[1]
+    assert codes[0] not in (0, None), logs[0][-3000:]
+    assert "JAX distributed service detected fatal errors" in logs[0]
+    assert elapsed < 50, elapsed
+    print(f"both ended {elapsed:.1f} s after the start")
