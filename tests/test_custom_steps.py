@@ -177,3 +177,32 @@ def test_logs_named_as_the_metrics_report_the_metrics_as_keras_does(steps_per_ex
         x, y, batch_size=16, verbose=0)
     np.testing.assert_allclose(evaluated, reference.evaluate(x, y, batch_size=16, verbose=0),
                                rtol=1e-5)
+
+
+class LogisticEndpoint(keras.layers.Layer):
+    """keras.io's endpoint layer, with the metric it updates in `call()`."""
+
+    def __init__(self, name=None):
+        super().__init__(name=name)
+        self.accuracy = keras.metrics.SparseCategoricalAccuracy(name="endpoint_accuracy")
+
+    def call(self, targets, logits):
+        self.add_loss(keras.ops.mean(keras.losses.sparse_categorical_crossentropy(
+            targets, logits, from_logits=True)))
+        self.accuracy.update_state(targets, logits)
+        return keras.ops.softmax(logits)
+
+
+def test_a_metric_updated_in_call_is_refused_naming_the_layer():
+    # Its update never leaves Keras's stateless call: keras_dp logged it as
+    # 0.0 for every epoch; model.fit fails ("'NoneType' object is not callable").
+    inputs = {"image": keras.Input((4,), name="image"),
+              "target": keras.Input((), dtype="int32", name="target")}
+    outputs = LogisticEndpoint(name="endpoint")(inputs["target"], keras.layers.Dense(3)(inputs["image"]))
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer="sgd")
+    with pytest.raises(ValueError, match=r"Layer 'endpoint' updates its metric "
+                       r"'endpoint_accuracy' in call\(\).*compute_metrics") as error:
+        keras_dp.fit_sharded(model, {"image": np.ones((8, 4), "float32"),
+                                     "target": np.zeros(8, "int32")}, verbose=0, devices=devices(2))
+    assert error.value.__cause__ is None
