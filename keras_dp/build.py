@@ -228,6 +228,8 @@ def build(model, batch, for_training=True, data="the data"):
         )
     if _compat.has_call(model):
         y_pred = _trace(model, x)
+        if for_training:
+            check_no_metric_updates_in_call(model, x)
         if for_training and not all(layer.built for layer in _compat.all_layers(model)):
             _trace(model, x, training=True)  # layers called only in training mode
         if for_training and y is not None and _compat.compiled_loss(model) is not None:
@@ -313,6 +315,41 @@ def first_line(error, limit=300):
     lines = str(error).splitlines() or [""]
     line = lines[0]
     return line if len(line) <= limit else line[:limit] + " ..."
+
+
+def check_no_metric_updates_in_call(model, x):
+    """Raise a `ValueError` naming the layer if `call()` updates a metric it holds.
+
+    On JAX, Keras's steps run `call()` through `stateless_call`, which
+    carries the weights and non-trainable variables out of the step, never
+    the metrics': an `update_state` in a layer's `call()` is dropped, so the
+    metric would be logged at its reset value, 0.0 (`model.fit` fails on it
+    with "'NoneType' object is not callable"). The model is traced for
+    this only when a layer inside it holds a metric.
+    """
+    holders = [layer for layer in _compat.all_layers(model)
+               if not isinstance(layer, keras.Model) and layer.metrics]
+    if not holders:
+        return
+    variables, updated = model.metrics_variables, []
+
+    def call(x):
+        with keras.StatelessScope() as scope:
+            outputs = model(x, training=True)
+        updated.extend(v for v in variables if scope.get_current_value(v) is not None)
+        return outputs
+
+    _compat.compute_output_spec(call, x)
+    for layer in reversed(holders):  # the innermost layer holding the metric
+        for metric in layer.metrics:
+            if any(v is u for v in metric.variables for u in updated):
+                raise ValueError(
+                    f"Layer {layer.name!r} updates its metric {metric.name!r} in call(). "
+                    "On JAX, Keras's steps carry only the weights out of call(), so the "
+                    "update would be lost and the metric logged as 0.0 (model.fit fails "
+                    "on it). Update the metric in the model's compute_metrics(x, y, "
+                    "y_pred, sample_weight), which sees the inputs, or pass it to "
+                    "compile(metrics=[...]).")
 
 
 def _trace(model, x, training=False):

@@ -13,6 +13,7 @@ import numpy as np
 
 from keras_dp import _compat
 from keras_dp import distributed as distributed_lib
+from keras_dp import mesh as mesh_lib
 
 
 # Keras's callbacks that write files. Across processes every process would
@@ -106,19 +107,35 @@ def check_callbacks(callbacks):
             )
 
 
-def to_python(logs, model):
+def to_python(logs, model, metrics=None, step="train_step"):
     """Logs as python floats (arrays for non-scalar metrics), in Keras's order.
 
     As `model.fit` reports them: when the logs' names are exactly the
     model's metrics' (`_compat.metric_names`), in the order of
     `model.metrics`; otherwise (a custom step's own logs) sorted by name,
     as a jitted step returns a dict.
+
+    `metrics` are the metric values the last step left. When the model
+    overrides `step` (`"train_step"` or `"test_step"`) and its logs bear its
+    metrics' names, the metrics' own results are reported, as Keras's fit
+    and evaluate do (`Trainer._get_metrics_result_or_logs`): such a step
+    may log other values under those names (a batch's loss where its
+    tracker holds the running mean, or a tracker it never updates).
     """
     host = jax.device_get(logs)
     order = _compat.metric_names(model)
     names = order if set(order) == set(host) and len(order) == len(host) else sorted(host)
+    if names is order and metrics is not None and _compat.custom_step(model, step):
+        host = _metric_results(model, metrics)
     return {name: host[name].item() if np.ndim(host[name]) == 0 else np.asarray(host[name])
             for name in names}
+
+
+def _metric_results(model, metrics):
+    """`model.get_metrics_result()` with its metric variables holding `metrics`."""
+    values = [np.asarray(mesh_lib.local_copy(value)) for value in metrics]
+    with keras.StatelessScope(state_mapping=list(zip(model.metrics_variables, values))):
+        return jax.device_get(model.get_metrics_result())
 
 
 def in_evaluate_order(logs, model):

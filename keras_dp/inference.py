@@ -61,7 +61,7 @@ def evaluate(trainer, weights, batches, callbacks, programs=None):
             index += steps
             callbacks.on_test_batch_end(index - 1, logs)
     throttle.drain()
-    logs = callbacks_lib.to_python(logs, trainer.model)
+    logs = callbacks_lib.to_python(logs, trainer.model, metrics, "test_step")
     callbacks.on_test_end(logs)
     return logs, non_trainable, metrics
 

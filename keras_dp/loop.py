@@ -209,7 +209,8 @@ def run_epoch(run, epoch, skip, val):
     start_epoch(run, epoch, skip)
     logs = train_batches(run, epoch, skip)
     # No logs: a one-shot stream ran dry at the epoch's start (fit stops).
-    epoch_logs = {} if logs is None else callbacks_lib.to_python(logs, run.model)
+    epoch_logs = {} if logs is None else callbacks_lib.to_python(
+        logs, run.model, run.live.state.metrics)
     run.timer.lap("other_s")
     if val is not None and logs is not None:
         epoch_logs.update(validate(run, val))

@@ -14,6 +14,7 @@ import pathlib
 import subprocess
 import sys
 
+import jax
 import keras
 import numpy as np
 import pytest
@@ -113,3 +114,95 @@ def test_float64_custom_steps_equal_keras_fit_to_rounding(models):
     for name, run in runs.items():
         assert run["dtype"] == "float64"
         assert run["relative_difference"] <= 1e-10, (name, run["relative_difference"])
+
+
+class BatchLossLogged(keras.Model):
+    """Keeps the running loss in a `Mean` named "loss" but logs each batch's loss."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tracker = keras.metrics.Mean(name="loss")
+
+    @property
+    def metrics(self):
+        return [self.tracker]
+
+    def _loss(self, trainable, non_trainable, data, training):
+        x, y = data
+        y_pred, non_trainable = self.stateless_call(trainable, non_trainable, x, training=training)
+        return keras.ops.mean(keras.ops.square(y - y_pred)), non_trainable
+
+    def train_step(self, state, data):
+        trainable, non_trainable, optimizer_variables, metrics = state
+        (loss, non_trainable), grads = jax.value_and_grad(self._loss, has_aux=True)(
+            trainable, non_trainable, data, True)
+        trainable, optimizer_variables = self.optimizer.stateless_apply(
+            optimizer_variables, grads, trainable)
+        metrics = self.tracker.stateless_update_state(metrics, loss)
+        return {"loss": loss}, (trainable, non_trainable, optimizer_variables, metrics)
+
+    def test_step(self, state, data):
+        trainable, non_trainable, metrics = state
+        loss, non_trainable = self._loss(trainable, non_trainable, data, False)
+        return {"loss": loss}, (trainable, non_trainable,
+                                self.tracker.stateless_update_state(metrics, loss))
+
+
+def _batch_loss_logged(steps_per_execution):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8,))
+    model = BatchLossLogged(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", steps_per_execution=steps_per_execution)
+    return model
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 2])
+def test_logs_named_as_the_metrics_report_the_metrics_as_keras_does(steps_per_execution):
+    # Keras's fit and evaluate report the metrics' results, not the last
+    # step's logs, when the names match (`_get_metrics_result_or_logs`):
+    # here the running mean of the loss, where the last batch's was reported.
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(40, 8)).astype("float32"), rng.normal(size=(40, 1)).astype("float32")
+    options = dict(batch_size=16, epochs=2, shuffle=False, verbose=0,
+                   validation_data=(x[:20], y[:20]))
+    reference = _batch_loss_logged(steps_per_execution)
+    expected = reference.fit(x, y, **options).history
+    ours = _batch_loss_logged(steps_per_execution)
+    got = keras_dp.fit_sharded(ours, x, y, devices=devices(3), **options).history
+    assert list(got) == list(expected) == ["loss", "val_loss"]
+    for key, values in expected.items():
+        np.testing.assert_allclose(got[key], values, rtol=1e-5)
+    _assert_variables_close(reference, ours, 1e-5)
+    evaluated = keras_dp.ShardedTrainer(ours, devices=devices(3)).evaluate(
+        x, y, batch_size=16, verbose=0)
+    np.testing.assert_allclose(evaluated, reference.evaluate(x, y, batch_size=16, verbose=0),
+                               rtol=1e-5)
+
+
+class LogisticEndpoint(keras.layers.Layer):
+    """keras.io's endpoint layer, with the metric it updates in `call()`."""
+
+    def __init__(self, name=None):
+        super().__init__(name=name)
+        self.accuracy = keras.metrics.SparseCategoricalAccuracy(name="endpoint_accuracy")
+
+    def call(self, targets, logits):
+        self.add_loss(keras.ops.mean(keras.losses.sparse_categorical_crossentropy(
+            targets, logits, from_logits=True)))
+        self.accuracy.update_state(targets, logits)
+        return keras.ops.softmax(logits)
+
+
+def test_a_metric_updated_in_call_is_refused_naming_the_layer():
+    # Its update never leaves Keras's stateless call: keras_dp logged it as
+    # 0.0 for every epoch; model.fit fails ("'NoneType' object is not callable").
+    inputs = {"image": keras.Input((4,), name="image"),
+              "target": keras.Input((), dtype="int32", name="target")}
+    outputs = LogisticEndpoint(name="endpoint")(inputs["target"], keras.layers.Dense(3)(inputs["image"]))
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer="sgd")
+    with pytest.raises(ValueError, match=r"Layer 'endpoint' updates its metric "
+                       r"'endpoint_accuracy' in call\(\).*compute_metrics") as error:
+        keras_dp.fit_sharded(model, {"image": np.ones((8, 4), "float32"),
+                                     "target": np.zeros(8, "int32")}, verbose=0, devices=devices(2))
+    assert error.value.__cause__ is None
