@@ -380,11 +380,16 @@ class _Preprocessing(keras.Model):
 def test_a_model_that_preprocesses_its_data_in_its_own_fit_is_refused_with_the_fix():
     # keras_hub's tasks preprocess in their own fit, evaluate and predict,
     # which keras_dp does not call: it would train on the raw data, silently.
-    model = _Preprocessing(keras.layers.Rescaling(1 / 255))
-    model.compile(optimizer="sgd", loss="mse")
+    def build():
+        model = _Preprocessing(keras.layers.Rescaling(1 / 255))
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    model = build()
     x, y = np.ones((8, 3), "float32"), np.zeros((8, 2), "float32")
     for run in (lambda: keras_dp.fit_sharded(model, x, y, batch_size=4, devices=devices(2)),
-                lambda: keras_dp.ShardedTrainer(model, devices=devices(2)).predict(x)):
+                lambda: keras_dp.ShardedTrainer(model, devices=devices(2)).predict(x),
+                lambda: keras_dp.fit_ensemble(build, x, y, members=2, batch_size=4)):
         with pytest.raises(ValueError, match=r"has a preprocessor \(Rescaling\), which its own "
                            r"fit.*model\.preprocessor = None") as raised:
             run()
