@@ -89,7 +89,8 @@ def check_model(model):
     """Raise a `TypeError` naming the fix unless `model` is a `keras.Model`.
 
     Refuses a model with a layer that runs TensorFlow ops
-    (`check_no_tensorflow_layers`). Warns when the model is compiled to run
+    (`check_no_tensorflow_layers`) and a keras_hub task with a preprocessor
+    (`check_no_preprocessor`). Warns when the model is compiled to run
     its step eagerly or un-jitted, which keras_dp does not honour: its
     sharded step is always compiled.
     """
@@ -101,6 +102,7 @@ def check_model(model):
             "outputs)."
         )
     check_no_tensorflow_layers(model)
+    check_no_preprocessor(model)
     if model.compiled and (model.run_eagerly or model.jit_compile is False):
         why = ("run_eagerly=True" if model.run_eagerly else "jit_compile=False (from "
                "compile, or set by a layer with supports_jit=False)")
@@ -143,6 +145,31 @@ def check_no_tensorflow_layers(model):
         "the tf.data pipeline, before batching or after: dataset.map(lambda x, y: "
         "(layer(x), y)) with the layer adapted, and start the model at their output "
         "(keras.Input(shape, dtype=\"int64\") for token ids)."
+    )
+
+
+def check_no_preprocessor(model):
+    """Raise a `ValueError` naming the fix if `model` preprocesses its data in its own `fit`.
+
+    A keras_hub task (`BertTextClassifier`, `GPT2CausalLM`,
+    `ImageClassifier`, ...) with a `preprocessor` maps `preprocess_samples`
+    over the data in its own `fit`, `evaluate` and `predict` (tokenizing
+    text, resizing and rescaling images, making a causal LM's labels), which
+    keras_dp, calling none of them, would skip: it would train on the raw
+    data, unlike `model.fit`. Without a preprocessor the task trains as any
+    Keras model.
+    """
+    preprocessor = getattr(model, "preprocessor", None)
+    if preprocessor is None or not callable(getattr(model, "preprocess_samples", None)):
+        return
+    raise ValueError(
+        f"The model ({type(model).__name__}) has a preprocessor "
+        f"({type(preprocessor).__name__}), which its own fit, evaluate and predict map "
+        "over the data and keras_dp does not: it would train on the raw data. Map it "
+        "over the data yourself and detach it: preprocessor = model.preprocessor; "
+        "model.preprocessor = None; data = tf.data.Dataset.from_tensor_slices((x, y))"
+        ".batch(batch_size).map(preprocessor); keras_dp.fit_sharded(model, data, ...); "
+        "then model.preprocessor = preprocessor again before saving or generating."
     )
 
 

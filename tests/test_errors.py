@@ -357,3 +357,44 @@ def test_a_dataset_of_dicts_without_labels_is_told_to_map_them_to_tuples():
             "['image', 'label']) is all x, as in model.fit: map it to a tuple, "
             "dataset.map(lambda d: (d['image'], d['label']))")):
         keras_dp.fit_sharded(mlp(), batches, verbose=0, devices=devices(2))
+
+
+class _Preprocessing(keras.Model):
+    """A keras_hub task's contract, without keras_hub: its own fit maps
+    `preprocess_samples` (here, rescaling) over the data when it has a
+    `preprocessor`."""
+
+    def __init__(self, preprocessor):
+        super().__init__()
+        self.preprocessor = preprocessor
+        self.dense = keras.layers.Dense(2)
+
+    def call(self, x):
+        return self.dense(x)
+
+    def preprocess_samples(self, x, y=None, sample_weight=None):
+        x = x if self.preprocessor is None else self.preprocessor(x)
+        return keras.utils.pack_x_y_sample_weight(x, y, sample_weight)
+
+
+def test_a_model_that_preprocesses_its_data_in_its_own_fit_is_refused_with_the_fix():
+    # keras_hub's tasks preprocess in their own fit, evaluate and predict,
+    # which keras_dp does not call: it would train on the raw data, silently.
+    def build():
+        model = _Preprocessing(keras.layers.Rescaling(1 / 255))
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    model = build()
+    x, y = np.ones((8, 3), "float32"), np.zeros((8, 2), "float32")
+    for run in (lambda: keras_dp.fit_sharded(model, x, y, batch_size=4, devices=devices(2)),
+                lambda: keras_dp.ShardedTrainer(model, devices=devices(2)).predict(x),
+                lambda: keras_dp.fit_ensemble(build, x, y, members=2, batch_size=4)):
+        with pytest.raises(ValueError, match=r"has a preprocessor \(Rescaling\), which its own "
+                           r"fit.*model\.preprocessor = None") as raised:
+            run()
+        assert raised.value.__cause__ is None
+    model.preprocessor = None  # the fix: preprocess the data, detach the preprocessor
+    history = keras_dp.fit_sharded(model, x / 255, y, batch_size=4, epochs=1, verbose=0,
+                                   devices=devices(2))
+    assert len(history.history["loss"]) == 1
