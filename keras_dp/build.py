@@ -8,13 +8,13 @@ a mistake fails with a message instead of deep inside a traced step.
 
 import contextlib
 import re
-import warnings
 
 import jax
 import keras
 import numpy as np
 
 from keras_dp import _compat
+from keras_dp import model_checks
 
 
 def compile_model(model, optimizer, loss, metrics):
@@ -39,138 +39,6 @@ def compile_model(model, optimizer, loss, metrics):
     config = _compat.compile_arguments(model) if model.compiled else {}
     config.update(overrides)
     model.compile(**config)
-
-
-def require_compiled(model, what):
-    """Raise a `ValueError` saying how to compile, unless `model` has an optimizer.
-
-    Args:
-        what: what needs it, for the message ("fit", "evaluate").
-    """
-    if model.compiled and (what == "evaluate" or model.optimizer is not None):
-        return
-    raise ValueError(
-        f"The model is not compiled, so keras_dp cannot {what} it: it needs an "
-        "optimizer (and a loss, unless the model adds its own with add_loss). "
-        "Either call model.compile(optimizer=..., loss=..., metrics=[...]) "
-        "first, or pass optimizer= and loss= (and metrics=) to keras_dp. "
-        "Predicting needs neither."
-    )
-
-
-def check_trainable_unchanged(model):
-    """Raise a `ValueError` with the fix if the trainable variables changed since the optimizer was built.
-
-    Keras pairs the optimizer's slots with `model.trainable_variables` by
-    position, so setting a layer's `trainable` after the optimizer was
-    built (by a first `fit`) takes effect only with a new optimizer, from
-    `model.compile`; `model.fit` then fails inside its step ("Argument
-    `optimizer_variables` must be a list of tensors corresponding 1:1 ...").
-    A model with its own `train_step` chooses what its optimizer updates.
-    """
-    optimizer = model.optimizer
-    if optimizer is None or not optimizer.built or _compat.custom_step(model, "train_step"):
-        return
-    built_for = _compat.optimizer_trainable_variables(optimizer)
-    if [id(v) for v in built_for] == [id(v) for v in model.trainable_variables]:
-        return
-    raise ValueError(
-        f"The model's trainable variables changed since its optimizer was built: "
-        f"{len(model.trainable_variables)} are trainable now, the optimizer holds slots "
-        f"for {len(built_for)}. A layer's `trainable` set after training (or during it, "
-        "in a callback) takes effect, as in Keras, only after model.compile(...) with a "
-        "new optimizer (for example "
-        "keras.optimizers.Adam(1e-5)); compiling with the built model.optimizer again "
-        "keeps its old slots. The weights are kept."
-    )
-
-
-def check_model(model):
-    """Raise a `TypeError` naming the fix unless `model` is a `keras.Model`.
-
-    Refuses a model with a layer that runs TensorFlow ops
-    (`check_no_tensorflow_layers`) and a keras_hub task with a preprocessor
-    (`check_no_preprocessor`). Warns when the model is compiled to run
-    its step eagerly or un-jitted, which keras_dp does not honour: its
-    sharded step is always compiled.
-    """
-    if not isinstance(model, keras.Model):
-        raise TypeError(
-            "keras_dp trains a keras.Model. Received an object of type "
-            f"{type(model).__module__}.{type(model).__qualname__}. Wrap "
-            "layers in keras.Sequential([...]) or keras.Model(inputs, "
-            "outputs)."
-        )
-    check_no_tensorflow_layers(model)
-    check_no_preprocessor(model)
-    if model.compiled and (model.run_eagerly or model.jit_compile is False):
-        why = ("run_eagerly=True" if model.run_eagerly else "jit_compile=False (from "
-               "compile, or set by a layer with supports_jit=False)")
-        warnings.warn(
-            f"The model is compiled with {why}, but keras_dp always compiles its "
-            "sharded step: call() is traced, not run eagerly. To debug it "
-            "eagerly, use model.fit on one device.", UserWarning, stacklevel=3)
-
-
-# Keras's preprocessing layers that call TensorFlow ops whatever the backend:
-# they run in a tf.data pipeline, never inside a model traced by JAX.
-TENSORFLOW_LAYERS = (
-    keras.layers.TextVectorization, keras.layers.StringLookup, keras.layers.IntegerLookup,
-    keras.layers.Hashing, keras.layers.HashedCrossing,
-)
-
-
-def _names(layers):
-    """Layers as `name (Class), ...`, for messages."""
-    return ", ".join(f"{layer.name} ({type(layer).__name__})" for layer in layers)
-
-
-def check_no_tensorflow_layers(model):
-    """Raise a `ValueError` naming the fix if `model` holds a TensorFlow-only layer.
-
-    `TextVectorization`, `StringLookup`, `IntegerLookup`, `Hashing` and
-    `HashedCrossing` run TensorFlow ops (and take strings), which JAX cannot
-    compile: inside a model they fail deep in a traced step (under Keras's
-    own `model.fit` on JAX too). Their place is the input pipeline.
-    """
-    found = [layer for layer in _compat.all_layers(model)
-             if isinstance(layer, TENSORFLOW_LAYERS)]
-    inner = {id(sub) for layer in found for sub in _compat.all_layers(layer)[1:]}
-    found = [layer for layer in found if id(layer) not in inner]  # TextVectorization's own lookup
-    if not found:
-        return
-    raise ValueError(
-        f"The model holds layers that run TensorFlow ops, which JAX cannot compile "
-        f"into keras_dp's step (nor into Keras's own on JAX): {_names(found)}. Move them into "
-        "the tf.data pipeline, before batching or after: dataset.map(lambda x, y: "
-        "(layer(x), y)) with the layer adapted, and start the model at their output "
-        "(keras.Input(shape, dtype=\"int64\") for token ids)."
-    )
-
-
-def check_no_preprocessor(model):
-    """Raise a `ValueError` naming the fix if `model` preprocesses its data in its own `fit`.
-
-    A keras_hub task (`BertTextClassifier`, `GPT2CausalLM`,
-    `ImageClassifier`, ...) with a `preprocessor` maps `preprocess_samples`
-    over the data in its own `fit`, `evaluate` and `predict` (tokenizing
-    text, resizing and rescaling images, making a causal LM's labels), which
-    keras_dp, calling none of them, would skip: it would train on the raw
-    data, unlike `model.fit`. Without a preprocessor the task trains as any
-    Keras model.
-    """
-    preprocessor = getattr(model, "preprocessor", None)
-    if preprocessor is None or not callable(getattr(model, "preprocess_samples", None)):
-        return
-    raise ValueError(
-        f"The model ({type(model).__name__}) has a preprocessor "
-        f"({type(preprocessor).__name__}), which its own fit, evaluate and predict map "
-        "over the data and keras_dp does not: it would train on the raw data. Map it "
-        "over the data yourself and detach it: preprocessor = model.preprocessor; "
-        "model.preprocessor = None; data = tf.data.Dataset.from_tensor_slices((x, y))"
-        ".batch(batch_size).map(preprocessor); keras_dp.fit_sharded(model, data, ...); "
-        "then model.preprocessor = preprocessor again before saving or generating."
-    )
 
 
 class Builder:
@@ -234,11 +102,11 @@ def build(model, batch, for_training=True, data="the data"):
 
     Raises:
         ValueError: the model holds a TensorFlow-only layer
-            (`check_no_tensorflow_layers`), cannot be built on `x`, the
+            (`model_checks.check_no_tensorflow_layers`), cannot be built on `x`, the
             labels are missing or do not fit its output, or its loss is not
             a scalar (`check_scalar_loss`).
     """
-    check_no_tensorflow_layers(model)  # an ensemble's members pass here only
+    model_checks.check_no_tensorflow_layers(model)  # an ensemble's members pass here only
     x, y, sample_weight = jax.tree.map(spec, batch)
     if (for_training and y is None and _compat.compiled_loss(model) is not None
             and not _compat.custom_step(model, "train_step")):
@@ -290,7 +158,8 @@ def explain_jit_failures(model):
             raise
         raise ValueError(
             f"keras_dp compiles every step with jax.jit, and this model has layers "
-            f"that set supports_jit=False: {_names(layers)}. Keras's own model.fit runs such "
+            f"that set supports_jit=False: {model_checks.layer_names(layers)}. Keras's own "
+            "model.fit runs such "
             "a model un-jitted; here the compiled step failed to trace: "
             f"{type(error).__name__}: {str(error).splitlines()[0]} Do that "
             "augmentation in the input pipeline instead (tf.data, or a "

@@ -26,6 +26,7 @@ from keras_dp import checkpoint as checkpoint_lib
 from keras_dp import inference
 from keras_dp import inflight
 from keras_dp import labels as labels_lib
+from keras_dp import model_checks
 from keras_dp import placement as placement_lib
 from keras_dp import preemption as preemption_lib
 from keras_dp import programs as programs_lib
@@ -242,7 +243,7 @@ def start_epoch(run, epoch, skip):
     run.timer.lap("callbacks_s")
     # A layer's `trainable` set by a callback during the fit is refused here
     # (or at the read of a model a callback changed), before the next step.
-    build_lib.check_trainable_unchanged(run.model)
+    model_checks.check_trainable_unchanged(run.model)
     needs_read = live.needs_read()
     if trainer.placement.multiprocess:
         needs_read = trainer.placement.any_process(needs_read)

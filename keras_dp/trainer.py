@@ -28,6 +28,7 @@ from keras_dp import labels as labels_lib
 from keras_dp import loop
 from keras_dp import memory as memory_lib
 from keras_dp import mesh as mesh_lib
+from keras_dp import model_checks
 from keras_dp import pipeline
 from keras_dp import placement as placement_lib
 from keras_dp import resident
@@ -115,7 +116,7 @@ class ShardedTrainer:
                  devices=None, seed=0, steps_per_execution=None, unroll=None,
                  prefetch=2, steps_in_flight=None, state_sharding="replicated",
                  data_on_device="auto", keep_last_good="auto", compilation_cache=True):
-        build_lib.check_model(model)
+        model_checks.check_model(model)
         mesh_lib.check_keras_distribution()
         self.compilation_cache_dir = compilation_cache_lib.enable(compilation_cache)
         build_lib.compile_model(model, optimizer, loss, metrics)
@@ -192,7 +193,7 @@ class ShardedTrainer:
         Raises:
             ValueError: the model, its metrics or optimizer are not built,
                 or a layer's `trainable` changed since the optimizer was
-                built (`keras_dp.build.check_trainable_unchanged`).
+                built (`keras_dp.model_checks.check_trainable_unchanged`).
         """
         if not build_lib.is_built(self.model):
             raise ValueError(
@@ -200,7 +201,7 @@ class ShardedTrainer:
                 "Call trainer.build(batch) with one batch of data first (fit "
                 "does this for you), or model.build(input_shape)."
             )
-        build_lib.check_trainable_unchanged(self.model)
+        model_checks.check_trainable_unchanged(self.model)
         return TrainState.from_model(self.model, self.mesh, self.state_layout())
 
     def state_layout(self):
@@ -349,12 +350,12 @@ class ShardedTrainer:
             if validation_split:
                 (x, y, sample_weight), validation_data = pipeline.split_validation(
                     x, y, sample_weight, validation_split, validation_data)
-            build_lib.require_compiled(self.model, "fit")
+            model_checks.require_compiled(self.model, "fit")
             batches = self._batches(x, y, sample_weight, batch_size, shuffle, class_weight)
             if steps_per_epoch is not None:
                 batches = pipeline.StepsPerEpoch(batches, steps_per_epoch)
             self.build(batches.peek())
-            build_lib.check_trainable_unchanged(self.model)
+            model_checks.check_trainable_unchanged(self.model)
             self._use_train_programs(donate=self.keep_last_good is not True)
             plan = None
             if self.mesh.devices.flat[0].platform != "cpu":  # accelerators report capacity
@@ -421,7 +422,7 @@ class ShardedTrainer:
             by name in sorted order (as Keras's logs are).
         """
         with agreement.preparing(self.placement, "evaluate") as settings:
-            build_lib.require_compiled(self.model, "evaluate")
+            model_checks.require_compiled(self.model, "evaluate")
             batches = self._batches(x, y, sample_weight, batch_size, False, steps=steps)
             self.build(batches.peek())
             settings += agreement.inference_settings(self, batches, batch_size=batch_size,

@@ -45,6 +45,7 @@ MODULES = [
     "keras_dp.state",
     "keras_dp.mesh",
     "keras_dp.build",
+    "keras_dp.model_checks",
     "keras_dp.callbacks",
     "keras_dp.inflight",
     "keras_dp.timing",

@@ -6,6 +6,7 @@ import numpy as np
 from keras_dp import build as build_lib
 from keras_dp import callbacks as callbacks_lib
 from keras_dp import mesh as mesh_lib
+from keras_dp import model_checks
 from keras_dp import pipeline
 from keras_dp.ensemble import loop as ensemble_loop
 from keras_dp.ensemble import members as members_lib
@@ -44,7 +45,7 @@ class EnsembleTrainer:
             returned something that is not a `keras.Model`.
         ValueError: the members do not fit the devices, `build_model`
             returned an uncompiled model, one model twice or a keras_hub
-            task with a preprocessor (`build.check_no_preprocessor`), or the
+            task with a preprocessor (`model_checks.check_no_preprocessor`), or the
             loss does not tell whether the outputs are logits or is a Keras
             loss that is not a multi-class one (`members.check_classifier`).
     """
@@ -54,7 +55,7 @@ class EnsembleTrainer:
         count, self.mesh = members_lib.member_mesh(members, mesh, devices)
         self.seed = seed
         self.members = members_lib.make_members(build_model, count, seed)
-        build_lib.check_no_preprocessor(self.members[0])
+        model_checks.check_no_preprocessor(self.members[0])
         members_lib.check_classifier(self.members[0])
         self.from_logits = members_lib.read_from_logits(self.members[0], from_logits)
         self.steps_per_execution = pipeline.steps_per_execution(
