@@ -4,7 +4,8 @@
 (History, progress bar); the rest are Keras's rules for logs and for
 `validation_freq`. The Keras model a callback reads is kept current by
 `keras_dp.state.LiveModel`. Across processes, Keras's callbacks that
-write files run on process 0 only (`for_this_process`).
+write files run on process 0 only (`for_this_process`), every process
+taking part in their reads of a split state.
 """
 
 import jax
@@ -23,53 +24,62 @@ FILE_WRITERS = (keras.callbacks.ModelCheckpoint, keras.callbacks.CSVLogger,
                 keras.callbacks.TensorBoard, keras.callbacks.BackupAndRestore)
 
 
-def callback_list(callbacks, model, verbose, history=True, primary_writes=True, **params):
+def callback_list(callbacks, model, verbose, history=True, collective_reads=False, **params):
     """The `CallbackList` `model.fit` would make: History, and a progress bar
     unless `verbose` is 0 (on process 0 only, across processes).
 
     `history=False` for `evaluate` and `predict`: as under Keras, they add
     no History, so `model.history` stays the last fit's. `verbose` reaches
     the callbacks' `params` as given (`"auto"` too, as in `model.fit`).
-    `primary_writes`: see `for_this_process`.
+    `collective_reads`: reading the model gathers a state split across
+    processes (see `for_this_process`).
     """
     if isinstance(callbacks, keras.callbacks.CallbackList):
         return callbacks
     check_callbacks(callbacks)
     if not distributed_lib.is_primary():
         verbose = 0  # one progress bar, on process 0, for all processes
-        if primary_writes:
-            callbacks = for_this_process(callbacks)
+    if jax.process_count() > 1:
+        callbacks = for_this_process(callbacks, collective_reads)
     return keras.callbacks.CallbackList(
         callbacks, add_history=history, add_progbar=verbose != 0, model=model,
         verbose=verbose, **params,
     )
 
 
-def for_this_process(callbacks):
-    """`callbacks` as a process other than 0 runs them: without `FILE_WRITERS`.
+def for_this_process(callbacks, collective_reads=False):
+    """`callbacks` as this process runs them: `FILE_WRITERS` on process 0 only.
 
     As orbax writes from the primary host and `keras-dp train` saves on
     process 0, only process 0 writes the files; the others skip those
     callbacks (they see the same logs, so nothing else depends on them),
     except that a `BackupAndRestore` still restores its backup in
     `on_train_begin` on every process, so that all resume at one epoch.
-    A callback that reads the model also syncs it, which is collective when
-    the state is split across processes: the caller then keeps them on
-    every process (`primary_writes=False`), as before, writing the same
-    paths unless each process names its own.
+
+    With `collective_reads` (a state split across processes), the first
+    read of the model after a step gathers the state, and every process
+    must take part: each writer then keeps its place on every process as a
+    `_ReadEverywhere`, at whose hooks every process reads the model before
+    process 0 alone runs the writer.
     """
+    primary = distributed_lib.is_primary()
     kept = []
     for callback in keras.tree.flatten(callbacks or []):
-        if isinstance(callback, keras.callbacks.BackupAndRestore):
-            kept.append(_RestoreOnly(callback))
-        elif not isinstance(callback, FILE_WRITERS):
+        if not isinstance(callback, FILE_WRITERS):
             kept.append(callback)
+        elif collective_reads:
+            kept.append(_ReadEverywhere(callback, primary))
+        elif primary:
+            kept.append(callback)
+        elif isinstance(callback, keras.callbacks.BackupAndRestore):
+            kept.append(_RestoreOnly(callback))
     return kept
 
 
 def restores(callbacks):
-    """Whether a `CallbackList` holds a `BackupAndRestore` (or its `_RestoreOnly`)."""
-    return any(isinstance(callback, (keras.callbacks.BackupAndRestore, _RestoreOnly))
+    """Whether a `CallbackList` holds a `BackupAndRestore` (or its stand-in)."""
+    return any(isinstance(getattr(callback, "callback", callback),
+                          keras.callbacks.BackupAndRestore)
                for callback in callbacks.callbacks)
 
 
@@ -78,18 +88,88 @@ class _RestoreOnly(keras.callbacks.Callback):
 
     def __init__(self, backup):
         super().__init__()
-        self._backup = backup
+        self.callback = backup
 
     def set_model(self, model):
         super().set_model(model)
-        self._backup.set_model(model)
+        self.callback.set_model(model)
 
     def set_params(self, params):
         super().set_params(params)
-        self._backup.set_params(params)
+        self.callback.set_params(params)
 
     def on_train_begin(self, logs=None):
-        self._backup.on_train_begin(logs)
+        self.callback.on_train_begin(logs)
+
+
+class _ReadEverywhere(keras.callbacks.Callback):
+    """A file writer that process 0 alone runs, where reading the model is collective.
+
+    Every process holds one at the writer's place. At each hook where the
+    writer may read the model (Keras's code: every epoch's begin and end,
+    `TensorBoard`'s validation end and first batch end, which writes the
+    graph, and every batch end of an integer `save_freq`), every process
+    reads it (`self.model`, which syncs the live state into it, gathering
+    the split arrays); then process 0 runs the writer, whose own reads
+    find the model in step and gather nothing. The other processes run
+    nothing but a `BackupAndRestore`'s restore (`_RestoreOnly`).
+    """
+
+    def __init__(self, callback, primary):
+        super().__init__()
+        self.callback = callback
+        restore = isinstance(callback, keras.callbacks.BackupAndRestore)
+        self._runs = callback if primary else _RestoreOnly(callback) if restore else None
+        self._every_batch = getattr(callback, "save_freq", "epoch") != "epoch"
+        self._graph = False  # TensorBoard writes the train graph at the next batch end
+
+    def set_model(self, model):
+        super().set_model(model)
+        self._graph = isinstance(self.callback, keras.callbacks.TensorBoard) and bool(
+            self.callback.write_graph)
+        self._run("set_model", model)
+
+    def set_params(self, params):
+        super().set_params(params)
+        self._run("set_params", params)
+
+    def _run(self, hook, *args, read=False):
+        if read:
+            self.model  # noqa: B018 - the read: every process syncs here, together
+        if self._runs is not None:
+            getattr(self._runs, hook)(*args)
+
+    def on_train_begin(self, logs=None):
+        self._run("on_train_begin", logs)
+
+    def on_train_end(self, logs=None):
+        self._run("on_train_end", logs)  # after fit wrote the state back
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._run("on_epoch_begin", epoch, logs, read=True)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._run("on_epoch_end", epoch, logs, read=True)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._run("on_train_batch_begin", batch, logs)
+
+    def on_train_batch_end(self, batch, logs=None):
+        read, self._graph = self._every_batch or self._graph, False
+        self._run("on_train_batch_end", batch, logs, read=read)
+
+    def on_test_begin(self, logs=None):
+        self._run("on_test_begin", logs)
+
+    def on_test_end(self, logs=None):
+        self._run("on_test_end", logs,
+                  read=isinstance(self.callback, keras.callbacks.TensorBoard))
+
+    def on_test_batch_begin(self, batch, logs=None):
+        self._run("on_test_batch_begin", batch, logs)
+
+    def on_test_batch_end(self, batch, logs=None):
+        self._run("on_test_batch_end", batch, logs)
 
 
 def check_callbacks(callbacks):

@@ -395,11 +395,11 @@ class ShardedTrainer:
             note = checkpoints and checkpoints.resume_note(epochs)
             if note and verbose != 0 and distributed.is_primary():
                 print(note, flush=True)
-            # Process 0 writes the callbacks' files, unless a state split across
-            # processes makes their reads of the model collective.
+            # Process 0 writes the callbacks' files; with a state split across
+            # processes, every process takes part in their reads of the model.
             callbacks = callbacks_lib.callback_list(
                 callbacks, self.model, verbose, epochs=epochs, steps=batches.steps,
-                primary_writes=self.state_sharding == "replicated",
+                collective_reads=self.multiprocess and self.state_sharding != "replicated",
             )
             feed = resident.make_feed(self, batches)  # first: its data takes memory
             self._use_train_programs(donate=not memory_lib.keep_last_good(self, plan))

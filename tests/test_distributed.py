@@ -408,10 +408,11 @@ def test_process_0_alone_writes_the_callbacks_files_and_evaluate_on_one_process_
         tmp_path):
     # Before, both processes ran ModelCheckpoint, CSVLogger, TensorBoard and
     # BackupAndRestore on the same paths (process 1's ModelCheckpoint failed
-    # with "BlockingIOError: unable to lock file"), and evaluate on process 0
+    # with "BlockingIOError: unable to lock file"; with a split state they
+    # still did, see `_check_split_state_writers`), and evaluate on process 0
     # only waited for process 1 for ever.
     start = time.monotonic()
-    codes, logs = run_pair(tmp_path, timeout=60, env={"KERAS_DP_AGREEMENT_TIMEOUT": "3"},
+    codes, logs = run_pair(tmp_path, timeout=120, env={"KERAS_DP_AGREEMENT_TIMEOUT": "3"},
                            command=[sys.executable, str(CALLBACKS_WORKER), "files",
                                     str(tmp_path / "files")])
     elapsed = time.monotonic() - start
@@ -447,9 +448,38 @@ def test_process_0_alone_writes_the_callbacks_files_and_evaluate_on_one_process_
     # A stop after batch 1 of 4 on both processes trains 2 steps on both.
     for log in logs:
         assert "CASE both: trained 2 steps" in log, log[-3000:]
+    _check_split_state_writers(tmp_path / "files-split", logs)
     assert "CASE evaluate" not in logs[1] and all("done" in log for log in logs)
-    assert elapsed < 45, elapsed
+    assert elapsed < 90, elapsed  # the evaluate waited 3 s, not 300 (35 s at load 10)
     print(f"both ended {elapsed:.1f} s after the start")
+
+
+def _check_split_state_writers(split, logs):
+    # With state_sharding="full" (a 64x64 kernel split over the 2 processes'
+    # 4 devices) every process ran the writers before, on the same paths:
+    # here each process names its own directory, and process 1's stays empty.
+    # The ModelCheckpoint saves every 2 of 8 steps, a BackupAndRestore after
+    # each of 2 epochs: 6 saves, all on process 0.
+    assert re.findall(r"^CASE split: (.*)$", logs[0], re.MULTILINE) == ["SAVES 6"]
+    assert re.findall(r"^CASE split: (.*)$", logs[1], re.MULTILINE) == ["SAVES 0"]
+    assert sorted(path.name for path in split.iterdir()) == [
+        "process0", "trained0.npz", "trained1.npz"]
+    mine = split / "process0"
+    assert sorted(path.name for path in mine.iterdir()) == ["log.csv", "tb", "w.weights.h5"]
+    rows = (mine / "log.csv").read_text().splitlines()
+    assert rows[0] == "epoch,loss,val_loss" and [row[0] for row in rows[1:]] == ["0", "1"]
+    for part in ("train", "validation"):
+        assert len(list((mine / "tb" / part).iterdir())) == 1
+    # The last save, at the last step, holds the weights fit ended with, whole.
+    import keras
+
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64), keras.layers.Dense(1)])
+    model.load_weights(mine / "w.weights.h5")
+    trained = [np.load(split / f"trained{index}.npz") for index in range(2)]
+    assert [w.shape for w in model.get_weights()] == [(64, 64), (64,), (64, 1), (1,)]
+    for index, saved in enumerate(model.get_weights()):
+        np.testing.assert_array_equal(saved, trained[0][f"arr_{index}"])
+        np.testing.assert_array_equal(saved, trained[1][f"arr_{index}"])
 
 
 @pytest.mark.slow  # 20 s; a stop on both processes mid-epoch runs in CI (above)

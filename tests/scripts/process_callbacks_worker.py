@@ -5,8 +5,10 @@ BackupAndRestore writing under DIR, and prints `SAVES <n>` (this process's
 calls of `save_weights`); then a BackupAndRestore of DIR/backup resumes
 (`CASE resumed: ...`), unless process 1 reads another directory (`CASE one
 backup: ...`); then a callback stops both processes after batch
-1 of epoch 1 (`CASE both: trained <n> steps`); then process 0 alone calls
-`evaluate`, which must time out (KERAS_DP_AGREEMENT_TIMEOUT) and say why:
+1 of epoch 1 (`CASE both: trained <n> steps`); then the same writers, with
+a state split across the processes, write under DIR-split/process<i>
+(`CASE split: SAVES <n>`; the trained weights in DIR-split/trained<i>.npz);
+then process 0 alone calls `evaluate`, which must time out (KERAS_DP_AGREEMENT_TIMEOUT) and say why:
 `CASE evaluate: ...`.
 
 `stop`: a callback stops process 1 only, after batch 1 of epoch 1, and
@@ -80,12 +82,43 @@ def files(directory):
     keras_dp.fit_sharded(model, *data(64), batch_size=16, epochs=2, verbose=0,
                          callbacks=[StopAfterBatch1((0, 1))])
     print(f"CASE both: trained {int(model.optimizer.iterations.numpy())} steps", flush=True)
+    split_state(directory + "-split")
     if ME == 0:
         try:
             keras_dp.ShardedTrainer(make_model()).evaluate(*data(), verbose=0)
             print("CASE evaluate: returned", flush=True)
         except Exception as error:
             print(f"CASE evaluate: {type(error).__name__}: {error}", flush=True)
+
+
+def split_state(directory):
+    """A state split across the processes: process 0 alone writes, every process gathers.
+
+    Each process names its own directory, so that the test sees who wrote.
+    4 steps per epoch; the ModelCheckpoint saves every 2 steps, the last at
+    the fit's last step.
+    """
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64),  # a split kernel
+                              keras.layers.Dense(1)])
+    model.compile(optimizer="adam", loss="mse")
+    x = np.random.default_rng(ME).normal(size=(32, 64)).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+    mine = os.path.join(directory, f"process{ME}")
+    os.makedirs(directory, exist_ok=True)
+    SAVES.clear()
+    callbacks = [
+        keras.callbacks.ModelCheckpoint(os.path.join(mine, "w.weights.h5"),
+                                        save_weights_only=True, save_freq=2),
+        keras.callbacks.CSVLogger(os.path.join(mine, "log.csv")),
+        keras.callbacks.TensorBoard(os.path.join(mine, "tb")),
+        keras.callbacks.BackupAndRestore(os.path.join(mine, "backup")),
+    ]
+    keras_dp.fit_sharded(model, x, y, batch_size=16, epochs=2, verbose=0,
+                         validation_data=(x[:8], y[:8]), state_sharding="full",
+                         callbacks=callbacks)
+    print(f"CASE split: SAVES {len(SAVES)}", flush=True)
+    np.savez(os.path.join(directory, f"trained{ME}.npz"), *model.get_weights())
 
 
 class StopAfterBatch1(keras.callbacks.Callback):
