@@ -31,6 +31,9 @@ PROCESS_ID_ENV = "KERAS_DP_PROCESS_ID"
 HEARTBEAT_ENV = "KERAS_DP_HEARTBEAT_TIMEOUT"
 DEFAULT_HEARTBEAT_TIMEOUT = 20
 _HOST_NAME_BYTES = 64
+# JAX's own default, for a runtime that `initialize` did not start.
+_JAX_HEARTBEAT_TIMEOUT = 100
+_heartbeat_s = None  # what `initialize` passed to JAX's runtime
 # How much later than keras_dp's own timeout JAX's native deadline falls.
 _JAX_DEADLINE_MARGIN_S = 60
 
@@ -84,7 +87,7 @@ def initialize(coordinator_address=None, num_processes=None, process_id=None, *,
     coordinator_address = coordinator_address or os.environ.get(COORDINATOR_ENV)
     num_processes = _int_arg(num_processes, NUM_PROCESSES_ENV)
     process_id = _int_arg(process_id, PROCESS_ID_ENV)
-    heartbeat = _int_arg(heartbeat_timeout_seconds, HEARTBEAT_ENV)
+    heartbeat = _int_arg(heartbeat_timeout_seconds, HEARTBEAT_ENV) or DEFAULT_HEARTBEAT_TIMEOUT
     _connect_within(initialization_timeout, coordinator_address, num_processes, process_id,
                     lambda: jax.distributed.initialize(
                         coordinator_address, num_processes, process_id,
@@ -92,9 +95,16 @@ def initialize(coordinator_address=None, num_processes=None, process_id=None, *,
                         # JAX's own deadline aborts the process natively, with no
                         # Python exception: keras_dp's, shorter, raises first.
                         initialization_timeout=initialization_timeout + _JAX_DEADLINE_MARGIN_S,
-                        heartbeat_timeout_seconds=heartbeat or DEFAULT_HEARTBEAT_TIMEOUT,
+                        heartbeat_timeout_seconds=heartbeat,
                     ))
+    global _heartbeat_s
+    _heartbeat_s = heartbeat
     atexit.register(_end_after_uncaught_error)  # runs before JAX's own shutdown
+
+
+def heartbeat_timeout():
+    """Seconds after which JAX's runtime declares a silent process dead (as `initialize` set it)."""
+    return _heartbeat_s or _JAX_HEARTBEAT_TIMEOUT
 
 
 def _end_after_uncaught_error():
@@ -104,13 +114,39 @@ def _end_after_uncaught_error():
     down, while the others wait in the next collective for this one: both
     would hang. Ended now, this process stops its heartbeats, and the
     runtime stops the others within the heartbeat timeout. A clean exit
-    (or a caught exception) shuts down as JAX does.
+    (or a caught exception) shuts down as JAX does, unless this process's
+    error left a call the others were in and one of them ended for it
+    (`keras_dp.peers`): then it ends too, with status 1, where JAX's
+    shutdown would wait for it and abort.
+
+    Process 0 runs the coordination service, whose end stops the others
+    at once with JAX's own error: when its error left a call that the
+    others are in, it first waits for them to end with keras_dp's message.
     """
-    if (getattr(sys, "last_value", None) is not None and _compat.jax_backend_started()
-            and jax.process_count() > 1):
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+    if not (_compat.jax_backend_started() and jax.process_count() > 1):
+        return
+    from keras_dp import peers
+
+    uncaught = getattr(sys, "last_value", None) is not None
+    if uncaught and not (peers.posted() and is_primary()):
+        _end_now()
+    if peers.ended_for_this_process():
+        if not uncaught:
+            print(f"keras_dp: process {jax.process_index()} ends with status 1: its error "
+                  "left a call the other processes were in, and they have ended.",
+                  file=sys.stderr)
+        _end_now()
+    if uncaught:
+        _end_now()
+
+
+def _end_now():
+    from keras_dp import peers
+
+    peers.leaving()  # process 0 may wait for it before ending
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def _connect_within(timeout, coordinator_address, num_processes, process_id, connect):

@@ -65,6 +65,10 @@ class Exchange:
         """
         return Channel(self, f"{self._prefix}/{next(self._channels)}", closed, timeout)
 
+    def notice(self):
+        """A new `Notice`: call in the same order on every process, as `channel`."""
+        return Notice(self._client, f"{self._prefix}/{next(self._channels)}")
+
     def any_process(self, flag):
         """Whether `flag` is true on any process (one round on a new channel)."""
         return any(values[0] for values in self.channel().all_gather([int(flag)]))
@@ -119,6 +123,33 @@ class Channel:
                 raise Closed(key)
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimedOut(key, process)
+
+
+class Notice:
+    """One text that the first process to post it leaves for every process to read."""
+
+    def __init__(self, client, key):
+        self._client, self._key = client, key
+
+    def post(self, text):
+        """Leave `text`, unless a process has left its own already."""
+        try:
+            self._client.key_value_set(self._key, text)
+        except jax.errors.JaxRuntimeError:  # ALREADY_EXISTS: the first one stands
+            pass
+
+    def read(self):
+        """The text left, or None (at once: no wait).
+
+        Raises:
+            Closed: the coordination service no longer answers (process 0 ended).
+        """
+        try:
+            return self._client.key_value_try_get(self._key)
+        except jax.errors.JaxRuntimeError as error:
+            if "NOT_FOUND" in str(error):
+                return None
+            raise Closed(self._key) from None
 
 
 def _encode(values):

@@ -29,6 +29,7 @@ from keras_dp import loop
 from keras_dp import memory as memory_lib
 from keras_dp import mesh as mesh_lib
 from keras_dp import model_checks
+from keras_dp import peers
 from keras_dp import pipeline
 from keras_dp import placement as placement_lib
 from keras_dp import resident
@@ -403,11 +404,12 @@ class ShardedTrainer:
             )
             feed = resident.make_feed(self, batches)  # first: its data takes memory
             self._use_train_programs(donate=not memory_lib.keep_last_good(self, plan))
-            return loop.fit(
-                self, batches, val, callbacks, epochs=epochs, resume=resume,
-                validation_freq=validation_freq, checkpoints=checkpoints,
-                feed=feed, profile_dir=profile_dir,
-            )
+            with peers.watch(self.placement):  # an error on one process stops all
+                return loop.fit(
+                    self, batches, val, callbacks, epochs=epochs, resume=resume,
+                    validation_freq=validation_freq, checkpoints=checkpoints,
+                    feed=feed, profile_dir=profile_dir,
+                )
 
     def evaluate(self, x=None, y=None, *, batch_size=None, verbose="auto",
                  sample_weight=None, steps=None, callbacks=None, return_dict=False):
@@ -429,9 +431,10 @@ class ShardedTrainer:
                                                      steps=steps)
         callbacks = callbacks_lib.callback_list(callbacks, self.model, verbose, history=False,
                                                epochs=1, steps=batches.steps)
-        logs, non_trainable, metrics = inference.evaluate(  # read after on_test_begin
-            self, lambda: model_weights(self.model, self.mesh, self.state_layout()), batches,
-            callbacks)
+        with peers.watch(self.placement, "evaluate"):
+            logs, non_trainable, metrics = inference.evaluate(  # read after on_test_begin
+                self, lambda: model_weights(self.model, self.mesh, self.state_layout()),
+                batches, callbacks)
         # As model.evaluate does: the model keeps what the test steps left.
         write_back(TrainState(None, non_trainable, None, metrics), self.model)
         if return_dict:
@@ -460,8 +463,10 @@ class ShardedTrainer:
         shardings = layout.state_shardings(TrainState(
             self.model.trainable_variables, self.model.non_trainable_variables, None, None,
         ), self.mesh, self.state_sharding)
-        outputs, non_trainable = inference.predict(  # read after on_predict_begin
-            self, lambda: model_weights(self.model, self.mesh, shardings), batches, callbacks)
+        with peers.watch(self.placement, "predict"):
+            outputs, non_trainable = inference.predict(  # read after on_predict_begin
+                self, lambda: model_weights(self.model, self.mesh, shardings), batches,
+                callbacks)
         # As model.predict does: the model keeps what the predict steps left
         # (a SeedGenerator's state). The model may have no optimizer here.
         write_back(TrainState(None, non_trainable, None, None), self.model,

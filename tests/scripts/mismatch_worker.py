@@ -9,7 +9,10 @@ after epoch 1, and prints each process's optimizer iterations. Then
 
 The argument is a directory for process 1's `checkpoint_dir` case; with
 `raise` instead, a callback raises on process 1 only, after
-epoch 1, and nothing catches it.
+epoch 1, and nothing catches it; with `caught`, process 1 alone catches
+it, prints `CAUGHT <message>` and ends with status 0 (`caught 0`: process
+0 fails and catches), after a fit in which every process raises and catches
+(`CASE after an error on every process: ...`).
 """
 
 import os
@@ -60,17 +63,42 @@ def case(name, width=4, rows=16, callbacks=(), **fit):
         print(f"CASE {name}: {type(error).__name__}: {error}", flush=True)
 
 
-class RaiseOnProcess1(keras.callbacks.Callback):
+FAILING = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+
+
+class RaiseOn(keras.callbacks.Callback):
+    def __init__(self, processes=(FAILING,)):
+        super().__init__()
+        self.processes = processes
+
     def on_epoch_end(self, epoch, logs=None):
-        if ME == 1:
-            raise RuntimeError("a callback failed on process 1")
+        if ME in self.processes:
+            raise RuntimeError(f"a callback failed on process {ME}")
 
 
 other = ME == 1
 if sys.argv[1] == "raise":
     print("training", flush=True)
     keras_dp.fit_sharded(make_model(), *data(), batch_size=8, epochs=3, verbose=0,
-                         callbacks=[RaiseOnProcess1()])
+                         callbacks=[RaiseOn()])
+if sys.argv[1] == "caught":
+    # Every process raises at the same point and catches it: none is stopped.
+    try:
+        keras_dp.fit_sharded(make_model(), *data(), batch_size=8, epochs=3, verbose=0,
+                             callbacks=[RaiseOn((0, 1))])
+    except RuntimeError:
+        case("after an error on every process", epochs=1)
+    # One process alone catches its error and goes on.
+    print("training", flush=True)
+    try:
+        keras_dp.fit_sharded(make_model(), *data(), batch_size=8, epochs=3, verbose=0,
+                             callbacks=[RaiseOn()])
+    except RuntimeError as error:
+        if ME != FAILING:
+            raise
+        print(f"CAUGHT {error}", flush=True)
+    print("done", flush=True)
+    sys.exit(0)
 case("batch_size", batch_size=16 if other else 8)
 case("epochs", epochs=3 if other else 2)
 case("validation", validation_data=data(4) if other else None)
