@@ -124,19 +124,34 @@ def place(tree, mesh, shardings, same_on_every_process=False):
         A tree of the same structure whose leaves are `jax.Array`s with
         the given shardings.
     """
-    if spans_processes(mesh) and not same_on_every_process:
+    if not spans_processes(mesh):
+        return jax.device_put(jax.tree.map(_fresh_copy, tree), shardings)
+    if not same_on_every_process:
         # Each process places its own values on its own devices: take process
         # 0's, so that replicas on different hosts can never start apart
         # (different seeds, a callback run on one host).
         from jax.experimental import multihost_utils
 
         host = jax.tree.map(lambda value: np.array(value, copy=True), tree)
-        host = jax.tree.map(
-            lambda value: np.array(value, copy=True),
-            multihost_utils.broadcast_one_to_all(host),
-        )
-        return jax.device_put(host, shardings)
-    return jax.device_put(jax.tree.map(_fresh_copy, tree), shardings)
+        tree = multihost_utils.broadcast_one_to_all(host)
+    return _from_equal_values(tree, shardings)
+
+
+def _from_equal_values(tree, shardings):
+    """Global arrays from values equal on every process, each placing its own devices' parts.
+
+    `jax.device_put` would check that they are equal by gathering every
+    value from every process through the hosts (`multihost_utils.assert_equal`):
+    a blocking host collective per array, where the caller knows they are.
+    """
+    if isinstance(shardings, jax.sharding.Sharding):
+        shardings = jax.tree.map(lambda _: shardings, tree)
+
+    def put(value, sharding):
+        value = np.array(value, copy=True)
+        return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+    return jax.tree.map(put, tree, shardings)
 
 
 def _fresh_copy(value):

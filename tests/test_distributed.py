@@ -130,10 +130,15 @@ def test_two_processes_with_k_steps_and_look_ahead_equal_one_process_of_four(
     # per fit compares the processes' settings (3 fits in all: 3 epochs).
     assert round(float(first["rounds_per_epoch"]) * 3) == 3 * 2 + 2 + 1
     assert round(float(first["dataset_rounds_per_epoch"]) * 3) == 3 * 4 + 2 + 1
-    # After the first epoch's start no collective moves host values: the
+    # After the first epoch's start no blocking host collective runs (no
+    # broadcast_one_to_all, process_allgather or sync_global_devices): the
     # state stays on the devices and the metrics' reset values are placed
-    # locally (they were broadcast at every epoch's start before).
-    assert int(first["broadcasts_after_epoch_0"]) == 0
+    # locally (they were broadcast at every epoch's start before). So with
+    # K=4, an epoch of 13 steps (4 calls) makes 2 host round trips, plus one
+    # after each epoch but the last, and no collective of JAX's on the host.
+    for result in (first, second):
+        assert result["host_collectives_after_epoch_0"].tolist() == [0, 0, 0]
+        assert result["host_collectives"][0] > 0  # counted: fit's start reads process 0's model
     # The same batches as a dataset train bitwise the same weights.
     np.testing.assert_array_equal(
         np.concatenate([np.ravel(w) for w in weights(first)]), first["dataset_weights"])
@@ -397,6 +402,7 @@ def _left_fit(failed, survivor):
             f"or on none.")
 
 
+@pytest.mark.slow  # 20 s; the same message, for an error caught, runs in CI (below)
 def test_an_uncaught_error_on_one_process_ends_every_process_within_the_heartbeat(tmp_path):
     # Process 1's callback raises after epoch 1. Before, process 1 waited in
     # JAX's shutdown (up to 300 s) for process 0, which waited in epoch 2's

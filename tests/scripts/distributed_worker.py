@@ -50,22 +50,31 @@ sys.path.insert(0, os.path.dirname(__file__))
 from many_hosts_data import make_model, rows_of, share_ids  # noqa: E402
 
 
-def count_broadcasts():
-    """Count calls of `broadcast_one_to_all`, the collective that moves host values."""
+def count_host_collectives():
+    """Count calls of JAX's blocking host collectives (`multihost_utils`), by name.
+
+    `broadcast_one_to_all` moves host values (a model read); a split state's
+    gather goes through `process_allgather`; `sync_global_devices` is a barrier.
+    """
     from jax.experimental import multihost_utils
 
-    original = multihost_utils.broadcast_one_to_all
+    calls = dict.fromkeys(["broadcast_one_to_all", "process_allgather",
+                           "sync_global_devices"], 0)
 
-    def counted(*a, **k):
-        counted.calls += 1
-        return original(*a, **k)
+    def counted(name):
+        original = getattr(multihost_utils, name)
 
-    counted.calls = 0
-    multihost_utils.broadcast_one_to_all = counted
-    return counted
+        def call(*a, **k):
+            calls[name] += 1
+            return original(*a, **k)
+        return call
+
+    for name in calls:
+        setattr(multihost_utils, name, counted(name))
+    return calls
 
 
-BROADCASTS = count_broadcasts()
+HOST_COLLECTIVES = count_host_collectives()
 
 
 class Recorder(keras.callbacks.Callback):
@@ -82,7 +91,7 @@ class Recorder(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch = epoch
         if epoch == 1:
-            self.broadcasts_before_epoch_1 = BROADCASTS.calls
+            self.before_epoch_1 = dict(HOST_COLLECTIVES)
 
     def on_train_batch_end(self, batch, logs=None):
         self.first = self.first or (self.epoch, batch)
@@ -115,8 +124,11 @@ def fit():
         counts=np.asarray(history.history["ids"][-1]),
         iterations=int(model.optimizer.iterations.numpy()),
         rounds_per_epoch=trainer.placement.exchange.rounds / args.epochs,
-        broadcasts_after_epoch_0=BROADCASTS.calls - getattr(
-            recorder, "broadcasts_before_epoch_1", BROADCASTS.calls),
+        # Blocking host collectives after epoch 0's start, by name.
+        host_collectives=np.asarray(list(HOST_COLLECTIVES.values())),
+        host_collectives_after_epoch_0=np.asarray([
+            calls - getattr(recorder, "before_epoch_1", HOST_COLLECTIVES)[name]
+            for name, calls in HOST_COLLECTIVES.items()]),
         first=np.asarray(recorder.first), refused=refused,
     )
     if args.extras:
