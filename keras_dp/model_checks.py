@@ -39,7 +39,11 @@ def check_trainable_unchanged(model):
     built (by a first `fit`) takes effect only with a new optimizer, from
     `model.compile`; `model.fit` then fails inside its step ("Argument
     `optimizer_variables` must be a list of tensors corresponding 1:1 ...").
-    A model with its own `train_step` chooses what its optimizer updates.
+    `layer.enable_lora(rank)` and `model.quantize(mode)` after training
+    change them too (LoRA adds trainable factors and freezes the kernel;
+    quantizing replaces a kernel with non-trainable integers): the message
+    names the variables that differ. A model with its own `train_step`
+    chooses what its optimizer updates.
     """
     optimizer = model.optimizer
     if optimizer is None or not optimizer.built or _compat.custom_step(model, "train_step"):
@@ -51,11 +55,26 @@ def check_trainable_unchanged(model):
         f"The model's trainable variables changed since its optimizer was built: "
         f"{len(model.trainable_variables)} are trainable now, the optimizer holds slots "
         f"for {len(built_for)}. A layer's `trainable` set after training (or during it, "
-        "in a callback) takes effect, as in Keras, only after model.compile(...) with a "
-        "new optimizer (for example "
+        "in a callback), layer.enable_lora(rank) or model.quantize(mode) takes effect, as "
+        "in Keras, only after model.compile(...) with a new optimizer (for example "
         "keras.optimizers.Adam(1e-5)); compiling with the built model.optimizer again "
         "keeps its old slots. The weights are kept."
+        + _changed_variables(built_for, model.trainable_variables)
     )
+
+
+def _changed_variables(before, now):
+    """`" Trainable now, without slots: a, b."` and the reverse: what differs, for a message."""
+    ids_before, ids_now = {id(v) for v in before}, {id(v) for v in now}
+    parts = (("Trainable now, without slots", [v.path for v in now if id(v) not in ids_before]),
+             ("No longer trainable, with slots", [v.path for v in before if id(v) not in ids_now]))
+    return "".join(f" {what}: {_first(paths)}." for what, paths in parts if paths)
+
+
+def _first(paths, shown=4):
+    """The first `shown` of `paths`, joined, and how many more."""
+    more = f" and {len(paths) - shown} more" if len(paths) > shown else ""
+    return ", ".join(paths[:shown]) + more
 
 
 def check_model(model):

@@ -292,10 +292,11 @@ def test_trainable_changed_after_training_without_a_new_optimizer_is_named():
         assert str(error.value) == (
             "The model's trainable variables changed since its optimizer was built: 2 are "
             "trainable now, the optimizer holds slots for 4. A layer's `trainable` set after "
-            "training (or during it, in a callback) takes effect, as in Keras, only after "
-            "model.compile(...) with a new optimizer (for example keras.optimizers.Adam(1e-5)); "
-            "compiling with the built model.optimizer again keeps its old slots. The weights "
-            "are kept.")
+            "training (or during it, in a callback), layer.enable_lora(rank) or "
+            "model.quantize(mode) takes effect, as in Keras, only after model.compile(...) "
+            "with a new optimizer (for example keras.optimizers.Adam(1e-5)); compiling with "
+            "the built model.optimizer again keeps its old slots. The weights are kept. No "
+            f"longer trainable, with slots: {model.name}/base/kernel, {model.name}/base/bias.")
         for left, right in zip(model.get_weights(), trained, strict=True):
             np.testing.assert_array_equal(left, right)
         model.compile(optimizer=model.optimizer, loss=model.loss)
