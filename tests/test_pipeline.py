@@ -1,5 +1,6 @@
 """The host pipeline (`keras_dp.pipeline`): user data to host batches, in order, every row once."""
 
+import keras
 import numpy as np
 import tensorflow as tf
 import pytest
@@ -216,3 +217,113 @@ def test_split_validation_holds_out_the_last_rows_before_shuffling():
     np.testing.assert_array_equal(y_val, [7, 8, 9])
     with pytest.raises(ValueError, match="both need at least one"):
         keras_dp.pipeline.split_validation(x[:1], y[:1], None, 0.5)
+
+
+class RunsOn(keras.callbacks.Callback):
+    """Fails a fit that trains or validates past 20 batches: it would never end."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        assert batch < 20, "ran on past 20 batches of an endless pass"
+
+    on_test_batch_end = on_predict_batch_end = on_train_batch_end
+
+
+class Endless(keras.utils.PyDataset):
+    num_batches = None
+
+    def __getitem__(self, index):
+        return np.zeros((4, 28, 28, 1), "float32"), np.zeros(4, "int64")
+
+
+def _endless_sources():
+    import grain
+
+    x, y = np.zeros((8, 28, 28, 1), "float32"), np.zeros(8, "int64")
+    tf_repeat = tf.data.Dataset.from_tensor_slices((x, y)).batch(4).repeat()
+    sampler = grain.samplers.IndexSampler(8, num_epochs=None, shuffle=False, seed=0)
+    return {
+        "a tf.data.Dataset that repeats forever": tf_repeat,
+        "a keras.utils.PyDataset whose num_batches is None": Endless(),
+        r"a Grain dataset that repeats forever \(repeat\(\) without num_epochs\)":
+            grain.MapDataset.source(list(zip(x, y))).repeat().batch(4).to_iter_dataset(),
+        "a grain.DataLoader whose sampler has num_epochs=None": grain.DataLoader(
+            data_source=list(zip(x, y)), sampler=sampler,
+            operations=[grain.transforms.Batch(4)]),
+    }
+
+
+@pytest.mark.parametrize("kind", range(4))
+def test_an_endless_input_without_a_step_count_is_refused_before_any_step(kind):
+    # Before, fit trained (or validated, or evaluated) forever, as model.fit does.
+    pytest.importorskip("grain")
+    what, data = list(_endless_sources().items())[kind]
+    model = mlp()
+    before = [w.copy() for w in model.get_weights()]
+    finite = tf.data.Dataset.from_tensor_slices(
+        (np.zeros((8, 28, 28, 1), "float32"), np.zeros(8, "int64"))).batch(4)
+    fit = dict(verbose=0, devices=devices(2), callbacks=[RunsOn()])
+    with pytest.raises(ValueError, match=f"`x` is {what}, and no `steps_per_epoch` says "
+                       r"where a pass ends: it would run forever .* Pass `steps_per_epoch=N`"):
+        keras_dp.fit_sharded(model, data, **fit)
+    with pytest.raises(ValueError, match=f"`validation_data` is {what}, and no "
+                       "`validation_steps`.* Pass `validation_steps=N`"):
+        keras_dp.fit_sharded(model, finite, validation_data=data, **fit)
+    trainer = keras_dp.ShardedTrainer(model, devices=devices(2))
+    for run in (trainer.evaluate, trainer.predict):
+        with pytest.raises(ValueError, match=f"`x` is {what}, and no `steps` .* Pass `steps=N`"):
+            run(data, verbose=0, callbacks=[RunsOn()])
+    for old, new in zip(before, model.get_weights(), strict=True):
+        np.testing.assert_array_equal(old, new)
+    # With a step count, it reads what it is told.
+    history = keras_dp.fit_sharded(model, data, steps_per_epoch=3, validation_data=data,
+                                   validation_steps=2, **fit)
+    assert int(model.optimizer.iterations.numpy()) == 3 and len(history.history["val_loss"]) == 1
+
+
+class Slices(keras.utils.PyDataset):
+    """5 batches of 8 rows of `x, y` (the last of 7), recording which thread read each."""
+
+    def __init__(self, x, y, **options):
+        super().__init__(**options)
+        self.x, self.y, self.threads = x, y, set()
+
+    def __len__(self):
+        return 5
+
+    def __getitem__(self, index):
+        import threading
+        import time
+
+        self.threads.add(threading.current_thread().name)
+        time.sleep(0.02)  # slow enough that both workers take a batch
+        return self.x[index * 8:(index + 1) * 8], self.y[index * 8:(index + 1) * 8]
+
+
+@pytest.mark.parametrize("processes", [False, True])
+def test_a_py_datasets_workers_read_ahead_in_threads_in_order(mnist, processes):
+    # Before, `workers` was ignored without a word; now they read ahead, in
+    # order, so the steps equal Keras's fit reading in one thread (Keras's
+    # own fit with workers=2 starts each epoch at batch 1: it keeps batch 0
+    # of the enqueuer for its build). `use_multiprocessing` reads in threads
+    # too, and says so.
+    (x, y), _ = mnist
+    x, y = x[:39], y[:39]
+    reference = sgd_mlp()
+    reference.fit(Slices(x, y), epochs=2, shuffle=False, verbose=0)
+    data = Slices(x, y, workers=2, use_multiprocessing=processes)
+    model = sgd_mlp()
+    if processes:
+        with pytest.warns(UserWarning, match=r"keras_dp reads this PyDataset \(workers=2, "
+                          r"use_multiprocessing=True\) in 2 threads of this process, not in "
+                          r"processes.*grain.DataLoader with worker_count=N"):
+            history = keras_dp.fit_sharded(model, data, epochs=2, shuffle=False, verbose=0,
+                                           devices=devices(3))
+    else:
+        history = keras_dp.fit_sharded(model, data, epochs=2, shuffle=False, verbose=0,
+                                       devices=devices(3))
+    assert {name.rsplit("_", 1)[0] for name in data.threads} == {"keras_dp-pydataset"}
+    assert len(data.threads) == 2
+    np.testing.assert_allclose(history.history["loss"], reference.history.history["loss"],
+                               rtol=1e-5)
+    for ours, theirs in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-5 * np.abs(theirs).max())

@@ -55,6 +55,7 @@ class GrainEpochs:
         self._restored = None  # (epoch, steps, state) read from a checkpoint
         self.recording = False
         self.last = None  # while recording: the state after the newest batch read
+        self.endless = _endless(dataset)
 
     def __iter__(self):
         """A fresh pass from the first element."""
@@ -139,6 +140,24 @@ def _flags_explained():
             "this program has not parsed (absl.app.run parses them). Call "
             "`absl.flags.FLAGS.mark_as_parsed()` before fit, or use "
             f"worker_count=0. Grain said: {error}") from None
+
+
+def _endless(dataset):
+    """What `dataset` is if it never ends (see `pipeline.check_ends`), else None."""
+    import grain
+
+    if isinstance(dataset, grain.DataLoader):
+        sampler = getattr(dataset, "_sampler", None)
+        if getattr(sampler, "_num_epochs", 1) is None:
+            return "a grain.DataLoader whose sampler has num_epochs=None"
+        return None
+    pending = [dataset]
+    while pending:  # the pipeline's ancestry, for a `repeat()` without num_epochs
+        node = pending.pop()
+        if type(node).__name__.startswith("Repeat") and getattr(node, "_num_epochs", 1) is None:
+            return "a Grain dataset that repeats forever (repeat() without num_epochs)"
+        pending.extend(getattr(node, "parents", ()))
+    return None
 
 
 def kept(states, key):

@@ -1,7 +1,10 @@
 """Datasets and iterables as batches: tf.data, Grain, `keras.utils.PyDataset`, any iterable."""
 
+import collections
 import collections.abc as collections_abc
+import concurrent.futures
 import itertools
+import warnings
 
 import jax
 import keras
@@ -40,6 +43,8 @@ class IterableBatches:
         self.steps = getattr(self._source, "num_batches", None)
         # An endless PyDataset, whose epochs `StepsPerEpoch` or `FirstSteps` mark.
         self.epoch_hooks = getattr(self._source, "epoch_hooks", None)
+        # What never ends without `steps_per_epoch` (see `pipeline.check_ends`), or None.
+        self.endless = _endless(self._source)
         self.num_samples = None
         self.labels_checked = False
         self._label_check = None
@@ -164,7 +169,11 @@ class _TFEpochs:
     """
 
     def __init__(self, dataset):
+        import tensorflow as tf
+
         self._dataset = _ragged_to_dense(dataset)
+        infinite = int(dataset.cardinality()) == tf.data.INFINITE_CARDINALITY
+        self.endless = "a tf.data.Dataset that repeats forever" if infinite else None
 
     def __iter__(self):
         return self._dataset.as_numpy_iterator()
@@ -182,14 +191,18 @@ class _PyDatasetEpochs:
     `model.fit` does, so per-epoch reshuffling inside it works. An endless
     one (`num_batches` None) has no passes: it is `epoch_hooks`, and
     `StepsPerEpoch` and `FirstSteps` call them around each epoch they
-    read, as `model.fit` does. Batches are read in this thread (`workers`
-    and multiprocessing are not used).
+    read, as `model.fit` does. With `workers > 1` the batches are read
+    ahead by that many threads (at most `max_queue_size` ahead, as Keras's
+    enqueuer) and handed out in order, so the steps are those of one
+    thread; `use_multiprocessing` reads them in threads too, with a warning
+    (a process forked from one running JAX can deadlock).
     """
 
     def __init__(self, dataset, shuffle=False, seed=0):
         self._dataset = dataset
         self._shuffle = shuffle
         self._seed = seed
+        self._workers = _pydataset_workers(dataset)
 
     @property
     def num_batches(self):
@@ -208,16 +221,71 @@ class _PyDatasetEpochs:
         count = self._dataset.num_batches
         # No length: an endless dataset, for use with `steps_per_epoch`.
         if count is None:
-            yield from (self._dataset[index] for index in itertools.count())
+            yield from self._read(itertools.count())
             return
         self._dataset.on_epoch_begin()
         if self._shuffle:
             indices = np.random.default_rng([self._seed, epoch]).permutation(count).tolist()
         else:
             indices = range(count)
-        for index in indices:
-            yield self._dataset[index]
+        yield from self._read(indices)
         self._dataset.on_epoch_end()
+
+    def _read(self, indices):
+        """`dataset[index]` for each index, in order: here, or read ahead by the workers."""
+        if self._workers <= 1:
+            return (self._dataset[index] for index in indices)
+        depth = max(self._workers, self._dataset.max_queue_size or 1)
+        return _read_ahead(self._dataset.__getitem__, indices, self._workers, depth)
+
+
+def _pydataset_workers(dataset):
+    """The threads that read `dataset` (its `workers`), warning if it asks for processes."""
+    workers = max(int(dataset.workers or 1), 1)
+    if dataset.use_multiprocessing:
+        threads = f"{workers} threads" if workers > 1 else "this thread"
+        warnings.warn(
+            f"keras_dp reads this PyDataset (workers={dataset.workers}, "
+            f"use_multiprocessing=True) in {threads} of this process, not in "
+            "processes: a process forked from one running JAX can deadlock. The "
+            "batches and their order are the same. To read in processes, use a "
+            "grain.DataLoader with worker_count=N.", stacklevel=2)
+    return workers
+
+
+def _read_ahead(read, indices, workers, depth):
+    """Yield `read(index)` for each of `indices` in order, computed up to `depth` ahead by `workers` threads.
+
+    An exception in `read` is raised at its index. Closing the generator
+    cancels what has not started and waits for what has.
+    """
+    indices = iter(indices)
+    pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="keras_dp-pydataset")
+    try:
+        pending = collections.deque(pool.submit(read, index)
+                                    for index in itertools.islice(indices, depth))
+        while pending:
+            batch = pending.popleft().result()
+            pending.extend(pool.submit(read, index) for index in itertools.islice(indices, 1))
+            yield batch
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _endless(source):
+    """What `source` is if it never ends (for `pipeline.check_ends`), else None.
+
+    Known from the source itself, without reading it: a tf.data.Dataset of
+    infinite cardinality (`repeat()`), a PyDataset without a length, a
+    Grain pipeline with an endless `repeat()` or sampler.
+    """
+    if isinstance(source, _TFEpochs):
+        return source.endless
+    if isinstance(source, _PyDatasetEpochs) and source.num_batches is None:
+        return "a keras.utils.PyDataset whose num_batches is None"
+    if isinstance(source, grain_source.GrainEpochs):
+        return source.endless
+    return None
 
 
 def _ragged_to_dense(dataset):
