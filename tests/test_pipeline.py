@@ -169,6 +169,20 @@ def test_a_dataset_of_single_samples_is_told_to_batch(mnist):
                              verbose=0, devices=devices(2))
 
 
+def test_an_unbatched_dataset_of_one_hot_labels_is_told_to_batch(mnist):
+    # image_dataset_from_directory(batch_size=None, label_mode="categorical")
+    # gives an image (28, 28, 1) and a label (10,). Before, the message said only
+    # that the arrays' rows differ, not that the dataset is not batched.
+    (x, y), _ = mnist
+    model = mlp()
+    model.compile(optimizer="sgd", loss=keras.losses.CategoricalCrossentropy(from_logits=True))
+    unbatched = tf.data.Dataset.from_tensor_slices((x[:8], np.eye(10)[y[:8]]))
+    with pytest.raises(ValueError, match=r"Batch 0 of epoch 0 has arrays without the same number "
+                       r"of rows .*: shapes \[\(28, 28, 1\), \(10,\)\]\. If each is one sample, the "
+                       r"dataset is not batched: batch it, `dataset.batch\(64\)`"):
+        keras_dp.fit_sharded(model, unbatched, verbose=0, devices=devices(2))
+
+
 def batches_then(mnist, bad):
     (x, y), _ = mnist
     return [(x[:32], y[:32]), bad(x, y)]

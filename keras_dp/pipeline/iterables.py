@@ -14,6 +14,7 @@ from keras_dp.pipeline import grain_source
 from keras_dp.pipeline.batch import apply_class_weight
 from keras_dp.pipeline.batch import batch_rows
 from keras_dp.pipeline.batch import check_dtypes
+from keras_dp.pipeline.batch import short_list
 from keras_dp.pipeline.batch import unpack
 
 
@@ -132,7 +133,7 @@ class IterableBatches:
 
 
 def _check_batched(batch, where):
-    """Raise a `ValueError` when `batch` is one sample: a 0-d array has no rows."""
+    """Raise a `ValueError` when `batch` is one sample: a 0-d array, or arrays that disagree on rows."""
     shapes = [np.shape(leaf) for leaf in jax.tree.leaves(batch)]
     if any(len(shape) == 0 for shape in shapes):
         raise ValueError(
@@ -142,6 +143,15 @@ def _check_batched(batch, where):
             "`dataset.batch(64)` for a tf.data.Dataset; a generator or "
             "PyDataset yields arrays with the batch first, such as x of "
             "shape (64, 28, 28, 1) and y of shape (64,)."
+        )
+    if len({shape[0] for shape in shapes}) > 1:
+        raise ValueError(
+            f"{where} has arrays without the same number of rows (their first "
+            f"dimension): shapes {short_list(shapes)}. If each is one sample, the "
+            "dataset is not batched: batch it, `dataset.batch(64)` (tf.data's "
+            "`from_tensor_slices`, and `image_dataset_from_directory` and its kin "
+            "with batch_size=None, give single samples). Otherwise x, y and "
+            "sample_weight must hold one row per sample each."
         )
 
 
