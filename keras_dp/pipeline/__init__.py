@@ -129,8 +129,6 @@ def check_ends(batches, what, steps):
 def check_one_pass(batches, passes, what, epochs):
     """Raise a `ValueError` at once if a one-shot iterator would be read `passes` times.
 
-    Checks first that a pass ends at all (`check_ends`).
-
     A generator is used up by its first pass, so the passes after it would
     have no data; `model.fit` trains (or validates) them on the
     generator's first 2 batches again, which it kept to look at.
@@ -143,7 +141,6 @@ def check_one_pass(batches, passes, what, epochs):
         what: the argument they came from (`"x"`, `"validation_data"`).
         epochs: what decides `passes`, as text for the message.
     """
-    check_ends(batches, what, "steps_per_epoch" if what == "x" else "validation_steps")
     if passes <= 1 or getattr(batches, "reiterable", True):
         return
     steps = "steps_per_epoch" if what == "x" else "validation_steps"
