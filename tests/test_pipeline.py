@@ -341,3 +341,65 @@ def test_a_py_datasets_workers_read_ahead_in_threads_in_order(mnist, processes):
                                rtol=1e-5)
     for ours, theirs in zip(model.get_weights(), reference.get_weights(), strict=True):
         np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-5 * np.abs(theirs).max())
+
+
+def _image_folders(root, x, y):
+    from PIL import Image
+
+    for index, (image, label) in enumerate(zip(x, y)):
+        (root / str(label)).mkdir(parents=True, exist_ok=True)
+        Image.fromarray(image[..., 0]).save(root / str(label) / f"{index:03d}.png")
+    return root
+
+
+def _tfrecords(root, x, y):
+    root.mkdir()
+    for part in range(2):
+        with tf.io.TFRecordWriter(str(root / f"part{part}.tfrecord")) as writer:
+            for image, label in zip(x[part::2], y[part::2]):
+                writer.write(tf.train.Example(features=tf.train.Features(feature={
+                    "image": tf.train.Feature(bytes_list=tf.train.BytesList(value=[image.tobytes()])),
+                    "label": tf.train.Feature(int64_list=tf.train.Int64List(value=[label])),
+                })).SerializeToString())
+    features = {"image": tf.io.FixedLenFeature([], tf.string),
+                "label": tf.io.FixedLenFeature([], tf.int64)}
+
+    def parse(record):
+        example = tf.io.parse_single_example(record, features)
+        image = tf.io.decode_raw(example["image"], tf.uint8)
+        return tf.reshape(tf.cast(image, tf.float32), (28, 28, 1)), example["label"]
+
+    files = tf.data.Dataset.list_files(str(root / "*.tfrecord"), seed=3)
+    return lambda: (files.interleave(tf.data.TFRecordDataset, cycle_length=2)
+                    .map(parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+                    .cache().shuffle(16, seed=2).batch(8).prefetch(tf.data.AUTOTUNE))
+
+
+@pytest.mark.slow  # 20 s on the shared 2-core VM
+def test_image_folders_and_tfrecords_from_disk_train_as_in_model_fit(mnist, tmp_path):
+    # The audit's two most common disk inputs, read as keras.utils and tf.data
+    # read them: PNG class folders split by `validation_split` and `subset`,
+    # reshuffled each epoch, and TFRecord shards interleaved, parsed, cached,
+    # reshuffled and batched by 8 rows on 3 devices. Losses, validation losses
+    # and weights equal Keras's fit on one device.
+    (x, y), _ = mnist
+    folders = _image_folders(tmp_path / "images", x[:32], y[:32])
+
+    def images(subset):
+        return keras.utils.image_dataset_from_directory(
+            folders, image_size=(28, 28), color_mode="grayscale", batch_size=8, seed=1,
+            validation_split=0.25, subset=subset, verbose=False)
+
+    records = _tfrecords(tmp_path / "records", x[:32], y[:32])
+    for train, options in [(lambda: images("training"), lambda: dict(validation_data=images("validation"))),
+                           (records, dict)]:
+        reference = sgd_mlp()
+        expected = reference.fit(train(), epochs=2, verbose=0, **options()).history
+        model = sgd_mlp()
+        history = keras_dp.fit_sharded(model, train(), epochs=2, verbose=0, devices=devices(3),
+                                       **options()).history
+        assert history.keys() == expected.keys()
+        for name in expected:
+            np.testing.assert_allclose(history[name], expected[name], rtol=1e-5)
+        for ours, theirs in zip(model.get_weights(), reference.get_weights(), strict=True):
+            np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-5 * np.abs(theirs).max())
