@@ -176,6 +176,14 @@ class _TFEpochs:
     Ragged batches (`ragged_batch`, or `tf.strings.split` after `batch`) are
     padded with zeros to their longest row, as Keras's `model.fit` pads them
     (`RaggedTensor.to_tensor()`), inside the pipeline.
+
+    A pipeline that reshuffles (`shuffle(..., reshuffle_each_iteration=True)`,
+    the default) draws a new order at each iterator made, seeded or not. A
+    fit makes one for its first batch (`peek`) and one per epoch, as
+    `model.fit` does, so epoch e reads the (e + 2)-th order. `epoch(e)`
+    keeps it so when the fit starts at epoch e (a resume, `initial_epoch`):
+    it makes and drops the iterators of the epochs before, so a run resumed
+    mid-epoch skips the very batches the interrupted run trained on.
     """
 
     def __init__(self, dataset):
@@ -184,9 +192,17 @@ class _TFEpochs:
         self._dataset = _ragged_to_dense(dataset)
         infinite = int(dataset.cardinality()) == tf.data.INFINITE_CARDINALITY
         self.endless = "a tf.data.Dataset that repeats forever" if infinite else None
+        self._made = 0  # iterators made so far
 
     def __iter__(self):
+        self._made += 1
         return self._dataset.as_numpy_iterator()
+
+    def epoch(self, epoch):
+        """Epoch `epoch`'s pass: the iterator made after the first batch's and one per epoch before."""
+        while self._made < epoch + 1:  # made and dropped unread: each draws its order
+            iter(self)
+        return iter(self)
 
 
 class _PyDatasetEpochs:
