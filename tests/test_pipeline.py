@@ -259,7 +259,7 @@ def _endless_sources():
         "a tf.data.Dataset that repeats forever": tf_repeat,
         "a keras.utils.PyDataset whose num_batches is None": Endless(),
         r"a Grain dataset that repeats forever \(repeat\(\) without num_epochs\)":
-            grain.MapDataset.source(list(zip(x, y))).repeat().batch(4).to_iter_dataset(),
+            grain.MapDataset.source(list(zip(x, y))).repeat().batch(4),
         "a grain.DataLoader whose sampler has num_epochs=None": grain.DataLoader(
             data_source=list(zip(x, y)), sampler=sampler,
             operations=[grain.transforms.Batch(4)]),
@@ -292,6 +292,9 @@ def test_an_endless_input_without_a_step_count_is_refused_before_any_step(kind):
     history = keras_dp.fit_sharded(model, data, steps_per_epoch=3, validation_data=data,
                                    validation_steps=2, **fit)
     assert int(model.optimizer.iterations.numpy()) == 3 and len(history.history["val_loss"]) == 1
+    if kind == 2:  # an IterDataset made from it is endless too, as is a repeat(2) not
+        assert keras_dp.pipeline.make_batches(data.to_iter_dataset()).endless
+        assert keras_dp.pipeline.make_batches(data.slice(slice(0, 4)).repeat(2)).endless is None
 
 
 class Slices(keras.utils.PyDataset):

@@ -27,6 +27,7 @@ one continuing stream, and `StreamPosition` names its states by the stream's
 import contextlib
 import itertools
 import json
+import sys
 
 import jax
 import numpy as np
@@ -151,13 +152,30 @@ def _endless(dataset):
         if getattr(sampler, "_num_epochs", 1) is None:
             return "a grain.DataLoader whose sampler has num_epochs=None"
         return None
-    pending = [dataset]
-    while pending:  # the pipeline's ancestry, for a `repeat()` without num_epochs
-        node = pending.pop()
-        if type(node).__name__.startswith("Repeat") and getattr(node, "_num_epochs", 1) is None:
-            return "a Grain dataset that repeats forever (repeat() without num_epochs)"
-        pending.extend(getattr(node, "parents", ()))
+    if _repeats_forever(dataset):
+        return "a Grain dataset that repeats forever (repeat() without num_epochs)"
     return None
+
+
+# Grain gives an endless MapDataset the length sys.maxsize (divided by the
+# batch size, once batched): lengths from this on are read as endless.
+_ENDLESS_LENGTH = sys.maxsize >> 24
+# IterDatasets that may end what they read from: their ancestry says nothing.
+_MAY_END = ("Limit", "Mixed", "Slice", "Concatenate")
+
+
+def _repeats_forever(node):
+    """Whether a Grain dataset is known to be endless (a `repeat()` without num_epochs)."""
+    import grain
+
+    if isinstance(node, grain.MapDataset):
+        return len(node) >= _ENDLESS_LENGTH
+    name = type(node).__name__
+    if name.startswith(_MAY_END):
+        return False
+    if name == "RepeatIterDataset" and getattr(node, "_num_epochs", 1) is None:
+        return True
+    return any(_repeats_forever(parent) for parent in getattr(node, "parents", ()))
 
 
 def kept(states, key):
