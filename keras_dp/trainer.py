@@ -355,6 +355,7 @@ class ShardedTrainer:
             batches = self._batches(x, y, sample_weight, batch_size, shuffle, class_weight)
             if steps_per_epoch is not None:
                 batches = pipeline.StepsPerEpoch(batches, steps_per_epoch)
+            pipeline.check_ends(batches, "x", "steps_per_epoch")
             self.build(batches.peek())
             model_checks.check_trainable_unchanged(self.model)
             self._use_train_programs(donate=self.keep_last_good is not True)
@@ -368,6 +369,7 @@ class ShardedTrainer:
                     validation_data, batch_size, validation_batch_size)
                 val = self._batches(validation_data, None, None, val_batch_size, False,
                                     steps=validation_steps)
+                pipeline.check_ends(val, "validation_data", "validation_steps")
                 # Bad validation labels fail now, not after epoch 1.
                 self._builder.build(pipeline.unpack(val.peek()), data="the validation data")
             callbacks_lib.check_validation_freq(validation_freq)
@@ -426,6 +428,7 @@ class ShardedTrainer:
         with agreement.preparing(self.placement, "evaluate") as settings:
             model_checks.require_compiled(self.model, "evaluate")
             batches = self._batches(x, y, sample_weight, batch_size, False, steps=steps)
+            pipeline.check_ends(batches, "x", "steps")
             self.build(batches.peek())
             settings += agreement.inference_settings(self, batches, batch_size=batch_size,
                                                      steps=steps)
@@ -455,6 +458,7 @@ class ShardedTrainer:
         """
         with agreement.preparing(self.placement, "predict") as settings:
             batches = self._batches(x, None, None, batch_size, False, steps=steps)
+            pipeline.check_ends(batches, "x", "steps")
             self.build(batches.peek(), for_training=False)
             settings += agreement.inference_settings(self, batches, batch_size=batch_size,
                                                      steps=steps)

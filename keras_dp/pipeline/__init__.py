@@ -39,6 +39,7 @@ __all__ = [
     "StepsPerEpoch",
     "batch_rows",
     "check_count",
+    "check_ends",
     "check_one_pass",
     "class_weight_to_sample_weight",
     "group_steps",
@@ -101,6 +102,28 @@ def make_batches(x, y=None, sample_weight=None, *, batch_size=None, shuffle=Fals
             "(for tf.data, `dataset.batch(n)`)."
         )
     return IterableBatches(x, class_weight=class_weight, shuffle=shuffle, seed=seed)
+
+
+def check_ends(batches, what, steps):
+    """Raise a `ValueError` at once if a pass over `batches` would never end.
+
+    A source known to be endless (`IterableBatches.endless`: a tf.data
+    `repeat()`, a PyDataset without a length, an endless Grain pipeline)
+    needs a count of steps, which `StepsPerEpoch` or `FirstSteps` apply;
+    without one, `model.fit` trains (or validates) forever.
+
+    Args:
+        batches: the `Batches` to read.
+        what: the argument they came from (`"x"`, `"validation_data"`).
+        steps: the argument that bounds a pass (`"steps_per_epoch"`).
+    """
+    endless = getattr(batches, "endless", None)
+    if endless is None:
+        return
+    raise ValueError(
+        f"`{what}` is {endless}, and no `{steps}` says where a pass ends: it would "
+        f"run forever (as under model.fit). Pass `{steps}=N`, the batches per pass, "
+        "or data that ends.")
 
 
 def check_one_pass(batches, passes, what, epochs):

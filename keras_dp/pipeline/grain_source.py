@@ -27,6 +27,7 @@ one continuing stream, and `StreamPosition` names its states by the stream's
 import contextlib
 import itertools
 import json
+import sys
 
 import jax
 import numpy as np
@@ -55,6 +56,7 @@ class GrainEpochs:
         self._restored = None  # (epoch, steps, state) read from a checkpoint
         self.recording = False
         self.last = None  # while recording: the state after the newest batch read
+        self.endless = _endless(dataset)
 
     def __iter__(self):
         """A fresh pass from the first element."""
@@ -139,6 +141,41 @@ def _flags_explained():
             "this program has not parsed (absl.app.run parses them). Call "
             "`absl.flags.FLAGS.mark_as_parsed()` before fit, or use "
             f"worker_count=0. Grain said: {error}") from None
+
+
+def _endless(dataset):
+    """What `dataset` is if it never ends (see `pipeline.check_ends`), else None."""
+    import grain
+
+    if isinstance(dataset, grain.DataLoader):
+        sampler = getattr(dataset, "_sampler", None)
+        if getattr(sampler, "_num_epochs", 1) is None:
+            return "a grain.DataLoader whose sampler has num_epochs=None"
+        return None
+    if _repeats_forever(dataset):
+        return "a Grain dataset that repeats forever (repeat() without num_epochs)"
+    return None
+
+
+# Grain gives an endless MapDataset the length sys.maxsize (divided by the
+# batch size, once batched): lengths from this on are read as endless.
+_ENDLESS_LENGTH = sys.maxsize >> 24
+# IterDatasets that may end what they read from: their ancestry says nothing.
+_MAY_END = ("Limit", "Mixed", "Slice", "Concatenate")
+
+
+def _repeats_forever(node):
+    """Whether a Grain dataset is known to be endless (a `repeat()` without num_epochs)."""
+    import grain
+
+    if isinstance(node, grain.MapDataset):
+        return len(node) >= _ENDLESS_LENGTH
+    name = type(node).__name__
+    if name.startswith(_MAY_END):
+        return False
+    if name == "RepeatIterDataset" and getattr(node, "_num_epochs", 1) is None:
+        return True
+    return any(_repeats_forever(parent) for parent in getattr(node, "parents", ()))
 
 
 def kept(states, key):

@@ -1,7 +1,10 @@
 """Datasets and iterables as batches: tf.data, Grain, `keras.utils.PyDataset`, any iterable."""
 
+import collections
 import collections.abc as collections_abc
+import concurrent.futures
 import itertools
+import warnings
 
 import jax
 import keras
@@ -11,6 +14,7 @@ from keras_dp.pipeline import grain_source
 from keras_dp.pipeline.batch import apply_class_weight
 from keras_dp.pipeline.batch import batch_rows
 from keras_dp.pipeline.batch import check_dtypes
+from keras_dp.pipeline.batch import short_list
 from keras_dp.pipeline.batch import unpack
 
 
@@ -40,6 +44,8 @@ class IterableBatches:
         self.steps = getattr(self._source, "num_batches", None)
         # An endless PyDataset, whose epochs `StepsPerEpoch` or `FirstSteps` mark.
         self.epoch_hooks = getattr(self._source, "epoch_hooks", None)
+        # What never ends without `steps_per_epoch` (see `pipeline.check_ends`), or None.
+        self.endless = _endless(self._source)
         self.num_samples = None
         self.labels_checked = False
         self._label_check = None
@@ -127,7 +133,7 @@ class IterableBatches:
 
 
 def _check_batched(batch, where):
-    """Raise a `ValueError` when `batch` is one sample: a 0-d array has no rows."""
+    """Raise a `ValueError` when `batch` is one sample: a 0-d array, or arrays that disagree on rows."""
     shapes = [np.shape(leaf) for leaf in jax.tree.leaves(batch)]
     if any(len(shape) == 0 for shape in shapes):
         raise ValueError(
@@ -137,6 +143,15 @@ def _check_batched(batch, where):
             "`dataset.batch(64)` for a tf.data.Dataset; a generator or "
             "PyDataset yields arrays with the batch first, such as x of "
             "shape (64, 28, 28, 1) and y of shape (64,)."
+        )
+    if len({shape[0] for shape in shapes}) > 1:
+        raise ValueError(
+            f"{where} has arrays without the same number of rows (their first "
+            f"dimension): shapes {short_list(shapes)}. If each is one sample, the "
+            "dataset is not batched: batch it, `dataset.batch(64)` (tf.data's "
+            "`from_tensor_slices`, and `image_dataset_from_directory` and its kin "
+            "with batch_size=None, give single samples). Otherwise x, y and "
+            "sample_weight must hold one row per sample each."
         )
 
 
@@ -161,13 +176,33 @@ class _TFEpochs:
     Ragged batches (`ragged_batch`, or `tf.strings.split` after `batch`) are
     padded with zeros to their longest row, as Keras's `model.fit` pads them
     (`RaggedTensor.to_tensor()`), inside the pipeline.
+
+    A pipeline that reshuffles (`shuffle(..., reshuffle_each_iteration=True)`,
+    the default) draws a new order at each iterator made, seeded or not. A
+    fit makes one for its first batch (`peek`) and one per epoch, as
+    `model.fit` does, so epoch e reads the (e + 2)-th order. `epoch(e)`
+    keeps it so when the fit starts at epoch e (a resume, `initial_epoch`):
+    it makes and drops the iterators of the epochs before, so a run resumed
+    mid-epoch skips the very batches the interrupted run trained on.
     """
 
     def __init__(self, dataset):
+        import tensorflow as tf
+
         self._dataset = _ragged_to_dense(dataset)
+        infinite = int(dataset.cardinality()) == tf.data.INFINITE_CARDINALITY
+        self.endless = "a tf.data.Dataset that repeats forever" if infinite else None
+        self._made = 0  # iterators made so far
 
     def __iter__(self):
+        self._made += 1
         return self._dataset.as_numpy_iterator()
+
+    def epoch(self, epoch):
+        """Epoch `epoch`'s pass: the iterator made after the first batch's and one per epoch before."""
+        while self._made < epoch + 1:  # made and dropped unread: each draws its order
+            iter(self)
+        return iter(self)
 
 
 class _PyDatasetEpochs:
@@ -182,14 +217,18 @@ class _PyDatasetEpochs:
     `model.fit` does, so per-epoch reshuffling inside it works. An endless
     one (`num_batches` None) has no passes: it is `epoch_hooks`, and
     `StepsPerEpoch` and `FirstSteps` call them around each epoch they
-    read, as `model.fit` does. Batches are read in this thread (`workers`
-    and multiprocessing are not used).
+    read, as `model.fit` does. With `workers > 1` the batches are read
+    ahead by that many threads (at most `max_queue_size` ahead, as Keras's
+    enqueuer) and handed out in order, so the steps are those of one
+    thread; `use_multiprocessing` reads them in threads too, with a warning
+    (a process forked from one running JAX can deadlock).
     """
 
     def __init__(self, dataset, shuffle=False, seed=0):
         self._dataset = dataset
         self._shuffle = shuffle
         self._seed = seed
+        self._workers = _pydataset_workers(dataset)
 
     @property
     def num_batches(self):
@@ -208,16 +247,71 @@ class _PyDatasetEpochs:
         count = self._dataset.num_batches
         # No length: an endless dataset, for use with `steps_per_epoch`.
         if count is None:
-            yield from (self._dataset[index] for index in itertools.count())
+            yield from self._read(itertools.count())
             return
         self._dataset.on_epoch_begin()
         if self._shuffle:
             indices = np.random.default_rng([self._seed, epoch]).permutation(count).tolist()
         else:
             indices = range(count)
-        for index in indices:
-            yield self._dataset[index]
+        yield from self._read(indices)
         self._dataset.on_epoch_end()
+
+    def _read(self, indices):
+        """`dataset[index]` for each index, in order: here, or read ahead by the workers."""
+        if self._workers <= 1:
+            return (self._dataset[index] for index in indices)
+        depth = max(self._workers, self._dataset.max_queue_size or 1)
+        return _read_ahead(self._dataset.__getitem__, indices, self._workers, depth)
+
+
+def _pydataset_workers(dataset):
+    """The threads that read `dataset` (its `workers`), warning if it asks for processes."""
+    workers = max(int(dataset.workers or 1), 1)
+    if dataset.use_multiprocessing:
+        threads = f"{workers} threads" if workers > 1 else "this thread"
+        warnings.warn(
+            f"keras_dp reads this PyDataset (workers={dataset.workers}, "
+            f"use_multiprocessing=True) in {threads} of this process, not in "
+            "processes: a process forked from one running JAX can deadlock. The "
+            "batches and their order are the same. To read in processes, use a "
+            "grain.DataLoader with worker_count=N.", stacklevel=2)
+    return workers
+
+
+def _read_ahead(read, indices, workers, depth):
+    """Yield `read(index)` for each of `indices` in order, computed up to `depth` ahead by `workers` threads.
+
+    An exception in `read` is raised at its index. Closing the generator
+    cancels what has not started and waits for what has.
+    """
+    indices = iter(indices)
+    pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="keras_dp-pydataset")
+    try:
+        pending = collections.deque(pool.submit(read, index)
+                                    for index in itertools.islice(indices, depth))
+        while pending:
+            batch = pending.popleft().result()
+            pending.extend(pool.submit(read, index) for index in itertools.islice(indices, 1))
+            yield batch
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _endless(source):
+    """What `source` is if it never ends (for `pipeline.check_ends`), else None.
+
+    Known from the source itself, without reading it: a tf.data.Dataset of
+    infinite cardinality (`repeat()`), a PyDataset without a length, a
+    Grain pipeline with an endless `repeat()` or sampler.
+    """
+    if isinstance(source, _TFEpochs):
+        return source.endless
+    if isinstance(source, _PyDatasetEpochs) and source.num_batches is None:
+        return "a keras.utils.PyDataset whose num_batches is None"
+    if isinstance(source, grain_source.GrainEpochs):
+        return source.endless
+    return None
 
 
 def _ragged_to_dense(dataset):
