@@ -533,3 +533,59 @@ def test_members_with_named_dict_inputs_average_without_a_warning_and_reload(tmp
         loaded = keras.saving.load_model(tmp_path / "ensemble.keras")
     assert [tensor.name for tensor in model.inputs] == ["a", "b"]
     np.testing.assert_allclose(loaded.predict(x, verbose=0), trainer.predict(x), rtol=1e-5, atol=1e-7)
+
+
+# -- As Keras's model.fit, evaluate and predict run each member ---------------------
+
+class InferenceNoise(keras.layers.Layer):
+    """Scales its input by uniform noise in every mode (Monte Carlo sampling at predict)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seed_generator = keras.random.SeedGenerator(7)
+
+    def call(self, x):
+        return x * keras.random.uniform(keras.ops.shape(x), seed=self.seed_generator)
+
+
+def build_noisy():
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3), InferenceNoise()])
+    model.compile(keras.optimizers.SGD(0.1),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def seed_state(model):
+    return np.asarray(model.layers[-1].seed_generator.state.value)
+
+
+def test_predict_draws_new_random_numbers_each_batch_and_call_as_keras_does():
+    # Before, the ensemble dropped the non-trainable values its predict
+    # steps left: every batch and every call drew from one seed state.
+    x, y = small_data(40)
+    trainer = keras_dp.EnsembleTrainer(build_noisy, 2, seed=4, devices=devices(2))
+    references = [alone(4 + i, build_noisy) for i in range(2)]
+    for _ in range(2):  # 3 batches of 16, 16 and 8 rows, twice
+        got = trainer.predict_members(x, batch_size=16)
+        for i, reference in enumerate(references):
+            expected = softmax(reference.predict(x, batch_size=16, verbose=0))
+            np.testing.assert_allclose(got[i], expected, rtol=1e-5, atol=1e-7)
+    assert not np.allclose(got[0, :8], got[0, 16:24], rtol=1e-2)
+    for member, reference in zip(trainer.members, references):
+        np.testing.assert_array_equal(seed_state(member), [7, 6])
+        np.testing.assert_array_equal(seed_state(member), seed_state(reference))
+
+
+def test_validation_carries_the_random_state_into_the_next_epoch_as_model_fit_does():
+    # Before, every validation drew from the seed state training had left,
+    # and training went on from that state, not from the validation's.
+    x, y = small_data(40)
+    options = dict(batch_size=16, epochs=2, shuffle=False, verbose=0,
+                   validation_data=(x[:20], y[:20]))
+    result = keras_dp.fit_ensemble(build_noisy, x, y, members=2, seed=4, devices=devices(2),
+                                   **options)
+    for i, member in enumerate(result.members):
+        history = alone(4 + i, build_noisy).fit(x, y, **options).history
+        for key in ("loss", "val_loss"):
+            np.testing.assert_allclose([epoch[i] for epoch in result.member_history[key]],
+                                       history[key], rtol=1e-5, err_msg=key)

@@ -90,8 +90,7 @@ def fit(trainer, sources, val, callbacks, *, epochs, validation_freq):
                 start_epoch(trainer, live, epoch)
                 member_logs = train_epoch(trainer, live, sources, epoch, callbacks)
                 if val is not None and callbacks_lib.should_validate(epoch, validation_freq):
-                    scores = trainer._evaluate(live.state.weights, val)
-                    member_logs.update({f"val_{name}": v for name, v in scores.items()})
+                    member_logs.update(validate(trainer, live, val))
                 for name, value in member_logs.items():
                     trainer.member_history.setdefault(name, []).append(value)
                 logs = {name: float(np.mean(value)) for name, value in member_logs.items()}
@@ -146,6 +145,19 @@ def train_epoch(trainer, live, sources, epoch, callbacks):
         if callbacks.model.stop_training:
             break
     return member_logs
+
+
+def validate(trainer, live, val):
+    """Score `val` with the members' current weights: `{val_<name>: value}`.
+
+    As under `model.fit`, the non-trainable values the steps leave (a seed
+    generator advanced in inference mode) carry into the next epoch, and a
+    member a callback changed at the last batch's end is scored as changed.
+    """
+    state = live.current(trainer.init_state)
+    scores, non_trainable = trainer._evaluate(state.weights, val)
+    live.stepped(state._replace(non_trainable=non_trainable))
+    return {f"val_{name}": value for name, value in scores.items()}
 
 
 def failure_message(epoch, failed, losses):

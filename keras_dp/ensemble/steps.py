@@ -79,18 +79,22 @@ def _finite_count(logs, steps):
 
 
 def make_predict_step(model, mesh, from_logits):
-    """Return the jitted `predict_step(weights, x) -> probabilities`.
+    """Return the jitted `predict_step(weights, x) -> (probabilities, non_trainable)`.
 
     `weights` is the stacked `(trainable, non_trainable)` pair and `x` a
-    replicated input batch; the result has shape `(M, rows, classes)`, in
-    float32, split over the member axis: each member's softmax of its
-    outputs when `from_logits`, else its outputs as they are.
+    replicated input batch. The probabilities have shape `(M, rows,
+    classes)`, in float32, split over the member axis: each member's
+    softmax of its outputs when `from_logits`, else its outputs as they
+    are. The non-trainable values come back as the step leaves them, for
+    the caller to carry to the next batch as `model.predict` does (a
+    `SeedGenerator` used in inference mode advances each batch).
     """
 
     def member_predict(weights, x):
-        y_pred, _ = model.stateless_call(*weights, x, **steps_lib.inference_kwargs(model))
+        y_pred, non_trainable = model.stateless_call(
+            *weights, x, **steps_lib.inference_kwargs(model))
         y_pred = y_pred.astype("float32")
-        return jax.nn.softmax(y_pred, axis=-1) if from_logits else y_pred
+        return (jax.nn.softmax(y_pred, axis=-1) if from_logits else y_pred), non_trainable
 
     return jax.jit(_on_each_device(member_predict, mesh, False))
 

@@ -1,5 +1,7 @@
 """`EnsembleTrainer`: the members of an ensemble trained together, one step for all."""
 
+from typing import NamedTuple
+
 import jax
 import numpy as np
 
@@ -12,6 +14,7 @@ from keras_dp.ensemble import loop as ensemble_loop
 from keras_dp.ensemble import members as members_lib
 from keras_dp.ensemble import steps as ensemble_steps
 from keras_dp.ensemble.scores import classification_scores
+from keras_dp.state import TrainState
 
 
 class EnsembleTrainer:
@@ -201,13 +204,23 @@ class EnsembleTrainer:
         """
         batches = self._batches(x, y, sample_weight, batch_size, False, self.seed)
         self.build(batches.peek())
-        return self._evaluate(self._weights(), batches)
+        scores, non_trainable = self._evaluate(self._weights(), batches)
+        self._keep_non_trainable(non_trainable)
+        return scores
 
     def predict_members(self, x, *, batch_size=None):
-        """Return each member's class probabilities, shape `(M, N, classes)`."""
+        """Return each member's class probabilities, shape `(M, N, classes)`.
+
+        As under `model.predict`, each member keeps the non-trainable values
+        its predict steps leave, carried from batch to batch: a layer that
+        draws random numbers in inference mode draws new ones each batch
+        and each call.
+        """
         batches = self._batches(x, None, None, batch_size, False, self.seed)
         self.build(batches.peek())
-        return self._predictions(self._weights(), batches)[0]
+        predictions = self._predictions(self._weights(), batches)
+        self._keep_non_trainable(predictions.non_trainable)
+        return predictions.probabilities
 
     def predict(self, x, *, batch_size=None):
         """Return the ensemble's probabilities, the members' mean: `(N, classes)`."""
@@ -293,18 +306,25 @@ class EnsembleTrainer:
         ]
 
     def _predictions(self, weights, batches):
-        """Members' probabilities `(M, N, classes)`, with the batches' labels and weights."""
-        parts, labels, sample_weights = [], [], []
+        """The members' probabilities on `batches`, their labels and weights (`Predictions`).
+
+        The non-trainable values each step leaves are carried to the next,
+        as `model.predict` and `model.evaluate` carry them.
+        """
+        (trainable, non_trainable), parts, labels, sample_weights = weights, [], [], []
         for x, y, sample_weight in batches.epoch(0):
             x = jax.device_put(x, mesh_lib.replicated(self.mesh))
+            probabilities, non_trainable = self._predict_step((trainable, non_trainable), x)
             # np.asarray waits for the step: one in flight, as XLA:CPU needs.
-            parts.append(np.asarray(self._predict_step(weights, x)))
+            parts.append(np.asarray(probabilities))
             labels.append(y)
             sample_weights.append(sample_weight)
-        return np.concatenate(parts, axis=1), labels, sample_weights
+        return Predictions(np.concatenate(parts, axis=1), labels, sample_weights, non_trainable)
 
     def _evaluate(self, weights, batches):
-        probabilities, labels, sample_weights = self._predictions(weights, batches)
+        """`(scores, non_trainable)`: see `evaluate`, and the values the steps left."""
+        predictions = self._predictions(weights, batches)
+        probabilities, labels, sample_weights = predictions[:3]
         if labels[0] is None:
             raise ValueError("Scoring needs labels. Pass y, or (x, y) batches.")
         y = np.concatenate(labels)
@@ -316,7 +336,21 @@ class EnsembleTrainer:
             "accuracy": member_accuracy.tolist(),
             "ensemble_loss": float(loss),
             "ensemble_accuracy": float(accuracy),
-        }
+        }, predictions.non_trainable
+
+    def _keep_non_trainable(self, non_trainable):
+        """Write the stacked non-trainable values into the members, as Keras's predict keeps them."""
+        members_lib.write_back_members(TrainState(None, non_trainable, None, None), self.members)
+
+
+class Predictions(NamedTuple):
+    """The members' probabilities `(M, N, classes)`, the batches' labels and sample
+    weights (lists, `None` entries when absent), and the non-trainable values left."""
+
+    probabilities: np.ndarray
+    labels: list
+    sample_weights: list
+    non_trainable: list
 
 
 def _stack(batches):
