@@ -589,3 +589,56 @@ def test_validation_carries_the_random_state_into_the_next_epoch_as_model_fit_do
         for key in ("loss", "val_loss"):
             np.testing.assert_allclose([epoch[i] for epoch in result.member_history[key]],
                                        history[key], rtol=1e-5, err_msg=key)
+
+
+class BatchLossLogged(keras.Model):
+    """A classifier keeping the running loss in a `Mean` named "loss" but logging each batch's."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tracker = keras.metrics.Mean(name="loss")
+
+    @property
+    def metrics(self):
+        return [self.tracker]
+
+    def train_step(self, state, data):
+        trainable, non_trainable, optimizer_variables, metrics = state
+        x, y = data
+
+        def loss_fn(trainable):
+            logits, _ = self.stateless_call(trainable, non_trainable, x, training=True)
+            return keras.ops.mean(keras.losses.sparse_categorical_crossentropy(
+                y, logits, from_logits=True))
+
+        loss, grads = jax.value_and_grad(loss_fn)(trainable)
+        trainable, optimizer_variables = self.optimizer.stateless_apply(
+            optimizer_variables, grads, trainable)
+        metrics = self.tracker.stateless_update_state(metrics, loss)
+        return {"loss": loss}, (trainable, non_trainable, optimizer_variables, metrics)
+
+
+def build_batch_loss_logged():
+    inputs = keras.Input((8,))
+    model = BatchLossLogged(inputs, keras.layers.Dense(3)(inputs))
+    model.compile(keras.optimizers.SGD(0.1),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def test_a_member_logging_its_metrics_names_reports_the_metrics_as_keras_fit_does():
+    # Keras's fit reports the metrics' results when a train_step's logs bear
+    # their names (`_get_metrics_result_or_logs`): here each member's running
+    # mean of the loss, where the ensemble reported its last batch's loss.
+    x, y = small_data(40)
+    options = dict(batch_size=16, epochs=2, shuffle=False, verbose=0)
+    result = keras_dp.fit_ensemble(build_batch_loss_logged, x, y, members=2, seed=2,
+                                   devices=devices(2), **options)
+    losses = []
+    for i, member in enumerate(result.members):
+        expected = alone(2 + i, build_batch_loss_logged).fit(x, y, **options).history["loss"]
+        np.testing.assert_allclose([epoch[i] for epoch in result.member_history["loss"]],
+                                   expected, rtol=1e-5)
+        losses.append(expected)
+    np.testing.assert_allclose(result.history.history["loss"], np.mean(losses, axis=0),
+                               rtol=1e-5)

@@ -88,7 +88,9 @@ def fit(trainer, sources, val, callbacks, *, epochs, validation_freq):
             for epoch in range(epochs):
                 callbacks.on_epoch_begin(epoch)
                 start_epoch(trainer, live, epoch)
-                member_logs = train_epoch(trainer, live, sources, epoch, callbacks)
+                member_logs = epoch_logs(
+                    trainer, train_epoch(trainer, live, sources, epoch, callbacks),
+                    live.state.metrics)
                 if val is not None and callbacks_lib.should_validate(epoch, validation_freq):
                     member_logs.update(validate(trainer, live, val))
                 for name, value in member_logs.items():
@@ -115,7 +117,7 @@ def start_epoch(trainer, live, epoch):
 
 
 def train_epoch(trainer, live, sources, epoch, callbacks):
-    """Run one epoch's calls; return each member's last logs, `{name: [M floats]}`.
+    """Run one epoch's calls; return the last call's logs (`{name: (M,) array}`; `{}` if none).
 
     Each call's logs are read to the host before the next call is
     dispatched (the progress bar and callbacks get floats), so one call is
@@ -125,7 +127,7 @@ def train_epoch(trainer, live, sources, epoch, callbacks):
         FloatingPointError: a member's loss was NaN or Inf (unless a
             callback such as `TerminateOnNaN` stopped training instead).
     """
-    index, member_logs = 0, {}
+    index, logs = 0, {}
     for steps, batch, per_member in trainer._calls(sources, epoch):
         callbacks.on_train_batch_begin(index)
         if live.needs_read():  # a callback changed a member
@@ -144,7 +146,28 @@ def train_epoch(trainer, live, sources, epoch, callbacks):
             raise FloatingPointError(failure_message(epoch, failed, member_logs["loss"]))
         if callbacks.model.stop_training:
             break
-    return member_logs
+    return logs
+
+
+def epoch_logs(trainer, logs, metrics):
+    """Each member's logs of the epoch, `{name: [M values]}`, as its `model.fit` reports them.
+
+    `logs` are the last call's, `metrics` the stacked metric values it
+    left. Member `i`'s are what `callbacks_lib.to_python` makes of its row:
+    the metrics' results when the member overrides `train_step` and logs
+    its metrics' names, as Keras's fit does
+    (`Trainer._get_metrics_result_or_logs`), else its logs.
+    """
+    if not logs:
+        return {}
+    logs, metrics = jax.device_get((logs, metrics))
+    per_member = [
+        callbacks_lib.to_python(jax.tree.map(lambda values: values[i], logs), member,
+                                [values[i] for values in metrics], "train_step")
+        for i, member in enumerate(trainer.members)
+    ]
+    return {name: [np.asarray(member[name]).tolist() for member in per_member]
+            for name in per_member[0]}
 
 
 def validate(trainer, live, val):
