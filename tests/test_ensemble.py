@@ -642,3 +642,105 @@ def test_a_member_logging_its_metrics_names_reports_the_metrics_as_keras_fit_doe
         losses.append(expected)
     np.testing.assert_allclose(result.history.history["loss"], np.mean(losses, axis=0),
                                rtol=1e-5)
+
+
+def build_regularized():
+    model = keras.Sequential([
+        keras.Input((8,)), keras.layers.Dense(16, activation="relu", kernel_regularizer="l2"),
+        keras.layers.Dense(3)])
+    model.compile(keras.optimizers.Adam(0.01),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy", keras.metrics.SparseTopKCategoricalAccuracy(2, name="top2")])
+    return model
+
+
+def test_validation_and_evaluate_score_each_member_as_keras_does():
+    # Before, the members' val_loss and val_accuracy were computed on the
+    # host from probabilities: no regularization loss, a sample-weighted
+    # mean where Keras divides by the rows, and val_top2 was not logged.
+    x, y = small_data(40)
+    weights = np.random.default_rng(1).uniform(0.5, 3, 40).astype("float32")
+    options = dict(batch_size=16, epochs=2, shuffle=False, verbose=0,
+                   validation_data=(x[:20], y[:20], weights[:20]))
+    trainer = keras_dp.EnsembleTrainer(build_regularized, 2, seed=6, devices=devices(2))
+    history = trainer.fit(x, y, **options).history
+    assert sorted(history) == ["accuracy", "loss", "top2", "val_accuracy", "val_ensemble_accuracy",
+                               "val_ensemble_loss", "val_loss", "val_top2"]
+    scores = trainer.evaluate(x, y, batch_size=16, sample_weight=weights)
+    for i, member in enumerate(trainer.members):
+        reference = alone(6 + i, build_regularized)
+        expected = reference.fit(x, y, **options).history
+        for key, values in expected.items():
+            np.testing.assert_allclose([epoch[i] for epoch in trainer.member_history[key]],
+                                       values, rtol=1e-5, err_msg=key)
+        keras_scores = reference.evaluate(x, y, batch_size=16, sample_weight=weights,
+                                          verbose=0, return_dict=True)
+        for key, value in keras_scores.items():
+            assert scores[key][i] == pytest.approx(value, rel=1e-5), key
+
+
+def test_class_weight_validation_split_and_initial_epoch_train_as_model_fit_does():
+    x, y = small_data(40)
+    options = dict(batch_size=8, epochs=3, initial_epoch=1, shuffle=False, verbose=0,
+                   validation_split=0.25, class_weight={0: 2.0, 1: 0.5})
+    result = keras_dp.fit_ensemble(build_small, x, y, members=2, seed=8, devices=devices(2),
+                                   **options)
+    assert result.history.epoch == [1, 2]
+    assert result.history.params == {"verbose": 0, "epochs": 3, "steps": 4}
+    for i, member in enumerate(result.members):
+        reference = alone(8 + i, build_small)
+        expected = reference.fit(x, y, **options)
+        assert expected.params == result.history.params
+        for key, values in expected.history.items():
+            np.testing.assert_allclose([epoch[i] for epoch in result.member_history[key]],
+                                       values, rtol=1e-5, err_msg=key)
+        assert_members_close(member, reference, rtol=1e-5)
+
+
+def test_evaluate_and_predict_read_the_first_steps_batches():
+    x, y = small_data(40)
+    trainer = keras_dp.EnsembleTrainer(build_small, 2, devices=devices(2))
+    scores = trainer.evaluate(x, y, batch_size=16, steps=2)
+    assert scores == trainer.evaluate(x[:32], y[:32], batch_size=16)
+    assert trainer.predict(x, batch_size=16, steps=2).shape == (32, 3)
+    with pytest.raises(ValueError, match="`steps` and `validation_steps` must be an int"):
+        trainer.evaluate(x, y, steps=0)
+
+
+@pytest.mark.slow
+def test_early_stopping_stops_the_ensemble_and_restores_every_member_to_the_best_epoch():
+    # One EarlyStopping for the whole ensemble: it monitors the logs' means
+    # (or val_ensemble_loss) and restores every member to the best epoch.
+    x, y = small_data(40)
+    validation = (x[:20], (y[:20] + 1) % 3)  # labels it unlearns: the loss rises
+    stop = keras.callbacks.EarlyStopping("val_ensemble_loss", patience=1,
+                                         restore_best_weights=True)
+    result = keras_dp.fit_ensemble(build_small, x, y, members=2, batch_size=16, epochs=20,
+                                   shuffle=False, verbose=0, validation_data=validation,
+                                   callbacks=[stop], devices=devices(2))
+    losses = result.history.history["val_ensemble_loss"]
+    best = int(np.argmin(losses))
+    assert len(losses) == best + 2 < 20 and stop.stopped_epoch == best + 1
+    best_run = keras_dp.fit_ensemble(build_small, x, y, members=2, batch_size=16,
+                                     epochs=best + 1, shuffle=False, verbose=0,
+                                     devices=devices(2))
+    for member, expected in zip(result.members, best_run.members):
+        for a, b in zip(member.get_weights(), expected.get_weights()):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_monitoring_callbacks_settle_mode_auto_from_the_members_metrics_before_training():
+    # The averaging model is not compiled: Keras could not tell whether
+    # val_accuracy should rise and raised after the first epoch.
+    x, y = small_data(40)
+    callbacks = [keras.callbacks.EarlyStopping("val_accuracy"),
+                 keras.callbacks.EarlyStopping("val_ensemble_accuracy"),
+                 keras.callbacks.EarlyStopping("val_ensemble_loss")]
+    trainer = keras_dp.EnsembleTrainer(build_small, 2, devices=devices(2))
+    trainer.fit(x, y, batch_size=16, verbose=0, validation_data=(x, y), callbacks=callbacks)
+    assert [callback.monitor_op for callback in callbacks] == [
+        keras.ops.greater, keras.ops.greater, keras.ops.less]
+    unknown = keras.callbacks.EarlyStopping("val_ensemble_f1")
+    with pytest.raises(ValueError, match="monitor=val_ensemble_f1.*mode='max'"):
+        trainer.fit(x, y, batch_size=16, verbose=0, callbacks=[unknown])
+    assert [m.optimizer.iterations.numpy() for m in trainer.members] == [3, 3]  # no new step

@@ -7,10 +7,10 @@ and `stop_training` honoured after every call and epoch. The model the
 callbacks see is the ensemble's averaging model, whose weights are the
 members' own; a `MembersLive` keeps them current whenever a callback looks.
 
-Logs are Keras's: one float per name. A training metric is the members'
-mean of what each member's `model.fit` would log; `val_<metric>` is the
-members' mean of their validation scores, and `val_ensemble_loss` /
-`val_ensemble_accuracy` score the averaged probabilities. Each member's own
+Logs are Keras's: one float per name. Each is the members' mean of what
+each member's `model.fit` would log, `val_*` included (each member runs
+Keras's test step); `val_ensemble_loss` / `val_ensemble_accuracy` score the
+averaged probabilities. Each member's own
 values are kept per epoch in `EnsembleTrainer.member_history`.
 """
 
@@ -70,8 +70,32 @@ def check_callbacks(callbacks):
             )
 
 
+def resolve_monitors(callbacks, member):
+    """Settle `mode="auto"` of monitoring callbacks before training, as each member's would.
+
+    Keras infers whether a monitored log should fall or rise from the
+    model's compiled metrics, and the averaging model that callbacks are
+    given is not compiled: `EarlyStopping("val_accuracy")` or a
+    `ModelCheckpoint(..., save_best_only=True)` raised after the first
+    epoch. A name of the members' (`val_accuracy`, ...) is settled from
+    `member`'s metrics, as under its `model.fit`; `ensemble_loss` falls and
+    `ensemble_accuracy` rises. Keras's own `ValueError` (pass `mode=`)
+    comes before any step for a name neither knows.
+    """
+    for callback in callbacks or ():
+        # Keras's private MonitorCallback (EarlyStopping, ModelCheckpoint, ...).
+        if not hasattr(callback, "_set_monitor_op") or (
+                callback.monitor_op is not None or callback.mode != "auto"):
+            continue
+        name = callback.monitor.removeprefix("val_")
+        if name in ("ensemble_loss", "ensemble_accuracy"):
+            callback.mode = "min" if name == "ensemble_loss" else "max"
+        callback.set_model(member)  # Keras reads the member's compiled metrics
+        callback._set_monitor_op()
+
+
 def fit(trainer, sources, val, callbacks, *, epochs, validation_freq):
-    """Train `epochs` epochs of `sources` (one per member, or one for all).
+    """Train the `epochs` (a range of epoch indices) of `sources` (one per member, or one for all).
 
     Fills `trainer.member_history` (emptied first) and returns the History
     of `callbacks`. Whatever ends the loop, every member holds the state of
@@ -85,17 +109,17 @@ def fit(trainer, sources, val, callbacks, *, epochs, validation_freq):
     logs = {}
     with live.attached():
         try:
-            for epoch in range(epochs):
+            for epoch in epochs:
                 callbacks.on_epoch_begin(epoch)
                 start_epoch(trainer, live, epoch)
-                member_logs = epoch_logs(
+                per_member = member_logs(
                     trainer, train_epoch(trainer, live, sources, epoch, callbacks),
                     live.state.metrics)
                 if val is not None and callbacks_lib.should_validate(epoch, validation_freq):
-                    member_logs.update(validate(trainer, live, val))
-                for name, value in member_logs.items():
+                    per_member.update(validate(trainer, live, val))
+                for name, value in per_member.items():
                     trainer.member_history.setdefault(name, []).append(value)
-                logs = {name: float(np.mean(value)) for name, value in member_logs.items()}
+                logs = {name: float(np.mean(value)) for name, value in per_member.items()}
                 callbacks.on_epoch_end(epoch, logs)
                 if model.stop_training:
                     break
@@ -149,21 +173,21 @@ def train_epoch(trainer, live, sources, epoch, callbacks):
     return logs
 
 
-def epoch_logs(trainer, logs, metrics):
-    """Each member's logs of the epoch, `{name: [M values]}`, as its `model.fit` reports them.
+def member_logs(trainer, logs, metrics, step="train_step"):
+    """Each member's logs, `{name: [M values]}`, as its `model.fit` (or `evaluate`) reports them.
 
     `logs` are the last call's, `metrics` the stacked metric values it
     left. Member `i`'s are what `callbacks_lib.to_python` makes of its row:
-    the metrics' results when the member overrides `train_step` and logs
-    its metrics' names, as Keras's fit does
-    (`Trainer._get_metrics_result_or_logs`), else its logs.
+    the metrics' results when the member overrides `step` and logs its
+    metrics' names, as Keras does (`Trainer._get_metrics_result_or_logs`),
+    else its logs.
     """
     if not logs:
         return {}
     logs, metrics = jax.device_get((logs, metrics))
     per_member = [
         callbacks_lib.to_python(jax.tree.map(lambda values: values[i], logs), member,
-                                [values[i] for values in metrics], "train_step")
+                                [values[i] for values in metrics], step)
         for i, member in enumerate(trainer.members)
     ]
     return {name: [np.asarray(member[name]).tolist() for member in per_member]
