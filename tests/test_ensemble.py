@@ -744,3 +744,68 @@ def test_monitoring_callbacks_settle_mode_auto_from_the_members_metrics_before_t
     with pytest.raises(ValueError, match="monitor=val_ensemble_f1.*mode='max'"):
         trainer.fit(x, y, batch_size=16, verbose=0, callbacks=[unknown])
     assert [m.optimizer.iterations.numpy() for m in trainer.members] == [3, 3]  # no new step
+
+
+class Hooks(keras.callbacks.Callback):
+    """Records every hook Keras calls, with its batch index and log names."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __getattribute__(self, name):
+        if name.startswith("on_") and not name.startswith("on_epoch"):
+            calls = object.__getattribute__(self, "calls")
+
+            def record(*args, logs=None):
+                if args and isinstance(args[-1], dict):
+                    *args, logs = args
+                calls.append((name, *args, sorted(logs or {})))
+            return record
+        return object.__getattribute__(self, name)
+
+
+def test_fit_evaluate_and_predict_call_the_test_and_predict_hooks_as_keras_does():
+    # Before, fit's validation called no on_test_* hook, and evaluate and
+    # predict took neither callbacks nor verbose.
+    x, y = small_data(40)
+    trainer = keras_dp.EnsembleTrainer(build_small, 2, devices=devices(2))
+    reference = alone(0, build_small)
+    ours, theirs = Hooks(), Hooks()
+    trainer.fit(x, y, batch_size=16, verbose=0, validation_data=(x[:20], y[:20]),
+                validation_batch_size=10, callbacks=[ours])
+    reference.fit(x, y, batch_size=16, verbose=0, validation_data=(x[:20], y[:20]),
+                  validation_batch_size=10, callbacks=[theirs])
+    def without_ensemble(calls):  # the same hooks, batches and logs, the ensemble's besides
+        return [(*call[:-1], [name for name in call[-1] if "ensemble" not in name])
+                for call in calls]
+
+    assert ours.calls[12] == ("on_test_end", ["accuracy", "ensemble_accuracy", "ensemble_loss",
+                                              "loss"])
+    assert without_ensemble(ours.calls) == theirs.calls
+    ours.calls, theirs.calls = [], []
+    scores = trainer.evaluate(x, y, batch_size=16, verbose=0, callbacks=[ours])
+    reference.evaluate(x, y, batch_size=16, verbose=0, callbacks=[theirs])
+    assert without_ensemble(ours.calls) == theirs.calls
+    assert ours.calls[-1] == ("on_test_end", sorted(scores))
+    ours.calls, theirs.calls = [], []
+    trainer.predict(x, batch_size=16, verbose=0, callbacks=[ours])
+    reference.predict(x, batch_size=16, verbose=0, callbacks=[theirs])
+    assert ours.calls == theirs.calls
+
+
+def test_steps_per_epoch_draws_from_one_continuing_stream_as_model_fit_does():
+    # 4 batches a pass: epoch 3 starts the second pass. (On data that ends
+    # mid-epoch keras_dp runs on into the next pass, where Keras cuts the
+    # epoch short: README, "Any batch size, exactly".)
+    x, y = small_data(40)
+    options = dict(batch_size=10, epochs=3, steps_per_epoch=2, shuffle=False, verbose=0)
+    result = keras_dp.fit_ensemble(build_small, x, y, members=2, seed=9, devices=devices(2),
+                                   **options)
+    assert result.history.params["steps"] == 2
+    for i, member in enumerate(result.members):
+        reference = alone(9 + i, build_small)
+        expected = reference.fit(x, y, **options).history["loss"]
+        np.testing.assert_allclose([epoch[i] for epoch in result.member_history["loss"]],
+                                   expected, rtol=1e-5)
+        assert_members_close(member, reference, rtol=1e-5)

@@ -41,7 +41,7 @@ def fit_ensemble(build_model, x=None, y=None, *, members=None, batch_size=None,
                  epochs=1, verbose="auto", callbacks=None, validation_split=0.0,
                  validation_data=None, shuffle=True, member_shuffle=False,
                  class_weight=None, sample_weight=None, initial_epoch=0,
-                 validation_steps=None, validation_batch_size=None,
+                 steps_per_epoch=None, validation_steps=None, validation_batch_size=None,
                  validation_freq=1, steps_per_execution=None, from_logits=None,
                  seed=0, mesh=None, devices=None):
     """Train an ensemble, one member per device, that averages probabilities.
@@ -73,6 +73,9 @@ def fit_ensemble(build_model, x=None, y=None, *, members=None, batch_size=None,
             validation scores.
         callbacks: Keras callbacks, given the ensemble's averaging model,
             whose weights are the members' (see `EnsembleTrainer.fit`).
+        steps_per_epoch: run this many steps per epoch, drawing batches
+            from one continuing stream, as `fit_sharded` does (for endless
+            datasets).
         validation_split: hold out this last fraction of array data (taken
             before shuffling) as the validation data, as in `model.fit`.
         validation_data: `(x, y[, sample_weight])` or a dataset, scored after each epoch
@@ -112,6 +115,7 @@ def fit_ensemble(build_model, x=None, y=None, *, members=None, batch_size=None,
         callbacks=callbacks, validation_split=validation_split,
         validation_data=validation_data, shuffle=shuffle, member_shuffle=member_shuffle,
         class_weight=class_weight, sample_weight=sample_weight, initial_epoch=initial_epoch,
+        steps_per_epoch=steps_per_epoch,
         validation_steps=validation_steps, validation_batch_size=validation_batch_size,
         validation_freq=validation_freq,
     )

@@ -20,6 +20,8 @@ import numpy as np
 
 from keras_dp import callbacks as callbacks_lib
 from keras_dp import inflight
+from keras_dp.ensemble import inference as ensemble_inference
+from keras_dp.ensemble import logs as logs_lib
 from keras_dp.ensemble import members as members_lib
 from keras_dp.state import LiveModel
 from keras_dp.state import TrainState
@@ -112,17 +114,17 @@ def fit(trainer, sources, val, callbacks, *, epochs, validation_freq):
             for epoch in epochs:
                 callbacks.on_epoch_begin(epoch)
                 start_epoch(trainer, live, epoch)
-                per_member = member_logs(
+                per_member = logs_lib.member_logs(
                     trainer, train_epoch(trainer, live, sources, epoch, callbacks),
                     live.state.metrics)
                 if val is not None and callbacks_lib.should_validate(epoch, validation_freq):
-                    per_member.update(validate(trainer, live, val))
+                    per_member.update(validate(trainer, live, val, callbacks))
                 for name, value in per_member.items():
                     trainer.member_history.setdefault(name, []).append(value)
-                logs = {name: float(np.mean(value)) for name, value in per_member.items()}
+                logs = logs_lib.mean_logs(per_member)
                 callbacks.on_epoch_end(epoch, logs)
-                if model.stop_training:
-                    break
+                if model.stop_training or getattr(sources[0], "exhausted", False):
+                    break  # a one-shot stream that ran out stops, as under model.fit
         finally:
             live.finish()
     callbacks.on_train_end(logs)
@@ -173,37 +175,17 @@ def train_epoch(trainer, live, sources, epoch, callbacks):
     return logs
 
 
-def member_logs(trainer, logs, metrics, step="train_step"):
-    """Each member's logs, `{name: [M values]}`, as its `model.fit` (or `evaluate`) reports them.
-
-    `logs` are the last call's, `metrics` the stacked metric values it
-    left. Member `i`'s are what `callbacks_lib.to_python` makes of its row:
-    the metrics' results when the member overrides `step` and logs its
-    metrics' names, as Keras does (`Trainer._get_metrics_result_or_logs`),
-    else its logs.
-    """
-    if not logs:
-        return {}
-    logs, metrics = jax.device_get((logs, metrics))
-    per_member = [
-        callbacks_lib.to_python(jax.tree.map(lambda values: values[i], logs), member,
-                                [values[i] for values in metrics], step)
-        for i, member in enumerate(trainer.members)
-    ]
-    return {name: [np.asarray(member[name]).tolist() for member in per_member]
-            for name in per_member[0]}
-
-
-def validate(trainer, live, val):
+def validate(trainer, live, val, callbacks):
     """Score `val` with the members' current weights: `{val_<name>: value}`.
 
-    As under `model.fit`, the non-trainable values the steps leave (a seed
-    generator advanced in inference mode) carry into the next epoch, and a
-    member a callback changed at the last batch's end is scored as changed.
+    As under `model.fit`: the callbacks' test hooks run, the non-trainable
+    values the steps leave (a seed generator advanced in inference mode)
+    carry into the next epoch, and a member a callback changed (at the last
+    batch's end, or in `on_test_begin`) is scored as changed.
     """
-    state = live.current(trainer.init_state)
-    scores, non_trainable = trainer._evaluate(state.weights, val)
-    live.stepped(state._replace(non_trainable=non_trainable))
+    scores, non_trainable = ensemble_inference.evaluate(
+        trainer, lambda: live.current(trainer.init_state).weights, val, callbacks)
+    live.stepped(live.state._replace(non_trainable=non_trainable))
     return {f"val_{name}": value for name, value in scores.items()}
 
 

@@ -1,7 +1,5 @@
 """`EnsembleTrainer`: the members of an ensemble trained together, one step for all."""
 
-from typing import NamedTuple
-
 import jax
 import numpy as np
 
@@ -10,10 +8,10 @@ from keras_dp import callbacks as callbacks_lib
 from keras_dp import mesh as mesh_lib
 from keras_dp import model_checks
 from keras_dp import pipeline
+from keras_dp.ensemble import inference as ensemble_inference
 from keras_dp.ensemble import loop as ensemble_loop
 from keras_dp.ensemble import members as members_lib
 from keras_dp.ensemble import steps as ensemble_steps
-from keras_dp.ensemble.scores import classification_scores
 from keras_dp.state import TrainState
 
 
@@ -146,7 +144,8 @@ class EnsembleTrainer:
     def fit(self, x=None, y=None, *, batch_size=None, epochs=1, verbose="auto",
             callbacks=None, validation_split=0.0, validation_data=None, shuffle=True,
             member_shuffle=False, class_weight=None, sample_weight=None, initial_epoch=0,
-            validation_steps=None, validation_batch_size=None, validation_freq=1):
+            steps_per_epoch=None, validation_steps=None, validation_batch_size=None,
+            validation_freq=1):
         """Train every member for `epochs` epochs (see `fit_ensemble`).
 
         As `model.fit` runs: Keras callbacks (given the averaging model,
@@ -179,6 +178,8 @@ class EnsembleTrainer:
                 x, y, sample_weight, validation_split, validation_data)
         sources = self._sources(x, y, sample_weight, batch_size, shuffle, member_shuffle,
                                 class_weight)
+        if steps_per_epoch is not None:
+            sources = [pipeline.StepsPerEpoch(source, steps_per_epoch) for source in sources]
         self.build(sources[0].peek())
         ensemble_loop.resolve_monitors(callbacks, self.members[0])
         epoch_range = range(initial_epoch, epochs)
@@ -192,7 +193,8 @@ class EnsembleTrainer:
         return ensemble_loop.fit(self, sources, val, callbacks, epochs=epoch_range,
                                  validation_freq=validation_freq)
 
-    def evaluate(self, x=None, y=None, *, batch_size=None, sample_weight=None, steps=None):
+    def evaluate(self, x=None, y=None, *, batch_size=None, verbose="auto", sample_weight=None,
+                 steps=None, callbacks=None):
         """Score each member as `model.evaluate` does, and the ensemble.
 
         Member `i`'s scores are what `members[i].evaluate(x, y, ...,
@@ -203,9 +205,10 @@ class EnsembleTrainer:
         are class ids or one-hot rows, the loss is their cross-entropy and
         the accuracy the share of rows whose most probable class is the
         label, both means over rows weighted by `sample_weight` when given.
-        With `steps`, over the first `steps` batches only, as in
-        `model.evaluate`. Each member keeps the non-trainable values its
-        steps leave, as under `model.evaluate`.
+        As `model.evaluate`: with `steps`, over the first `steps` batches
+        only; `verbose` and `callbacks` (given the averaging model, batch
+        logs the members' means); each member keeps the non-trainable
+        values its steps leave.
 
         Returns:
             `{"loss": [M floats], <each compiled metric>: [M floats],
@@ -213,30 +216,42 @@ class EnsembleTrainer:
         """
         batches = self._batches(x, y, sample_weight, batch_size, False, self.seed, steps=steps)
         self.build(batches.peek())
-        scores, non_trainable = self._evaluate(self._weights(), batches)
+        callbacks = callbacks_lib.callback_list(
+            callbacks, self.averaging_model(), verbose, history=False, epochs=1,
+            steps=batches.steps)
+        scores, non_trainable = ensemble_inference.evaluate(self, self._weights, batches,
+                                                            callbacks)
         self._keep_non_trainable(non_trainable)
         return scores
 
-    def predict_members(self, x, *, batch_size=None, steps=None):
+    def predict_members(self, x, *, batch_size=None, verbose="auto", steps=None,
+                        callbacks=None):
         """Return each member's class probabilities, shape `(M, N, classes)`.
 
-        With `steps`, for the rows of the first `steps` batches only, as in
-        `model.predict`.
-
-        As under `model.predict`, each member keeps the non-trainable values
-        its predict steps leave, carried from batch to batch: a layer that
-        draws random numbers in inference mode draws new ones each batch
-        and each call.
+        As `model.predict`: with `steps`, for the rows of the first `steps`
+        batches only; `verbose` and `callbacks` (given the averaging model;
+        a batch's `outputs` are its mean probabilities); and each member
+        keeps the non-trainable values its predict steps leave, carried
+        from batch to batch: a layer that draws random numbers in inference
+        mode draws new ones each batch and each call.
         """
         batches = self._batches(x, None, None, batch_size, False, self.seed, steps=steps)
         self.build(batches.peek())
-        predictions = self._predictions(self._weights(), batches)
-        self._keep_non_trainable(predictions.non_trainable)
-        return predictions.probabilities
+        callbacks = callbacks_lib.callback_list(
+            callbacks, self.averaging_model(), verbose, history=False, epochs=1,
+            steps=batches.steps)
+        probabilities, non_trainable = ensemble_inference.predict(
+            self, self._weights, batches, callbacks)
+        self._keep_non_trainable(non_trainable)
+        return probabilities
 
-    def predict(self, x, *, batch_size=None, steps=None):
-        """Return the ensemble's probabilities, the members' mean: `(N, classes)`."""
-        return self.predict_members(x, batch_size=batch_size, steps=steps).mean(axis=0)
+    def predict(self, x, *, batch_size=None, verbose="auto", steps=None, callbacks=None):
+        """Return the ensemble's probabilities, the members' mean: `(N, classes)`.
+
+        The arguments are `predict_members`'s.
+        """
+        return self.predict_members(x, batch_size=batch_size, verbose=verbose, steps=steps,
+                                    callbacks=callbacks).mean(axis=0)
 
     def averaging_model(self):
         """Return one Keras model that outputs the members' mean probabilities.
@@ -340,65 +355,9 @@ class EnsembleTrainer:
             for index in range(1, len(self.members))
         ]
 
-    def _predictions(self, weights, batches):
-        """The members' probabilities on `batches`, their labels and weights (`Predictions`).
-
-        The non-trainable values each step leaves are carried to the next,
-        as `model.predict` and `model.evaluate` carry them.
-        """
-        (trainable, non_trainable), parts, labels, sample_weights = weights, [], [], []
-        for x, y, sample_weight in batches.epoch(0):
-            x = jax.device_put(x, mesh_lib.replicated(self.mesh))
-            probabilities, non_trainable = self._predict_step((trainable, non_trainable), x)
-            # np.asarray waits for the step: one in flight, as XLA:CPU needs.
-            parts.append(np.asarray(probabilities))
-            labels.append(y)
-            sample_weights.append(sample_weight)
-        return Predictions(np.concatenate(parts, axis=1), labels, sample_weights, non_trainable)
-
-    def _evaluate(self, weights, batches):
-        """`(scores, non_trainable)`: see `evaluate`, and the values the steps left.
-
-        Each member runs `model.evaluate`'s test step from reset metrics, the
-        non-trainable values carried from batch to batch; its scores are
-        what `model.evaluate` reports (`callbacks_lib.to_python`). The
-        ensemble is scored on the host from the mean probabilities.
-        """
-        if pipeline.unpack(batches.peek())[1] is None:
-            raise ValueError("Scoring needs labels. Pass y, or (x, y) batches.")
-        for member in self.members:  # as model.evaluate starts
-            member.reset_metrics()
-        metrics = members_lib.stack_state(self.members, self.mesh, groups=("metrics",)).metrics
-        (trainable, non_trainable), parts, labels, sample_weights = weights, [], [], []
-        for batch in batches.epoch(0):
-            x, y, sample_weight = pipeline.unpack(batch)
-            probabilities, non_trainable, metrics, logs = self._test_step(
-                ((trainable, non_trainable), metrics), self.replicate((x, y, sample_weight)))
-            # np.asarray waits for the step: one in flight, as XLA:CPU needs.
-            parts.append(np.asarray(probabilities))
-            labels.append(y)
-            sample_weights.append(sample_weight)
-        scores = ensemble_loop.member_logs(self, logs, metrics, "test_step")
-        y = np.concatenate(labels)
-        sample_weight = None if sample_weights[0] is None else np.concatenate(sample_weights)
-        loss, accuracy = classification_scores(
-            np.concatenate(parts, axis=1).mean(axis=0), y, sample_weight)
-        scores.update(ensemble_loss=float(loss), ensemble_accuracy=float(accuracy))
-        return scores, non_trainable
-
     def _keep_non_trainable(self, non_trainable):
         """Write the stacked non-trainable values into the members, as Keras's predict keeps them."""
         members_lib.write_back_members(TrainState(None, non_trainable, None, None), self.members)
-
-
-class Predictions(NamedTuple):
-    """The members' probabilities `(M, N, classes)`, the batches' labels and sample
-    weights (lists, `None` entries when absent), and the non-trainable values left."""
-
-    probabilities: np.ndarray
-    labels: list
-    sample_weights: list
-    non_trainable: list
 
 
 def _stack(batches):
