@@ -298,7 +298,7 @@ def test_a_generator_read_for_several_epochs_is_refused_before_any_step(mnist):
         yield from [(x[:64], y[:64]), (x[64:128], y[64:128])]
 
     with pytest.raises(ValueError, match=r"`x` is a one-shot iterator .* read it 2 times "
-                       r"\(epochs=2\)"):
+                       r"\(epochs=2, initial_epoch=0\)"):
         trainer.fit(batches(), epochs=2, verbose=0)
     with pytest.raises(ValueError, match=r"`validation_data` is a one-shot iterator .* read "
                        r"it 2 times \(epochs=2, validation_freq=1\)"):
