@@ -809,3 +809,27 @@ def test_steps_per_epoch_draws_from_one_continuing_stream_as_model_fit_does():
         np.testing.assert_allclose([epoch[i] for epoch in result.member_history["loss"]],
                                    expected, rtol=1e-5)
         assert_members_close(member, reference, rtol=1e-5)
+
+
+def test_backup_and_restore_resumes_at_the_epoch_after_the_backup(tmp_path):
+    # Before, the restored ensemble started again at epoch 0 and trained
+    # `epochs` more epochs on top of the restored weights.
+    class StopAfterEpoch1(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 1:
+                raise KeyboardInterrupt
+
+    x, y = small_data(40)
+    options = dict(batch_size=16, epochs=4, shuffle=False, verbose=0)
+    unbroken = keras_dp.EnsembleTrainer(build_small, 2, devices=devices(2))
+    unbroken.fit(x, y, **options)
+    trainer = keras_dp.EnsembleTrainer(build_small, 2, devices=devices(2))
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path))
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit(x, y, callbacks=[backup, StopAfterEpoch1()], **options)
+    history = trainer.fit(x, y, callbacks=[backup], **options)
+    assert history.epoch == [2, 3]
+    for member, expected in zip(trainer.members, unbroken.members):
+        assert member.optimizer.iterations.numpy() == 12
+        for a, b in zip(member.get_weights(), expected.get_weights()):
+            np.testing.assert_array_equal(a, b)

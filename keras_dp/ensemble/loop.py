@@ -18,6 +18,7 @@ import jax
 import keras
 import numpy as np
 
+from keras_dp import _compat
 from keras_dp import callbacks as callbacks_lib
 from keras_dp import inflight
 from keras_dp.ensemble import inference as ensemble_inference
@@ -108,6 +109,8 @@ def fit(trainer, sources, val, callbacks, *, epochs, validation_freq):
     live = MembersLive(model, trainer.members)
     trainer.member_history = {}
     callbacks.on_train_begin()
+    # A BackupAndRestore that restored a backup moves the start, as under model.fit.
+    epochs = range(_compat.take_initial_epoch(model) or epochs.start, epochs.stop)
     logs = {}
     with live.attached():
         try:
