@@ -525,7 +525,11 @@ def test_members_with_named_dict_inputs_average_without_a_warning_and_reload(tmp
     x = {"a": rng.normal(size=(16, 4)).astype("float32"),
          "b": rng.normal(size=(16, 3)).astype("float32")}
     trainer = keras_dp.EnsembleTrainer(build, 2, devices=devices(2))
-    trainer.fit(x, np.arange(16) % 2, batch_size=8, verbose=0)
+    y = np.arange(16) % 2
+    trainer.fit(x, y, batch_size=8, verbose=0, validation_data=(x, y))
+    for i, member in enumerate(trainer.members):  # validation takes dict inputs too
+        assert trainer.member_history["val_loss"][0][i] == pytest.approx(
+            member.evaluate(x, y, batch_size=8, verbose=0), rel=1e-5)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # Keras: dict keys and input names differ
         model = trainer.averaging_model()
