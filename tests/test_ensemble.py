@@ -658,6 +658,7 @@ def build_regularized():
     return model
 
 
+@pytest.mark.slow
 def test_validation_and_evaluate_score_each_member_as_keras_does():
     # Before, the members' val_loss and val_accuracy were computed on the
     # host from probabilities: no regularization loss, a sample-weighted
@@ -683,6 +684,7 @@ def test_validation_and_evaluate_score_each_member_as_keras_does():
             assert scores[key][i] == pytest.approx(value, rel=1e-5), key
 
 
+@pytest.mark.slow
 def test_class_weight_validation_split_and_initial_epoch_train_as_model_fit_does():
     x, y = small_data(40)
     options = dict(batch_size=8, epochs=3, initial_epoch=1, shuffle=False, verbose=0,
