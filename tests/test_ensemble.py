@@ -839,3 +839,25 @@ def test_backup_and_restore_resumes_at_the_epoch_after_the_backup(tmp_path):
         assert member.optimizer.iterations.numpy() == 12
         for a, b in zip(member.get_weights(), expected.get_weights()):
             np.testing.assert_array_equal(a, b)
+
+
+def build_ema():
+    model = build_small()
+    model.compile(keras.optimizers.Adam(0.01, use_ema=True), model.loss, metrics=["accuracy"])
+    return model
+
+
+def test_members_end_fit_with_their_ema_weights_and_swap_ema_weights_is_refused():
+    # Keras's fit ends by finalizing the optimizer (EMA weights into the
+    # model); the members kept their raw weights.
+    x, y = small_data(40)
+    options = dict(batch_size=16, epochs=2, shuffle=False, verbose=0)
+    result = keras_dp.fit_ensemble(build_ema, x, y, members=2, seed=5, devices=devices(2),
+                                   **options)
+    for i, member in enumerate(result.members):
+        reference = alone(5 + i, build_ema)
+        reference.fit(x, y, **options)
+        assert_members_close(member, reference, rtol=1e-5)
+    trainer = keras_dp.EnsembleTrainer(build_ema, 2, devices=devices(2))
+    with pytest.raises(ValueError, match="SwapEMAWeights swaps model.optimizer's.*Remove it"):
+        trainer.fit(x, y, verbose=0, callbacks=[keras.callbacks.SwapEMAWeights()])

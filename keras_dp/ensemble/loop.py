@@ -53,15 +53,24 @@ class MembersLive(LiveModel):
 
 
 def check_callbacks(callbacks):
-    """Refuse Keras callbacks that set `model.optimizer`'s learning rate.
+    """Refuse Keras callbacks that set `model.optimizer`'s learning rate or swap its EMA weights.
 
     Each member has its own optimizer, and the averaging model that
     callbacks are given has none (`optimizer` is `None`).
 
     Raises:
-        ValueError: a `LearningRateScheduler` or `ReduceLROnPlateau`.
+        ValueError: a `LearningRateScheduler`, `ReduceLROnPlateau` or
+            `SwapEMAWeights`.
     """
     for callback in callbacks or ():
+        if isinstance(callback, keras.callbacks.SwapEMAWeights):
+            raise ValueError(
+                "SwapEMAWeights swaps model.optimizer's moving averages into the "
+                "model, but an ensemble's members each have their own optimizer and "
+                "the averaging model given to callbacks has none. Remove it: a "
+                "member whose optimizer has use_ema=True ends fit with its moving "
+                "averages as its weights, as under model.fit."
+            )
         if isinstance(callback, (keras.callbacks.LearningRateScheduler,
                                  keras.callbacks.ReduceLROnPlateau)):
             raise ValueError(
@@ -130,6 +139,9 @@ def fit(trainer, sources, val, callbacks, *, epochs, validation_freq):
                     break  # a one-shot stream that ran out stops, as under model.fit
         finally:
             live.finish()
+            if epochs.stop > 0:  # Keras's own end of fit: e.g. EMA weights into the model
+                for member in trainer.members:
+                    member.optimizer.finalize_variable_values(member.trainable_weights)
     callbacks.on_train_end(logs)
     return _history(callbacks)
 
