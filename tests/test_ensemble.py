@@ -771,32 +771,43 @@ class Hooks(keras.callbacks.Callback):
         return object.__getattribute__(self, name)
 
 
-def test_fit_evaluate_and_predict_call_the_test_and_predict_hooks_as_keras_does():
+@pytest.mark.parametrize("steps_per_execution", [1, 2])
+def test_fit_evaluate_and_predict_call_the_test_and_predict_hooks_as_keras_does(
+        steps_per_execution):
     # Before, fit's validation called no on_test_* hook, and evaluate and
-    # predict took neither callbacks nor verbose.
+    # predict took neither callbacks nor verbose. With K steps per call,
+    # Keras calls the batch hooks once per K batches (here 4 batches a pass:
+    # Keras names a last call of fewer than K batches as if it had K).
+    def build():
+        model = build_small()
+        model.compile(model.optimizer, model.loss, metrics=["accuracy"],
+                      steps_per_execution=steps_per_execution)
+        return model
+
     x, y = small_data(40)
-    trainer = keras_dp.EnsembleTrainer(build_small, 2, devices=devices(2))
-    reference = alone(0, build_small)
+    trainer = keras_dp.EnsembleTrainer(build, 2, devices=devices(2))
+    reference = alone(0, build)
     ours, theirs = Hooks(), Hooks()
-    trainer.fit(x, y, batch_size=16, verbose=0, validation_data=(x[:20], y[:20]),
+    trainer.fit(x, y, batch_size=10, verbose=0, validation_data=(x[:20], y[:20]),
                 validation_batch_size=10, callbacks=[ours])
-    reference.fit(x, y, batch_size=16, verbose=0, validation_data=(x[:20], y[:20]),
+    reference.fit(x, y, batch_size=10, verbose=0, validation_data=(x[:20], y[:20]),
                   validation_batch_size=10, callbacks=[theirs])
     def without_ensemble(calls):  # the same hooks, batches and logs, the ensemble's besides
         return [(*call[:-1], [name for name in call[-1] if "ensemble" not in name])
                 for call in calls]
 
-    assert ours.calls[12] == ("on_test_end", ["accuracy", "ensemble_accuracy", "ensemble_loss",
-                                              "loss"])
+    test_end = [call for call in ours.calls if call[0] == "on_test_end"]
+    assert test_end == [("on_test_end", ["accuracy", "ensemble_accuracy", "ensemble_loss",
+                                         "loss"])]
     assert without_ensemble(ours.calls) == theirs.calls
     ours.calls, theirs.calls = [], []
-    scores = trainer.evaluate(x, y, batch_size=16, verbose=0, callbacks=[ours])
-    reference.evaluate(x, y, batch_size=16, verbose=0, callbacks=[theirs])
+    scores = trainer.evaluate(x, y, batch_size=10, verbose=0, callbacks=[ours])
+    reference.evaluate(x, y, batch_size=10, verbose=0, callbacks=[theirs])
     assert without_ensemble(ours.calls) == theirs.calls
     assert ours.calls[-1] == ("on_test_end", sorted(scores))
     ours.calls, theirs.calls = [], []
-    trainer.predict(x, batch_size=16, verbose=0, callbacks=[ours])
-    reference.predict(x, batch_size=16, verbose=0, callbacks=[theirs])
+    trainer.predict(x, batch_size=10, verbose=0, callbacks=[ours])
+    reference.predict(x, batch_size=10, verbose=0, callbacks=[theirs])
     assert ours.calls == theirs.calls
 
 

@@ -44,15 +44,15 @@ def evaluate(trainer, weights, batches, callbacks):
     parts, labels, sample_weights = [], [], []
     callbacks.on_test_begin()
     trainable, non_trainable = weights()
-    for index, batch in enumerate(batches.epoch(0)):
-        callbacks.on_test_batch_begin(index)
-        batch = pipeline.unpack(batch)
-        probabilities, non_trainable, metrics, logs = trainer._test_step(
-            ((trainable, non_trainable), metrics), trainer.replicate(batch))
-        parts.append(np.asarray(probabilities))  # waits for the step
-        labels.append(batch[1])
-        sample_weights.append(batch[2])
-        callbacks.on_test_batch_end(index, logs_lib.batch_means(logs))
+    for first, group in _groups(trainer, batches):
+        callbacks.on_test_batch_begin(first)
+        for batch in group:
+            probabilities, non_trainable, metrics, logs = trainer._test_step(
+                ((trainable, non_trainable), metrics), trainer.replicate(batch))
+            parts.append(np.asarray(probabilities))  # waits for the step
+            labels.append(batch[1])
+            sample_weights.append(batch[2])
+        callbacks.on_test_batch_end(first + len(group) - 1, logs_lib.batch_means(logs))
     scores = logs_lib.member_logs(trainer, logs, metrics, "test_step")
     scores.update(_ensemble_scores(np.concatenate(parts, axis=1).mean(axis=0), labels,
                                    sample_weights))
@@ -64,19 +64,35 @@ def predict(trainer, weights, batches, callbacks):
     """Each member's class probabilities on `batches`, `(M, N, classes)`, and the non-trainable values.
 
     `weights` is called after `on_predict_begin`; `on_predict_batch_end`
-    gets `{"outputs": the batch's mean probabilities}`.
+    gets `{"outputs": the call's mean probabilities}`.
     """
     parts = []
     callbacks.on_predict_begin()
     trainable, non_trainable = weights()
-    for index, batch in enumerate(batches.epoch(0)):
-        callbacks.on_predict_batch_begin(index)
-        x = jax.device_put(pipeline.unpack(batch)[0], mesh_lib.replicated(trainer.mesh))
-        probabilities, non_trainable = trainer._predict_step((trainable, non_trainable), x)
-        parts.append(np.asarray(probabilities))  # waits for the step
-        callbacks.on_predict_batch_end(index, {"outputs": parts[-1].mean(axis=0)})
+    for first, group in _groups(trainer, batches):
+        callbacks.on_predict_batch_begin(first)
+        for batch in group:
+            x = jax.device_put(batch[0], mesh_lib.replicated(trainer.mesh))
+            probabilities, non_trainable = trainer._predict_step((trainable, non_trainable), x)
+            parts.append(np.asarray(probabilities))  # waits for the step
+        outputs = np.concatenate(parts[-len(group):], axis=1).mean(axis=0)
+        callbacks.on_predict_batch_end(first + len(group) - 1, {"outputs": outputs})
     callbacks.on_predict_end()
     return np.concatenate(parts, axis=1), non_trainable
+
+
+def _groups(trainer, batches):
+    """Yield `(index of the first batch, [batches])`: the batches Keras's hooks see as one call.
+
+    With `steps_per_execution` K, `model.evaluate` and `model.predict` call
+    the batch hooks once per K batches (`pipeline.group_steps`, as `fit`
+    groups them); the ensemble runs them one by one within.
+    """
+    index = 0
+    for group in pipeline.group_steps((pipeline.unpack(batch) for batch in batches.epoch(0)),
+                                      trainer.steps_per_execution):
+        yield index, group
+        index += len(group)
 
 
 def _ensemble_scores(probabilities, labels, sample_weights):
