@@ -298,7 +298,7 @@ def test_a_generator_read_for_several_epochs_is_refused_before_any_step(mnist):
         yield from [(x[:64], y[:64]), (x[64:128], y[64:128])]
 
     with pytest.raises(ValueError, match=r"`x` is a one-shot iterator .* read it 2 times "
-                       r"\(epochs=2\)"):
+                       r"\(epochs=2, initial_epoch=0\)"):
         trainer.fit(batches(), epochs=2, verbose=0)
     with pytest.raises(ValueError, match=r"`validation_data` is a one-shot iterator .* read "
                        r"it 2 times \(epochs=2, validation_freq=1\)"):
@@ -525,7 +525,11 @@ def test_members_with_named_dict_inputs_average_without_a_warning_and_reload(tmp
     x = {"a": rng.normal(size=(16, 4)).astype("float32"),
          "b": rng.normal(size=(16, 3)).astype("float32")}
     trainer = keras_dp.EnsembleTrainer(build, 2, devices=devices(2))
-    trainer.fit(x, np.arange(16) % 2, batch_size=8, verbose=0)
+    y = np.arange(16) % 2
+    trainer.fit(x, y, batch_size=8, verbose=0, validation_data=(x, y))
+    for i, member in enumerate(trainer.members):  # validation takes dict inputs too
+        assert trainer.member_history["val_loss"][0][i] == pytest.approx(
+            member.evaluate(x, y, batch_size=8, verbose=0), rel=1e-5)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # Keras: dict keys and input names differ
         model = trainer.averaging_model()
@@ -533,3 +537,338 @@ def test_members_with_named_dict_inputs_average_without_a_warning_and_reload(tmp
         loaded = keras.saving.load_model(tmp_path / "ensemble.keras")
     assert [tensor.name for tensor in model.inputs] == ["a", "b"]
     np.testing.assert_allclose(loaded.predict(x, verbose=0), trainer.predict(x), rtol=1e-5, atol=1e-7)
+
+
+# -- As Keras's model.fit, evaluate and predict run each member ---------------------
+
+class InferenceNoise(keras.layers.Layer):
+    """Scales its input by uniform noise in every mode (Monte Carlo sampling at predict)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seed_generator = keras.random.SeedGenerator(7)
+
+    def call(self, x):
+        return x * keras.random.uniform(keras.ops.shape(x), seed=self.seed_generator)
+
+
+def build_noisy():
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3), InferenceNoise()])
+    model.compile(keras.optimizers.SGD(0.1),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def seed_state(model):
+    return np.asarray(model.layers[-1].seed_generator.state.value)
+
+
+def test_predict_draws_new_random_numbers_each_batch_and_call_as_keras_does():
+    # Before, the ensemble dropped the non-trainable values its predict
+    # steps left: every batch and every call drew from one seed state.
+    x, y = small_data(40)
+    trainer = keras_dp.EnsembleTrainer(build_noisy, 2, seed=4, devices=devices(2))
+    references = [alone(4 + i, build_noisy) for i in range(2)]
+    for _ in range(2):  # 3 batches of 16, 16 and 8 rows, twice
+        got = trainer.predict_members(x, batch_size=16)
+        for i, reference in enumerate(references):
+            expected = softmax(reference.predict(x, batch_size=16, verbose=0))
+            np.testing.assert_allclose(got[i], expected, rtol=1e-5, atol=1e-7)
+    assert not np.allclose(got[0, :8], got[0, 16:24], rtol=1e-2)
+    for member, reference in zip(trainer.members, references):
+        np.testing.assert_array_equal(seed_state(member), [7, 6])
+        np.testing.assert_array_equal(seed_state(member), seed_state(reference))
+
+
+def test_validation_carries_the_random_state_into_the_next_epoch_as_model_fit_does():
+    # Before, every validation drew from the seed state training had left,
+    # and training went on from that state, not from the validation's.
+    x, y = small_data(40)
+    options = dict(batch_size=16, epochs=2, shuffle=False, verbose=0,
+                   validation_data=(x[:20], y[:20]))
+    result = keras_dp.fit_ensemble(build_noisy, x, y, members=2, seed=4, devices=devices(2),
+                                   **options)
+    for i, member in enumerate(result.members):
+        history = alone(4 + i, build_noisy).fit(x, y, **options).history
+        for key in ("loss", "val_loss"):
+            np.testing.assert_allclose([epoch[i] for epoch in result.member_history[key]],
+                                       history[key], rtol=1e-5, err_msg=key)
+
+
+class BatchLossLogged(keras.Model):
+    """A classifier keeping the running loss in a `Mean` named "loss" but logging each batch's."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tracker = keras.metrics.Mean(name="loss")
+
+    @property
+    def metrics(self):
+        return [self.tracker]
+
+    def train_step(self, state, data):
+        trainable, non_trainable, optimizer_variables, metrics = state
+        x, y = data
+
+        def loss_fn(trainable):
+            logits, _ = self.stateless_call(trainable, non_trainable, x, training=True)
+            return keras.ops.mean(keras.losses.sparse_categorical_crossentropy(
+                y, logits, from_logits=True))
+
+        loss, grads = jax.value_and_grad(loss_fn)(trainable)
+        trainable, optimizer_variables = self.optimizer.stateless_apply(
+            optimizer_variables, grads, trainable)
+        metrics = self.tracker.stateless_update_state(metrics, loss)
+        return {"loss": loss}, (trainable, non_trainable, optimizer_variables, metrics)
+
+
+def build_batch_loss_logged():
+    inputs = keras.Input((8,))
+    model = BatchLossLogged(inputs, keras.layers.Dense(3)(inputs))
+    model.compile(keras.optimizers.SGD(0.1),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def test_a_member_logging_its_metrics_names_reports_the_metrics_as_keras_fit_does():
+    # Keras's fit reports the metrics' results when a train_step's logs bear
+    # their names (`_get_metrics_result_or_logs`): here each member's running
+    # mean of the loss, where the ensemble reported its last batch's loss.
+    x, y = small_data(40)
+    options = dict(batch_size=16, epochs=2, shuffle=False, verbose=0)
+    result = keras_dp.fit_ensemble(build_batch_loss_logged, x, y, members=2, seed=2,
+                                   devices=devices(2), **options)
+    losses = []
+    for i, member in enumerate(result.members):
+        expected = alone(2 + i, build_batch_loss_logged).fit(x, y, **options).history["loss"]
+        np.testing.assert_allclose([epoch[i] for epoch in result.member_history["loss"]],
+                                   expected, rtol=1e-5)
+        losses.append(expected)
+    np.testing.assert_allclose(result.history.history["loss"], np.mean(losses, axis=0),
+                               rtol=1e-5)
+
+
+def build_regularized():
+    model = keras.Sequential([
+        keras.Input((8,)), keras.layers.Dense(16, activation="relu", kernel_regularizer="l2"),
+        keras.layers.Dense(3)])
+    model.compile(keras.optimizers.Adam(0.01),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy", keras.metrics.SparseTopKCategoricalAccuracy(2, name="top2")])
+    return model
+
+
+@pytest.mark.slow
+def test_validation_and_evaluate_score_each_member_as_keras_does():
+    # Before, the members' val_loss and val_accuracy were computed on the
+    # host from probabilities: no regularization loss, a sample-weighted
+    # mean where Keras divides by the rows, and val_top2 was not logged.
+    x, y = small_data(40)
+    weights = np.random.default_rng(1).uniform(0.5, 3, 40).astype("float32")
+    options = dict(batch_size=16, epochs=2, shuffle=False, verbose=0,
+                   validation_data=(x[:20], y[:20], weights[:20]))
+    trainer = keras_dp.EnsembleTrainer(build_regularized, 2, seed=6, devices=devices(2))
+    history = trainer.fit(x, y, **options).history
+    assert sorted(history) == ["accuracy", "loss", "top2", "val_accuracy", "val_ensemble_accuracy",
+                               "val_ensemble_loss", "val_loss", "val_top2"]
+    scores = trainer.evaluate(x, y, batch_size=16, sample_weight=weights)
+    for i, member in enumerate(trainer.members):
+        reference = alone(6 + i, build_regularized)
+        expected = reference.fit(x, y, **options).history
+        for key, values in expected.items():
+            np.testing.assert_allclose([epoch[i] for epoch in trainer.member_history[key]],
+                                       values, rtol=1e-5, err_msg=key)
+        keras_scores = reference.evaluate(x, y, batch_size=16, sample_weight=weights,
+                                          verbose=0, return_dict=True)
+        for key, value in keras_scores.items():
+            assert scores[key][i] == pytest.approx(value, rel=1e-5), key
+
+
+@pytest.mark.slow
+def test_class_weight_validation_split_and_initial_epoch_train_as_model_fit_does():
+    x, y = small_data(40)
+    options = dict(batch_size=8, epochs=3, initial_epoch=1, shuffle=False, verbose=0,
+                   validation_split=0.25, class_weight={0: 2.0, 1: 0.5})
+    result = keras_dp.fit_ensemble(build_small, x, y, members=2, seed=8, devices=devices(2),
+                                   **options)
+    assert result.history.epoch == [1, 2]
+    assert result.history.params == {"verbose": 0, "epochs": 3, "steps": 4}
+    for i, member in enumerate(result.members):
+        reference = alone(8 + i, build_small)
+        expected = reference.fit(x, y, **options)
+        assert expected.params == result.history.params
+        for key, values in expected.history.items():
+            np.testing.assert_allclose([epoch[i] for epoch in result.member_history[key]],
+                                       values, rtol=1e-5, err_msg=key)
+        assert_members_close(member, reference, rtol=1e-5)
+
+
+def test_evaluate_and_predict_read_the_first_steps_batches():
+    x, y = small_data(40)
+    trainer = keras_dp.EnsembleTrainer(build_small, 2, devices=devices(2))
+    scores = trainer.evaluate(x, y, batch_size=16, steps=2)
+    assert scores == trainer.evaluate(x[:32], y[:32], batch_size=16)
+    assert trainer.predict(x, batch_size=16, steps=2).shape == (32, 3)
+    with pytest.raises(ValueError, match="`steps` and `validation_steps` must be an int"):
+        trainer.evaluate(x, y, steps=0)
+
+
+@pytest.mark.slow
+def test_early_stopping_stops_the_ensemble_and_restores_every_member_to_the_best_epoch():
+    # One EarlyStopping for the whole ensemble: it monitors the logs' means
+    # (or val_ensemble_loss) and restores every member to the best epoch.
+    x, y = small_data(40)
+    validation = (x[:20], (y[:20] + 1) % 3)  # labels it unlearns: the loss rises
+    stop = keras.callbacks.EarlyStopping("val_ensemble_loss", patience=1,
+                                         restore_best_weights=True)
+    result = keras_dp.fit_ensemble(build_small, x, y, members=2, batch_size=16, epochs=20,
+                                   shuffle=False, verbose=0, validation_data=validation,
+                                   callbacks=[stop], devices=devices(2))
+    losses = result.history.history["val_ensemble_loss"]
+    best = int(np.argmin(losses))
+    assert len(losses) == best + 2 < 20 and stop.stopped_epoch == best + 1
+    best_run = keras_dp.fit_ensemble(build_small, x, y, members=2, batch_size=16,
+                                     epochs=best + 1, shuffle=False, verbose=0,
+                                     devices=devices(2))
+    for member, expected in zip(result.members, best_run.members):
+        for a, b in zip(member.get_weights(), expected.get_weights()):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_monitoring_callbacks_settle_mode_auto_from_the_members_metrics_before_training():
+    # The averaging model is not compiled: Keras could not tell whether
+    # val_accuracy should rise and raised after the first epoch.
+    x, y = small_data(40)
+    callbacks = [keras.callbacks.EarlyStopping("val_accuracy"),
+                 keras.callbacks.EarlyStopping("val_ensemble_accuracy"),
+                 keras.callbacks.EarlyStopping("val_ensemble_loss")]
+    trainer = keras_dp.EnsembleTrainer(build_small, 2, devices=devices(2))
+    trainer.fit(x, y, batch_size=16, verbose=0, validation_data=(x, y), callbacks=callbacks)
+    assert [callback.monitor_op for callback in callbacks] == [
+        keras.ops.greater, keras.ops.greater, keras.ops.less]
+    unknown = keras.callbacks.EarlyStopping("val_ensemble_f1")
+    with pytest.raises(ValueError, match="monitor=val_ensemble_f1.*mode='max'"):
+        trainer.fit(x, y, batch_size=16, verbose=0, callbacks=[unknown])
+    assert [m.optimizer.iterations.numpy() for m in trainer.members] == [3, 3]  # no new step
+
+
+class Hooks(keras.callbacks.Callback):
+    """Records every hook Keras calls, with its batch index and log names."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __getattribute__(self, name):
+        if name.startswith("on_") and not name.startswith("on_epoch"):
+            calls = object.__getattribute__(self, "calls")
+
+            def record(*args, logs=None):
+                if args and isinstance(args[-1], dict):
+                    *args, logs = args
+                calls.append((name, *args, sorted(logs or {})))
+            return record
+        return object.__getattribute__(self, name)
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 2])
+def test_fit_evaluate_and_predict_call_the_test_and_predict_hooks_as_keras_does(
+        steps_per_execution):
+    # Before, fit's validation called no on_test_* hook, and evaluate and
+    # predict took neither callbacks nor verbose. With K steps per call,
+    # Keras calls the batch hooks once per K batches (here 4 batches a pass:
+    # Keras names a last call of fewer than K batches as if it had K).
+    def build():
+        model = build_small()
+        model.compile(model.optimizer, model.loss, metrics=["accuracy"],
+                      steps_per_execution=steps_per_execution)
+        return model
+
+    x, y = small_data(40)
+    trainer = keras_dp.EnsembleTrainer(build, 2, devices=devices(2))
+    reference = alone(0, build)
+    ours, theirs = Hooks(), Hooks()
+    trainer.fit(x, y, batch_size=10, verbose=0, validation_data=(x[:20], y[:20]),
+                validation_batch_size=10, callbacks=[ours])
+    reference.fit(x, y, batch_size=10, verbose=0, validation_data=(x[:20], y[:20]),
+                  validation_batch_size=10, callbacks=[theirs])
+    def without_ensemble(calls):  # the same hooks, batches and logs, the ensemble's besides
+        return [(*call[:-1], [name for name in call[-1] if "ensemble" not in name])
+                for call in calls]
+
+    test_end = [call for call in ours.calls if call[0] == "on_test_end"]
+    assert test_end == [("on_test_end", ["accuracy", "ensemble_accuracy", "ensemble_loss",
+                                         "loss"])]
+    assert without_ensemble(ours.calls) == theirs.calls
+    ours.calls, theirs.calls = [], []
+    scores = trainer.evaluate(x, y, batch_size=10, verbose=0, callbacks=[ours])
+    reference.evaluate(x, y, batch_size=10, verbose=0, callbacks=[theirs])
+    assert without_ensemble(ours.calls) == theirs.calls
+    assert ours.calls[-1] == ("on_test_end", sorted(scores))
+    ours.calls, theirs.calls = [], []
+    trainer.predict(x, batch_size=10, verbose=0, callbacks=[ours])
+    reference.predict(x, batch_size=10, verbose=0, callbacks=[theirs])
+    assert ours.calls == theirs.calls
+
+
+def test_steps_per_epoch_draws_from_one_continuing_stream_as_model_fit_does():
+    # 4 batches a pass: epoch 3 starts the second pass. (On data that ends
+    # mid-epoch keras_dp runs on into the next pass, where Keras cuts the
+    # epoch short: README, "Any batch size, exactly".)
+    x, y = small_data(40)
+    options = dict(batch_size=10, epochs=3, steps_per_epoch=2, shuffle=False, verbose=0)
+    result = keras_dp.fit_ensemble(build_small, x, y, members=2, seed=9, devices=devices(2),
+                                   **options)
+    assert result.history.params["steps"] == 2
+    for i, member in enumerate(result.members):
+        reference = alone(9 + i, build_small)
+        expected = reference.fit(x, y, **options).history["loss"]
+        np.testing.assert_allclose([epoch[i] for epoch in result.member_history["loss"]],
+                                   expected, rtol=1e-5)
+        assert_members_close(member, reference, rtol=1e-5)
+
+
+def test_backup_and_restore_resumes_at_the_epoch_after_the_backup(tmp_path):
+    # Before, the restored ensemble started again at epoch 0 and trained
+    # `epochs` more epochs on top of the restored weights.
+    class StopAfterEpoch1(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 1:
+                raise KeyboardInterrupt
+
+    x, y = small_data(40)
+    options = dict(batch_size=16, epochs=4, shuffle=False, verbose=0)
+    unbroken = keras_dp.EnsembleTrainer(build_small, 2, devices=devices(2))
+    unbroken.fit(x, y, **options)
+    trainer = keras_dp.EnsembleTrainer(build_small, 2, devices=devices(2))
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path))
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit(x, y, callbacks=[backup, StopAfterEpoch1()], **options)
+    history = trainer.fit(x, y, callbacks=[backup], **options)
+    assert history.epoch == [2, 3]
+    for member, expected in zip(trainer.members, unbroken.members):
+        assert member.optimizer.iterations.numpy() == 12
+        for a, b in zip(member.get_weights(), expected.get_weights()):
+            np.testing.assert_array_equal(a, b)
+
+
+def build_ema():
+    model = build_small()
+    model.compile(keras.optimizers.Adam(0.01, use_ema=True), model.loss, metrics=["accuracy"])
+    return model
+
+
+def test_members_end_fit_with_their_ema_weights_and_swap_ema_weights_is_refused():
+    # Keras's fit ends by finalizing the optimizer (EMA weights into the
+    # model); the members kept their raw weights.
+    x, y = small_data(40)
+    options = dict(batch_size=16, epochs=2, shuffle=False, verbose=0)
+    result = keras_dp.fit_ensemble(build_ema, x, y, members=2, seed=5, devices=devices(2),
+                                   **options)
+    for i, member in enumerate(result.members):
+        reference = alone(5 + i, build_ema)
+        reference.fit(x, y, **options)
+        assert_members_close(member, reference, rtol=1e-5)
+    trainer = keras_dp.EnsembleTrainer(build_ema, 2, devices=devices(2))
+    with pytest.raises(ValueError, match="SwapEMAWeights swaps model.optimizer's.*Remove it"):
+        trainer.fit(x, y, verbose=0, callbacks=[keras.callbacks.SwapEMAWeights()])

@@ -38,9 +38,10 @@ class EnsembleResult(NamedTuple):
 
 
 def fit_ensemble(build_model, x=None, y=None, *, members=None, batch_size=None,
-                 epochs=1, verbose="auto", callbacks=None, validation_data=None,
-                 shuffle=True, member_shuffle=False, sample_weight=None,
-                 validation_steps=None, validation_batch_size=None,
+                 epochs=1, verbose="auto", callbacks=None, validation_split=0.0,
+                 validation_data=None, shuffle=True, member_shuffle=False,
+                 class_weight=None, sample_weight=None, initial_epoch=0,
+                 steps_per_epoch=None, validation_steps=None, validation_batch_size=None,
                  validation_freq=1, steps_per_execution=None, from_logits=None,
                  seed=0, mesh=None, devices=None):
     """Train an ensemble, one member per device, that averages probabilities.
@@ -59,17 +60,25 @@ def fit_ensemble(build_model, x=None, y=None, *, members=None, batch_size=None,
             `keras.Model`, which is cloned with fresh weights and compiled
             like it.
         x, y, sample_weight: training data, as for `fit_sharded`.
+        class_weight: `{class_id: weight}`, applied as sample weights, as
+            in `model.fit`.
         members: the ensemble size `M` (default: the device count `D`). Up
             to `D`, member `i` runs on device `i`; a multiple of `D` puts
             `M / D` members on each device.
-        batch_size, epochs, shuffle: as in `model.fit`; each member trains
-            on every batch whole.
+        batch_size, epochs, shuffle, initial_epoch: as in `model.fit`; each
+            member trains on every batch whole, for epochs `initial_epoch`
+            to `epochs - 1` (epoch `e` shuffles as in an unbroken run).
         verbose: 0 silent; 1 or "auto" Keras's progress bar, 2 one line
             per epoch; the logs are the members' means and the ensemble's
             validation scores.
         callbacks: Keras callbacks, given the ensemble's averaging model,
             whose weights are the members' (see `EnsembleTrainer.fit`).
-        validation_data: `(x, y[, sample_weight])`, scored after each epoch
+        steps_per_epoch: run this many steps per epoch, drawing batches
+            from one continuing stream, as `fit_sharded` does (for endless
+            datasets).
+        validation_split: hold out this last fraction of array data (taken
+            before shuffling) as the validation data, as in `model.fit`.
+        validation_data: `(x, y[, sample_weight])` or a dataset, scored after each epoch
             (every `validation_freq`, as in `model.fit`) for every member
             and for the ensemble.
         validation_steps, validation_batch_size: as in `model.fit`: score
@@ -103,8 +112,10 @@ def fit_ensemble(build_model, x=None, y=None, *, members=None, batch_size=None,
     )
     history = trainer.fit(
         x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
-        callbacks=callbacks, validation_data=validation_data, shuffle=shuffle,
-        member_shuffle=member_shuffle, sample_weight=sample_weight,
+        callbacks=callbacks, validation_split=validation_split,
+        validation_data=validation_data, shuffle=shuffle, member_shuffle=member_shuffle,
+        class_weight=class_weight, sample_weight=sample_weight, initial_epoch=initial_epoch,
+        steps_per_epoch=steps_per_epoch,
         validation_steps=validation_steps, validation_batch_size=validation_batch_size,
         validation_freq=validation_freq,
     )

@@ -7,10 +7,10 @@ and `stop_training` honoured after every call and epoch. The model the
 callbacks see is the ensemble's averaging model, whose weights are the
 members' own; a `MembersLive` keeps them current whenever a callback looks.
 
-Logs are Keras's: one float per name. A training metric is the members'
-mean of what each member's `model.fit` would log; `val_<metric>` is the
-members' mean of their validation scores, and `val_ensemble_loss` /
-`val_ensemble_accuracy` score the averaged probabilities. Each member's own
+Logs are Keras's: one float per name. Each is the members' mean of what
+each member's `model.fit` would log, `val_*` included (each member runs
+Keras's test step); `val_ensemble_loss` / `val_ensemble_accuracy` score the
+averaged probabilities. Each member's own
 values are kept per epoch in `EnsembleTrainer.member_history`.
 """
 
@@ -18,8 +18,11 @@ import jax
 import keras
 import numpy as np
 
+from keras_dp import _compat
 from keras_dp import callbacks as callbacks_lib
 from keras_dp import inflight
+from keras_dp.ensemble import inference as ensemble_inference
+from keras_dp.ensemble import logs as logs_lib
 from keras_dp.ensemble import members as members_lib
 from keras_dp.state import LiveModel
 from keras_dp.state import TrainState
@@ -50,15 +53,24 @@ class MembersLive(LiveModel):
 
 
 def check_callbacks(callbacks):
-    """Refuse Keras callbacks that set `model.optimizer`'s learning rate.
+    """Refuse Keras callbacks that set `model.optimizer`'s learning rate or swap its EMA weights.
 
     Each member has its own optimizer, and the averaging model that
     callbacks are given has none (`optimizer` is `None`).
 
     Raises:
-        ValueError: a `LearningRateScheduler` or `ReduceLROnPlateau`.
+        ValueError: a `LearningRateScheduler`, `ReduceLROnPlateau` or
+            `SwapEMAWeights`.
     """
     for callback in callbacks or ():
+        if isinstance(callback, keras.callbacks.SwapEMAWeights):
+            raise ValueError(
+                "SwapEMAWeights swaps model.optimizer's moving averages into the "
+                "model, but an ensemble's members each have their own optimizer and "
+                "the averaging model given to callbacks has none. Remove it: a "
+                "member whose optimizer has use_ema=True ends fit with its moving "
+                "averages as its weights, as under model.fit."
+            )
         if isinstance(callback, (keras.callbacks.LearningRateScheduler,
                                  keras.callbacks.ReduceLROnPlateau)):
             raise ValueError(
@@ -70,8 +82,32 @@ def check_callbacks(callbacks):
             )
 
 
+def resolve_monitors(callbacks, member):
+    """Settle `mode="auto"` of monitoring callbacks before training, as each member's would.
+
+    Keras infers whether a monitored log should fall or rise from the
+    model's compiled metrics, and the averaging model that callbacks are
+    given is not compiled: `EarlyStopping("val_accuracy")` or a
+    `ModelCheckpoint(..., save_best_only=True)` raised after the first
+    epoch. A name of the members' (`val_accuracy`, ...) is settled from
+    `member`'s metrics, as under its `model.fit`; `ensemble_loss` falls and
+    `ensemble_accuracy` rises. Keras's own `ValueError` (pass `mode=`)
+    comes before any step for a name neither knows.
+    """
+    for callback in callbacks or ():
+        # Keras's private MonitorCallback (EarlyStopping, ModelCheckpoint, ...).
+        if not hasattr(callback, "_set_monitor_op") or (
+                callback.monitor_op is not None or callback.mode != "auto"):
+            continue
+        name = callback.monitor.removeprefix("val_")
+        if name in ("ensemble_loss", "ensemble_accuracy"):
+            callback.mode = "min" if name == "ensemble_loss" else "max"
+        callback.set_model(member)  # Keras reads the member's compiled metrics
+        callback._set_monitor_op()
+
+
 def fit(trainer, sources, val, callbacks, *, epochs, validation_freq):
-    """Train `epochs` epochs of `sources` (one per member, or one for all).
+    """Train the `epochs` (a range of epoch indices) of `sources` (one per member, or one for all).
 
     Fills `trainer.member_history` (emptied first) and returns the History
     of `callbacks`. Whatever ends the loop, every member holds the state of
@@ -82,24 +118,30 @@ def fit(trainer, sources, val, callbacks, *, epochs, validation_freq):
     live = MembersLive(model, trainer.members)
     trainer.member_history = {}
     callbacks.on_train_begin()
+    # A BackupAndRestore that restored a backup moves the start, as under model.fit.
+    epochs = range(_compat.take_initial_epoch(model) or epochs.start, epochs.stop)
     logs = {}
     with live.attached():
         try:
-            for epoch in range(epochs):
+            for epoch in epochs:
                 callbacks.on_epoch_begin(epoch)
                 start_epoch(trainer, live, epoch)
-                member_logs = train_epoch(trainer, live, sources, epoch, callbacks)
+                per_member = logs_lib.member_logs(
+                    trainer, train_epoch(trainer, live, sources, epoch, callbacks),
+                    live.state.metrics)
                 if val is not None and callbacks_lib.should_validate(epoch, validation_freq):
-                    scores = trainer._evaluate(live.state.weights, val)
-                    member_logs.update({f"val_{name}": v for name, v in scores.items()})
-                for name, value in member_logs.items():
+                    per_member.update(validate(trainer, live, val, callbacks))
+                for name, value in per_member.items():
                     trainer.member_history.setdefault(name, []).append(value)
-                logs = {name: float(np.mean(value)) for name, value in member_logs.items()}
+                logs = logs_lib.mean_logs(per_member)
                 callbacks.on_epoch_end(epoch, logs)
-                if model.stop_training:
-                    break
+                if model.stop_training or getattr(sources[0], "exhausted", False):
+                    break  # a one-shot stream that ran out stops, as under model.fit
         finally:
             live.finish()
+            if epochs.stop > 0:  # Keras's own end of fit: e.g. EMA weights into the model
+                for member in trainer.members:
+                    member.optimizer.finalize_variable_values(member.trainable_weights)
     callbacks.on_train_end(logs)
     return _history(callbacks)
 
@@ -116,7 +158,7 @@ def start_epoch(trainer, live, epoch):
 
 
 def train_epoch(trainer, live, sources, epoch, callbacks):
-    """Run one epoch's calls; return each member's last logs, `{name: [M floats]}`.
+    """Run one epoch's calls; return the last call's logs (`{name: (M,) array}`; `{}` if none).
 
     Each call's logs are read to the host before the next call is
     dispatched (the progress bar and callbacks get floats), so one call is
@@ -126,7 +168,7 @@ def train_epoch(trainer, live, sources, epoch, callbacks):
         FloatingPointError: a member's loss was NaN or Inf (unless a
             callback such as `TerminateOnNaN` stopped training instead).
     """
-    index, member_logs = 0, {}
+    index, logs = 0, {}
     for steps, batch, per_member in trainer._calls(sources, epoch):
         callbacks.on_train_batch_begin(index)
         if live.needs_read():  # a callback changed a member
@@ -145,7 +187,21 @@ def train_epoch(trainer, live, sources, epoch, callbacks):
             raise FloatingPointError(failure_message(epoch, failed, member_logs["loss"]))
         if callbacks.model.stop_training:
             break
-    return member_logs
+    return logs
+
+
+def validate(trainer, live, val, callbacks):
+    """Score `val` with the members' current weights: `{val_<name>: value}`.
+
+    As under `model.fit`: the callbacks' test hooks run, the non-trainable
+    values the steps leave (a seed generator advanced in inference mode)
+    carry into the next epoch, and a member a callback changed (at the last
+    batch's end, or in `on_test_begin`) is scored as changed.
+    """
+    scores, non_trainable = ensemble_inference.evaluate(
+        trainer, lambda: live.current(trainer.init_state).weights, val, callbacks)
+    live.stepped(live.state._replace(non_trainable=non_trainable))
+    return {f"val_{name}": value for name, value in scores.items()}
 
 
 def failure_message(epoch, failed, losses):

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from keras_dp import _compat
 from keras_dp import finite
 from keras_dp import mesh as mesh_lib
 from keras_dp import steps as steps_lib
@@ -78,19 +79,60 @@ def _finite_count(logs, steps):
     return jnp.sum(jnp.isfinite(logs["loss"])).astype("int32")
 
 
+def make_test_step(model, mesh, from_logits):
+    """Return the jitted `test_step((weights, metrics), batch) -> (probabilities, non_trainable, metrics, logs)`.
+
+    Each member's step is the one `model.evaluate` runs (Keras's
+    `compute_loss_and_updates` in inference mode and its compiled metrics,
+    or the model's own `test_step`), so its logs and metrics are Keras's:
+    regularization losses, sample weights and every compiled metric
+    included. `weights` is the stacked `(trainable, non_trainable)` pair,
+    `metrics` the stacked metric values, and `batch` a replicated `(x, y,
+    sample_weight)`; the probabilities are those of `make_predict_step`,
+    for the ensemble's own scores. All results are split over the member
+    axis.
+    """
+    custom = _compat.custom_step(model, "test_step")
+    kwargs = steps_lib.inference_kwargs(model)
+
+    def member_test(state, batch):
+        (trainable, non_trainable), metrics = state
+        x, y, sample_weight = batch
+        if custom:
+            y_pred, _ = model.stateless_call(trainable, non_trainable, x, **kwargs)
+            logs, (_, non_trainable, metrics) = model.test_step(
+                (trainable, non_trainable, metrics), steps_lib._keras_data(batch))
+        else:
+            _, (loss, y_pred, non_trainable, metrics) = model.compute_loss_and_updates(
+                trainable, non_trainable, metrics, x, y, sample_weight, training=False)
+            metrics, logs = steps_lib._update_metrics(
+                model, metrics, loss, x, y, y_pred, sample_weight)
+        return _probabilities(y_pred, from_logits), non_trainable, metrics, logs
+
+    return jax.jit(_on_each_device(member_test, mesh, False))
+
+
+def _probabilities(y_pred, from_logits):
+    y_pred = y_pred.astype("float32")
+    return jax.nn.softmax(y_pred, axis=-1) if from_logits else y_pred
+
+
 def make_predict_step(model, mesh, from_logits):
-    """Return the jitted `predict_step(weights, x) -> probabilities`.
+    """Return the jitted `predict_step(weights, x) -> (probabilities, non_trainable)`.
 
     `weights` is the stacked `(trainable, non_trainable)` pair and `x` a
-    replicated input batch; the result has shape `(M, rows, classes)`, in
-    float32, split over the member axis: each member's softmax of its
-    outputs when `from_logits`, else its outputs as they are.
+    replicated input batch. The probabilities have shape `(M, rows,
+    classes)`, in float32, split over the member axis: each member's
+    softmax of its outputs when `from_logits`, else its outputs as they
+    are. The non-trainable values come back as the step leaves them, for
+    the caller to carry to the next batch as `model.predict` does (a
+    `SeedGenerator` used in inference mode advances each batch).
     """
 
     def member_predict(weights, x):
-        y_pred, _ = model.stateless_call(*weights, x, **steps_lib.inference_kwargs(model))
-        y_pred = y_pred.astype("float32")
-        return jax.nn.softmax(y_pred, axis=-1) if from_logits else y_pred
+        y_pred, non_trainable = model.stateless_call(
+            *weights, x, **steps_lib.inference_kwargs(model))
+        return _probabilities(y_pred, from_logits), non_trainable
 
     return jax.jit(_on_each_device(member_predict, mesh, False))
 

@@ -8,10 +8,11 @@ from keras_dp import callbacks as callbacks_lib
 from keras_dp import mesh as mesh_lib
 from keras_dp import model_checks
 from keras_dp import pipeline
+from keras_dp.ensemble import inference as ensemble_inference
 from keras_dp.ensemble import loop as ensemble_loop
 from keras_dp.ensemble import members as members_lib
 from keras_dp.ensemble import steps as ensemble_steps
-from keras_dp.ensemble.scores import classification_scores
+from keras_dp.state import TrainState
 
 
 class EnsembleTrainer:
@@ -35,10 +36,10 @@ class EnsembleTrainer:
             call, the rest one by one.
 
     Attributes:
-        member_history: after `fit`, each member's own logs per epoch:
-            `{name: [[M floats] per epoch]}` for every training metric and
-            `val_loss` / `val_accuracy`, and one float per epoch for
-            `val_ensemble_loss` / `val_ensemble_accuracy`.
+        member_history: after `fit`, each member's own logs per epoch,
+            those of its `model.fit`: `{name: [[M floats] per epoch]}` for
+            every training metric and its `val_` twin, and one float per
+            epoch for `val_ensemble_loss` / `val_ensemble_accuracy`.
 
     Raises:
         TypeError: `build_model` is neither callable nor a `keras.Model`, or
@@ -63,6 +64,8 @@ class EnsembleTrainer:
         self.member_history = {}
         self._train_steps = {}
         self._predict_step = ensemble_steps.make_predict_step(
+            self.members[0], self.mesh, self.from_logits)
+        self._test_step = ensemble_steps.make_test_step(
             self.members[0], self.mesh, self.from_logits)
         self._x_example = None
         self._averaging = None
@@ -139,8 +142,9 @@ class EnsembleTrainer:
     # -- Training, scoring, predicting ---------------------------------------
 
     def fit(self, x=None, y=None, *, batch_size=None, epochs=1, verbose="auto",
-            callbacks=None, validation_data=None, shuffle=True, member_shuffle=False,
-            sample_weight=None, validation_steps=None, validation_batch_size=None,
+            callbacks=None, validation_split=0.0, validation_data=None, shuffle=True,
+            member_shuffle=False, class_weight=None, sample_weight=None, initial_epoch=0,
+            steps_per_epoch=None, validation_steps=None, validation_batch_size=None,
             validation_freq=1):
         """Train every member for `epochs` epochs (see `fit_ensemble`).
 
@@ -152,66 +156,102 @@ class EnsembleTrainer:
         exception.
 
         Returns:
-            A `keras.callbacks.History` of floats per epoch: each training
-            metric of the compiled models (`loss`, `accuracy`, ...) as the
-            members' mean, `val_loss` and `val_accuracy` likewise, and
+            A `keras.callbacks.History` of floats per epoch: each log of
+            the members' `model.fit` (`loss`, `accuracy`, ..., `val_loss`,
+            `val_accuracy`, ...) as the members' mean, and
             `val_ensemble_loss`, `val_ensemble_accuracy` of the ensemble.
             Each member's own values are in `member_history`.
 
         Raises:
-            ValueError: `member_shuffle` without shuffled array data, or a
+            ValueError: `member_shuffle` without shuffled array data, a
                 callback that sets the learning rate
-                (`keras_dp.ensemble.loop.check_callbacks`).
+                (`keras_dp.ensemble.loop.check_callbacks`), or bad
+                `validation_split`, `class_weight` or `initial_epoch`.
             FloatingPointError: a member's loss became NaN or Inf.
         """
+        epochs = pipeline.check_count("epochs", epochs)
+        initial_epoch = pipeline.check_count("initial_epoch", initial_epoch)
         callbacks_lib.check_validation_freq(validation_freq)
         ensemble_loop.check_callbacks(callbacks)
-        sources = self._sources(x, y, sample_weight, batch_size, shuffle, member_shuffle)
+        if validation_split:
+            (x, y, sample_weight), validation_data = pipeline.split_validation(
+                x, y, sample_weight, validation_split, validation_data)
+        sources = self._sources(x, y, sample_weight, batch_size, shuffle, member_shuffle,
+                                class_weight)
+        if steps_per_epoch is not None:
+            sources = [pipeline.StepsPerEpoch(source, steps_per_epoch) for source in sources]
         self.build(sources[0].peek())
-        val = None
-        if validation_data is not None:
-            validation_data, val_batch_size = pipeline.validation_source(
-                validation_data, batch_size, validation_batch_size)
-            val = self._batches(validation_data, None, None, val_batch_size, False, self.seed)
-            if validation_steps is not None:
-                val = pipeline.FirstSteps(val, validation_steps)
-            self.build(val.peek())  # bad validation labels fail now, not after epoch 1
-            pipeline.check_one_pass(
-                val, sum(callbacks_lib.should_validate(epoch, validation_freq)
-                         for epoch in range(epochs)),
-                "validation_data", f"epochs={epochs}, validation_freq={validation_freq!r}")
-        pipeline.check_one_pass(sources[0], epochs, "x", f"epochs={epochs}")
+        ensemble_loop.resolve_monitors(callbacks, self.members[0])
+        epoch_range = range(initial_epoch, epochs)
+        val = self._validation(validation_data, batch_size, validation_batch_size,
+                               validation_steps, validation_freq, epoch_range)
+        pipeline.check_one_pass(sources[0], len(epoch_range), "x",
+                                f"epochs={epochs}, initial_epoch={initial_epoch}")
         callbacks = callbacks_lib.callback_list(
             callbacks, self.averaging_model(), verbose, epochs=epochs,
             steps=sources[0].steps)
-        return ensemble_loop.fit(self, sources, val, callbacks, epochs=epochs,
+        return ensemble_loop.fit(self, sources, val, callbacks, epochs=epoch_range,
                                  validation_freq=validation_freq)
 
-    def evaluate(self, x=None, y=None, *, batch_size=None, sample_weight=None):
-        """Score each member and the ensemble (`keras_dp.ensemble.scores`).
+    def evaluate(self, x=None, y=None, *, batch_size=None, verbose="auto", sample_weight=None,
+                 steps=None, callbacks=None):
+        """Score each member as `model.evaluate` does, and the ensemble.
 
-        Labels are class ids or one-hot rows. The loss is the cross-entropy
-        of the labels under the (mean) probabilities, the accuracy the share
-        of rows whose most probable class is the label; both are means over
-        rows, weighted by `sample_weight` when given.
+        Member `i`'s scores are what `members[i].evaluate(x, y, ...,
+        return_dict=True)` returns: its compiled loss (regularization losses
+        included) and every compiled metric, by Keras's own test step (or
+        the member's `test_step`). The ensemble's are computed from the
+        members' mean probabilities (`keras_dp.ensemble.scores`): labels
+        are class ids or one-hot rows, the loss is their cross-entropy and
+        the accuracy the share of rows whose most probable class is the
+        label, both means over rows weighted by `sample_weight` when given.
+        As `model.evaluate`: with `steps`, over the first `steps` batches
+        only; `verbose` and `callbacks` (given the averaging model, batch
+        logs the members' means); each member keeps the non-trainable
+        values its steps leave.
 
         Returns:
-            `{"loss": [M floats], "accuracy": [M floats], "ensemble_loss":
-            float, "ensemble_accuracy": float}`.
+            `{"loss": [M floats], <each compiled metric>: [M floats],
+            "ensemble_loss": float, "ensemble_accuracy": float}`.
         """
-        batches = self._batches(x, y, sample_weight, batch_size, False, self.seed)
+        batches = self._batches(x, y, sample_weight, batch_size, False, self.seed, steps=steps)
         self.build(batches.peek())
-        return self._evaluate(self._weights(), batches)
+        callbacks = callbacks_lib.callback_list(
+            callbacks, self.averaging_model(), verbose, history=False, epochs=1,
+            steps=batches.steps)
+        scores, non_trainable = ensemble_inference.evaluate(self, self._weights, batches,
+                                                            callbacks)
+        self._keep_non_trainable(non_trainable)
+        return scores
 
-    def predict_members(self, x, *, batch_size=None):
-        """Return each member's class probabilities, shape `(M, N, classes)`."""
-        batches = self._batches(x, None, None, batch_size, False, self.seed)
+    def predict_members(self, x, *, batch_size=None, verbose="auto", steps=None,
+                        callbacks=None):
+        """Return each member's class probabilities, shape `(M, N, classes)`.
+
+        As `model.predict`: with `steps`, for the rows of the first `steps`
+        batches only; `verbose` and `callbacks` (given the averaging model;
+        a batch's `outputs` are its mean probabilities); and each member
+        keeps the non-trainable values its predict steps leave, carried
+        from batch to batch: a layer that draws random numbers in inference
+        mode draws new ones each batch and each call.
+        """
+        batches = self._batches(x, None, None, batch_size, False, self.seed, steps=steps)
         self.build(batches.peek())
-        return self._predictions(self._weights(), batches)[0]
+        callbacks = callbacks_lib.callback_list(
+            callbacks, self.averaging_model(), verbose, history=False, epochs=1,
+            steps=batches.steps)
+        probabilities, non_trainable = ensemble_inference.predict(
+            self, self._weights, batches, callbacks)
+        self._keep_non_trainable(non_trainable)
+        return probabilities
 
-    def predict(self, x, *, batch_size=None):
-        """Return the ensemble's probabilities, the members' mean: `(N, classes)`."""
-        return self.predict_members(x, batch_size=batch_size).mean(axis=0)
+    def predict(self, x, *, batch_size=None, verbose="auto", steps=None, callbacks=None):
+        """Return the ensemble's probabilities, the members' mean: `(N, classes)`.
+
+        The arguments are `predict_members`'s.
+        """
+        return self.predict_members(x, batch_size=batch_size, verbose=verbose, steps=steps,
+                                    callbacks=callbacks).mean(axis=0)
 
     def averaging_model(self):
         """Return one Keras model that outputs the members' mean probabilities.
@@ -270,14 +310,36 @@ class EnsembleTrainer:
         state = members_lib.stack_state(self.members, self.mesh, groups=groups)
         return state.trainable, state.non_trainable
 
-    def _batches(self, x, y, sample_weight, batch_size, shuffle, seed):
+    def _batches(self, x, y, sample_weight, batch_size, shuffle, seed, class_weight=None,
+                 steps=None):
         # Every member trains on whole batches: no rows are split over devices.
-        return pipeline.make_batches(
-            x, y, sample_weight, batch_size=batch_size, shuffle=shuffle, seed=seed
+        batches = pipeline.make_batches(
+            x, y, sample_weight, batch_size=batch_size, shuffle=shuffle, seed=seed,
+            class_weight=class_weight,
         )
+        return batches if steps is None else pipeline.FirstSteps(batches, steps)
 
-    def _sources(self, x, y, sample_weight, batch_size, shuffle, member_shuffle):
-        first = self._batches(x, y, sample_weight, batch_size, shuffle, self.seed)
+    def _validation(self, validation_data, batch_size, validation_batch_size,
+                    validation_steps, validation_freq, epoch_range):
+        """The validation batches (`None` without `validation_data`), checked before any step."""
+        if validation_data is None:
+            return None
+        validation_data, val_batch_size = pipeline.validation_source(
+            validation_data, batch_size, validation_batch_size)
+        val = self._batches(validation_data, None, None, val_batch_size, False, self.seed,
+                            steps=validation_steps)
+        self.build(val.peek())  # bad validation labels fail now, not after epoch 1
+        pipeline.check_one_pass(
+            val, sum(callbacks_lib.should_validate(epoch, validation_freq)
+                     for epoch in epoch_range),
+            "validation_data",
+            f"epochs={epoch_range.stop}, validation_freq={validation_freq!r}")
+        return val
+
+    def _sources(self, x, y, sample_weight, batch_size, shuffle, member_shuffle,
+                 class_weight=None):
+        first = self._batches(x, y, sample_weight, batch_size, shuffle, self.seed,
+                              class_weight)
         if not member_shuffle:
             return [first]
         if not isinstance(first, pipeline.ArrayBatches) or not shuffle:
@@ -288,35 +350,14 @@ class EnsembleTrainer:
                 "or set member_shuffle=False."
             )
         return [first] + [
-            self._batches(x, y, sample_weight, batch_size, shuffle, self.seed + index)
+            self._batches(x, y, sample_weight, batch_size, shuffle, self.seed + index,
+                          class_weight)
             for index in range(1, len(self.members))
         ]
 
-    def _predictions(self, weights, batches):
-        """Members' probabilities `(M, N, classes)`, with the batches' labels and weights."""
-        parts, labels, sample_weights = [], [], []
-        for x, y, sample_weight in batches.epoch(0):
-            x = jax.device_put(x, mesh_lib.replicated(self.mesh))
-            # np.asarray waits for the step: one in flight, as XLA:CPU needs.
-            parts.append(np.asarray(self._predict_step(weights, x)))
-            labels.append(y)
-            sample_weights.append(sample_weight)
-        return np.concatenate(parts, axis=1), labels, sample_weights
-
-    def _evaluate(self, weights, batches):
-        probabilities, labels, sample_weights = self._predictions(weights, batches)
-        if labels[0] is None:
-            raise ValueError("Scoring needs labels. Pass y, or (x, y) batches.")
-        y = np.concatenate(labels)
-        sample_weight = None if sample_weights[0] is None else np.concatenate(sample_weights)
-        member_loss, member_accuracy = classification_scores(probabilities, y, sample_weight)
-        loss, accuracy = classification_scores(probabilities.mean(axis=0), y, sample_weight)
-        return {
-            "loss": member_loss.tolist(),
-            "accuracy": member_accuracy.tolist(),
-            "ensemble_loss": float(loss),
-            "ensemble_accuracy": float(accuracy),
-        }
+    def _keep_non_trainable(self, non_trainable):
+        """Write the stacked non-trainable values into the members, as Keras's predict keeps them."""
+        members_lib.write_back_members(TrainState(None, non_trainable, None, None), self.members)
 
 
 def _stack(batches):

@@ -1,0 +1,102 @@
+"""The ensemble's loops that run the members without training them: `evaluate` and `predict`.
+
+They run as `keras_dp.inference` runs one model: Keras's callback hooks
+around each compiled call (a progress bar unless `verbose=0`), the
+non-trainable values carried from batch to batch, and each call's results
+read to the host before the next is dispatched, as XLA:CPU needs. The model
+the callbacks see is the averaging model; the batch logs they get are the
+members' means, as in `fit`. Each takes the `EnsembleTrainer` whose parts it
+runs.
+"""
+
+import jax
+import numpy as np
+
+from keras_dp import mesh as mesh_lib
+from keras_dp import pipeline
+from keras_dp.ensemble import logs as logs_lib
+from keras_dp.ensemble import members as members_lib
+from keras_dp.ensemble.scores import classification_scores
+
+
+def evaluate(trainer, weights, batches, callbacks):
+    """Score `batches` with `weights` (a function giving the stacked `(trainable, non_trainable)`).
+
+    `weights` is called after `on_test_begin`, as Keras's evaluate reads
+    the model only then. Each member runs `model.evaluate`'s test step from
+    reset metrics; its scores are what `model.evaluate` reports
+    (`logs_lib.member_logs`). The ensemble is scored on the host from
+    the mean probabilities (`keras_dp.ensemble.scores`).
+
+    Returns:
+        `(scores, non_trainable)`: `{name: [M values]}` for each member's
+        log plus the floats `ensemble_loss` and `ensemble_accuracy`; and
+        the stacked non-trainable values the last step left.
+
+    Raises:
+        ValueError: the batches have no labels.
+    """
+    if pipeline.unpack(batches.peek())[1] is None:
+        raise ValueError("Scoring needs labels. Pass y, or (x, y) batches.")
+    for member in trainer.members:  # as model.evaluate starts
+        member.reset_metrics()
+    metrics = members_lib.stack_state(trainer.members, trainer.mesh, groups=("metrics",)).metrics
+    parts, labels, sample_weights = [], [], []
+    callbacks.on_test_begin()
+    trainable, non_trainable = weights()
+    for first, group in _groups(trainer, batches):
+        callbacks.on_test_batch_begin(first)
+        for batch in group:
+            probabilities, non_trainable, metrics, logs = trainer._test_step(
+                ((trainable, non_trainable), metrics), trainer.replicate(batch))
+            parts.append(np.asarray(probabilities))  # waits for the step
+            labels.append(batch[1])
+            sample_weights.append(batch[2])
+        callbacks.on_test_batch_end(first + len(group) - 1, logs_lib.batch_means(logs))
+    scores = logs_lib.member_logs(trainer, logs, metrics, "test_step")
+    scores.update(_ensemble_scores(np.concatenate(parts, axis=1).mean(axis=0), labels,
+                                   sample_weights))
+    callbacks.on_test_end(logs_lib.mean_logs(scores))
+    return scores, non_trainable
+
+
+def predict(trainer, weights, batches, callbacks):
+    """Each member's class probabilities on `batches`, `(M, N, classes)`, and the non-trainable values.
+
+    `weights` is called after `on_predict_begin`; `on_predict_batch_end`
+    gets `{"outputs": the call's mean probabilities}`.
+    """
+    parts = []
+    callbacks.on_predict_begin()
+    trainable, non_trainable = weights()
+    for first, group in _groups(trainer, batches):
+        callbacks.on_predict_batch_begin(first)
+        for batch in group:
+            x = jax.device_put(batch[0], mesh_lib.replicated(trainer.mesh))
+            probabilities, non_trainable = trainer._predict_step((trainable, non_trainable), x)
+            parts.append(np.asarray(probabilities))  # waits for the step
+        outputs = np.concatenate(parts[-len(group):], axis=1).mean(axis=0)
+        callbacks.on_predict_batch_end(first + len(group) - 1, {"outputs": outputs})
+    callbacks.on_predict_end()
+    return np.concatenate(parts, axis=1), non_trainable
+
+
+def _groups(trainer, batches):
+    """Yield `(index of the first batch, [batches])`: the batches Keras's hooks see as one call.
+
+    With `steps_per_execution` K, `model.evaluate` and `model.predict` call
+    the batch hooks once per K batches (`pipeline.group_steps`, as `fit`
+    groups them); the ensemble runs them one by one within.
+    """
+    index = 0
+    for group in pipeline.group_steps((pipeline.unpack(batch) for batch in batches.epoch(0)),
+                                      trainer.steps_per_execution):
+        yield index, group
+        index += len(group)
+
+
+def _ensemble_scores(probabilities, labels, sample_weights):
+    y = np.concatenate(labels)
+    sample_weight = None if sample_weights[0] is None else np.concatenate(sample_weights)
+    loss, accuracy = classification_scores(probabilities, y, sample_weight)
+    return {"ensemble_loss": float(loss), "ensemble_accuracy": float(accuracy)}
