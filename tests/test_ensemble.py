@@ -703,6 +703,28 @@ def test_class_weight_validation_split_and_initial_epoch_train_as_model_fit_does
         assert_members_close(member, reference, rtol=1e-5)
 
 
+def test_an_endless_dataset_without_a_step_count_is_refused_before_any_step():
+    # Before, fit_ensemble trained (or evaluated) forever on a repeat().
+    import tensorflow as tf
+
+    x, y = small_data(16)
+    endless = tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat()
+    trainer = keras_dp.EnsembleTrainer(build_small, 2, devices=devices(2))
+    with pytest.raises(ValueError, match=r"`x` is a tf.data.Dataset that repeats forever, "
+                       r"and no `steps_per_epoch` .* Pass `steps_per_epoch=N`"):
+        trainer.fit(endless, verbose=0)
+    with pytest.raises(ValueError, match=r"`validation_data` is a tf.data.Dataset that "
+                       r"repeats forever, and no `validation_steps`"):
+        trainer.fit(x, y, batch_size=8, validation_data=endless, verbose=0)
+    for run in (trainer.evaluate, trainer.predict_members, trainer.predict):
+        with pytest.raises(ValueError, match=r"no `steps` says where a pass ends"):
+            run(endless, verbose=0)
+    assert [int(m.optimizer.iterations.numpy()) for m in trainer.members] == [0, 0]
+    # With a count, it reads what it is told.
+    trainer.fit(endless, steps_per_epoch=3, verbose=0)
+    assert [int(m.optimizer.iterations.numpy()) for m in trainer.members] == [3, 3]
+
+
 def test_evaluate_and_predict_read_the_first_steps_batches():
     x, y = small_data(40)
     trainer = keras_dp.EnsembleTrainer(build_small, 2, devices=devices(2))

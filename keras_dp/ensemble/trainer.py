@@ -180,6 +180,7 @@ class EnsembleTrainer:
                                 class_weight)
         if steps_per_epoch is not None:
             sources = [pipeline.StepsPerEpoch(source, steps_per_epoch) for source in sources]
+        pipeline.check_ends(sources[0], "x", "steps_per_epoch")
         self.build(sources[0].peek())
         ensemble_loop.resolve_monitors(callbacks, self.members[0])
         epoch_range = range(initial_epoch, epochs)
@@ -215,6 +216,7 @@ class EnsembleTrainer:
             "ensemble_loss": float, "ensemble_accuracy": float}`.
         """
         batches = self._batches(x, y, sample_weight, batch_size, False, self.seed, steps=steps)
+        pipeline.check_ends(batches, "x", "steps")
         self.build(batches.peek())
         callbacks = callbacks_lib.callback_list(
             callbacks, self.averaging_model(), verbose, history=False, epochs=1,
@@ -236,6 +238,7 @@ class EnsembleTrainer:
         mode draws new ones each batch and each call.
         """
         batches = self._batches(x, None, None, batch_size, False, self.seed, steps=steps)
+        pipeline.check_ends(batches, "x", "steps")
         self.build(batches.peek())
         callbacks = callbacks_lib.callback_list(
             callbacks, self.averaging_model(), verbose, history=False, epochs=1,
@@ -328,6 +331,7 @@ class EnsembleTrainer:
             validation_data, batch_size, validation_batch_size)
         val = self._batches(validation_data, None, None, val_batch_size, False, self.seed,
                             steps=validation_steps)
+        pipeline.check_ends(val, "validation_data", "validation_steps")
         self.build(val.peek())  # bad validation labels fail now, not after epoch 1
         pipeline.check_one_pass(
             val, sum(callbacks_lib.should_validate(epoch, validation_freq)
