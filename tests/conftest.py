@@ -94,6 +94,17 @@ def sgd_mlp(seed=0, dropout=0.0, momentum=0.0):
     return model
 
 
+class InferenceNoise(keras.layers.Layer):
+    """Scales its input by uniform noise in every mode (Monte Carlo sampling at predict)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seed_generator = keras.random.SeedGenerator(7)
+
+    def call(self, x):
+        return x * keras.random.uniform(keras.ops.shape(x), seed=self.seed_generator)
+
+
 class SubclassedClassifier(keras.Model):
     """A subclassed MLP on 28x28 images, unbuilt until its first call."""
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import keras_dp
-from conftest import devices, mlp, unseeded_mlp
+from conftest import InferenceNoise, devices, mlp, unseeded_mlp
 from keras_dp.pipeline import make_batches
 from keras_dp.ensemble.scores import classification_scores
 
@@ -540,17 +540,6 @@ def test_members_with_named_dict_inputs_average_without_a_warning_and_reload(tmp
 
 
 # -- As Keras's model.fit, evaluate and predict run each member ---------------------
-
-class InferenceNoise(keras.layers.Layer):
-    """Scales its input by uniform noise in every mode (Monte Carlo sampling at predict)."""
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.seed_generator = keras.random.SeedGenerator(7)
-
-    def call(self, x):
-        return x * keras.random.uniform(keras.ops.shape(x), seed=self.seed_generator)
-
 
 def build_noisy():
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3), InferenceNoise()])

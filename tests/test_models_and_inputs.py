@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import keras_dp
+from conftest import InferenceNoise
 from conftest import SubclassedClassifier
 from conftest import assert_weights_close
 from conftest import devices
@@ -643,17 +644,6 @@ def test_a_layer_that_cannot_compile_is_named_with_the_fix(data):
     with pytest.raises(ValueError, match="supports_jit=False: random_crop.*RandomCrop.*input pipeline"):
         keras_dp.fit_sharded(_augmented(keras.layers.RandomCrop(24, 24, seed=1)), x, y,
                              batch_size=32, verbose=0, devices=devices(2))
-
-
-class InferenceNoise(keras.layers.Layer):
-    """Scales its input by uniform noise in every mode (Monte Carlo sampling at predict)."""
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.seed_generator = keras.random.SeedGenerator(7)
-
-    def call(self, x):
-        return x * keras.random.uniform(keras.ops.shape(x), seed=self.seed_generator)
 
 
 @pytest.mark.parametrize("steps_per_execution", [1, 2])
