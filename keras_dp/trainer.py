@@ -50,7 +50,8 @@ class ShardedTrainer:
             overrides what the model was compiled with. To train, an
             uncompiled model needs at least `optimizer` (and `loss`, unless
             its losses come from `add_loss`); to predict, neither.
-        mesh: a 1-D `jax.sharding.Mesh` with axis `"batch"`.
+        mesh: a 1-D `jax.sharding.Mesh` or `keras.distribution.DeviceMesh`
+            with axis `"batch"` (see `keras_dp.make_mesh`).
         devices: the devices to train on (default: all of JAX's devices).
             Use either `mesh` or `devices`.
         seed: seed of the per-epoch shuffle of array data.
