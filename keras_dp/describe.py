@@ -7,7 +7,7 @@ from keras_dp import memory
 from keras_dp import mesh as mesh_lib
 
 
-def describe(mesh, state=None, batch=None, hosts=None):
+def describe(mesh, state=None, batch=None, hosts=None, steps_per_execution=1):
     """Describe `mesh`, and how `state` and a device `batch` are placed on it.
 
     Args:
@@ -16,6 +16,8 @@ def describe(mesh, state=None, batch=None, hosts=None):
         batch: an optional `DeviceBatch`.
         hosts: for a mesh across processes, each process's host name, by
             process index (`keras_dp.distributed.host_names`).
+        steps_per_execution: K; above 1, a line says how a call's K
+            batches are stacked.
 
     Returns:
         A multi-line string: the devices (across processes, one line per
@@ -50,7 +52,24 @@ def describe(mesh, state=None, batch=None, hosts=None):
                 f"{str(array.dtype):<9}PartitionSpec{tuple(array.sharding.spec)}"
             )
             lines.append("    " + " | ".join(_shard_rows(array, batch)))
+        if steps_per_execution > 1:
+            lines.append(
+                f"  A call of {steps_per_execution} steps takes {steps_per_execution} such "
+                f"batches stacked, [{steps_per_execution}, {padded}, ...], "
+                "PartitionSpec(None, 'batch'): each device holds its rows of all "
+                f"{steps_per_execution}.")
     return "\n".join(lines)
+
+
+def data_line(rows, nbytes, devices, keep, why_not):
+    """Where a fit's training data lives: on the devices (`keep`) or on the host."""
+    size = ("Training data: batches read as they come" if rows is None
+            else f"Training data: {rows:,} rows, {memory.format_bytes(nbytes)}")
+    if keep:
+        return (f"{size}, kept on the devices for the fit: a full copy on each of the "
+                f"{devices} (PartitionSpec()), each step gathering its rows there.")
+    return (f"{size}, fed from the host, each batch copied to the devices when its "
+            "step comes" + (f" ({why_not})." if why_not else " (data_on_device=False)."))
 
 
 def _process_lines(devices, hosts):

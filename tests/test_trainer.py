@@ -201,3 +201,29 @@ def test_describe_prints_each_groups_bytes_on_one_device_as_the_shards_hold_them
         assert memory.format_bytes(on_first["optimizer"]) in text
     assert [memory.format_bytes(n) for n in (0, 1023, 1024, 3 * 2**20 // 2, 2**31)] == [
         "0 B", "1023 B", "1.0 KiB", "1.5 MiB", "2.00 GiB"]
+
+
+def test_describe_says_where_the_fits_data_lives_and_how_k_batches_stack():
+    import tensorflow as tf
+
+    x, y = np.zeros((1000, 8), "float32"), np.zeros(1000, "int32")
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+    model.compile(optimizer="sgd", loss="mse")
+    trainer = keras_dp.ShardedTrainer(model, devices=devices(3), steps_per_execution=4)
+    text = trainer.describe((x[:10], y[:10]), x, y)
+    assert ("A call of 4 steps takes 4 such batches stacked, [4, 12, ...], "
+            "PartitionSpec(None, 'batch'): each device holds its rows of all 4.") in text
+    # 1,000 x 8 float32 + 1,000 int32 = 36,000 bytes, one copy per device.
+    assert text.endswith("Training data: 1,000 rows, 35.2 KiB, kept on the devices for the "
+                         "fit: a full copy on each of the 3 (PartitionSpec()), each step "
+                         "gathering its rows there.")
+    host = keras_dp.ShardedTrainer(model, devices=devices(3), data_on_device=False)
+    assert host.describe(x=x, y=y).endswith(
+        "fed from the host, each batch copied to the devices when its step comes "
+        "(data_on_device=False).")
+    assert "A call of" not in host.describe((x[:10], y[:10]))
+    stream = tf.data.Dataset.from_tensor_slices((x, y)).batch(10)
+    assert keras_dp.ShardedTrainer(model, devices=devices(3)).describe(x=stream).endswith(
+        "Training data: batches read as they come, fed from the host, each batch copied to "
+        "the devices when its step comes (the data is a dataset or iterable, read batch by "
+        "batch; pass numpy arrays (x, y) instead).")
