@@ -43,9 +43,15 @@ def make_mesh(devices=None, mesh=None):
                 f"mesh={mesh}, devices={devices}."
             )
         return _users_mesh(mesh)
+    given = devices
     devices = jax.devices() if devices is None else list(np.asarray(devices, dtype=object).flat)
     if not devices:
         raise ValueError("`devices` is empty. Pass at least one JAX device.")
+    if not all(isinstance(device, jax.Device) for device in devices):
+        raise ValueError(
+            "`devices` is a list of JAX devices, not a count or ids. Received: "
+            f"devices={given!r}. Pass, for example, devices=jax.devices()[:2]."
+        )
     twice = sorted({str(device) for device in devices if devices.count(device) > 1})
     if twice:
         raise ValueError(

@@ -1,5 +1,7 @@
 """Devices and shardings."""
 
+import re
+
 import jax
 import keras
 import numpy as np
@@ -101,6 +103,13 @@ def test_a_keras_device_mesh_is_taken_as_its_jax_mesh():
         keras_dp.make_mesh(mesh=keras.distribution.DeviceMesh((2,), ["data"], devices(2)))
     with pytest.raises(ValueError, match="Mesh or a keras.distribution.DeviceMesh.*list"):
         keras_dp.make_mesh(mesh=devices(2))
+
+
+@pytest.mark.parametrize("bad", [2, [0, 1], "cpu"])
+def test_devices_that_are_not_jax_devices_are_refused_naming_the_fix(bad):
+    with pytest.raises(ValueError, match=r"list of JAX devices.*Received: devices="
+                                         + re.escape(repr(bad)) + r"\..*jax.devices\(\)\[:2\]"):
+        keras_dp.make_mesh(bad)
 
 
 def test_a_device_listed_twice_is_refused_naming_it():
