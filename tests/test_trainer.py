@@ -227,3 +227,15 @@ def test_describe_says_where_the_fits_data_lives_and_how_k_batches_stack():
         "Training data: batches read as they come, fed from the host, each batch copied to "
         "the devices when its step comes (the data is a dataset or iterable, read batch by "
         "batch; pass numpy arrays (x, y) instead).")
+
+
+def test_describe_numbers_real_rows_across_process_blocks_as_the_step_joins_them():
+    from keras_dp import describe
+    from keras_dp.placement import DeviceBatch
+
+    # Two processes' blocks of 4 padded rows holding 3 and 1 real rows: the
+    # step joins rows 0-2 of block 0 and row 4 (its 4th real row, row 3).
+    batch = DeviceBatch(None, rows=4, blocks=(3, 1))
+    spans = [describe._real_span(start, start + 2, batch, 8) for start in (0, 2, 4, 6)]
+    assert spans == [(0, 2), (2, 3), (3, 4), None]
+    assert describe._real_span(0, 8, DeviceBatch(None, rows=5), 8) == (0, 5)
