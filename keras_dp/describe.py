@@ -1,13 +1,13 @@
 """A plain-text picture of what runs where: the mesh, the state, a batch."""
 
 import jax
-import numpy as np
 
 from keras_dp import layout
+from keras_dp import memory
 from keras_dp import mesh as mesh_lib
 
 
-def describe(mesh, state=None, batch=None, hosts=None):
+def describe(mesh, state=None, batch=None, hosts=None, steps_per_execution=1):
     """Describe `mesh`, and how `state` and a device `batch` are placed on it.
 
     Args:
@@ -16,6 +16,8 @@ def describe(mesh, state=None, batch=None, hosts=None):
         batch: an optional `DeviceBatch`.
         hosts: for a mesh across processes, each process's host name, by
             process index (`keras_dp.distributed.host_names`).
+        steps_per_execution: K; above 1, a line says how a call's K
+            batches are stacked.
 
     Returns:
         A multi-line string: the devices (across processes, one line per
@@ -49,8 +51,25 @@ def describe(mesh, state=None, batch=None, hosts=None):
                 f"  {_batch_name(path):<14}{str(array.shape):<18}"
                 f"{str(array.dtype):<9}PartitionSpec{tuple(array.sharding.spec)}"
             )
-            lines.append("    " + " | ".join(_shard_rows(array)))
+            lines.append("    " + " | ".join(_shard_rows(array, batch)))
+        if steps_per_execution > 1:
+            lines.append(
+                f"  A call of {steps_per_execution} steps takes {steps_per_execution} such "
+                f"batches stacked, [{steps_per_execution}, {padded}, ...], "
+                "PartitionSpec(None, 'batch'): each device holds its rows of all "
+                f"{steps_per_execution}.")
     return "\n".join(lines)
+
+
+def data_line(rows, nbytes, devices, keep, why_not):
+    """Where a fit's training data lives: on the devices (`keep`) or on the host."""
+    size = ("Training data: batches read as they come" if rows is None
+            else f"Training data: {rows:,} rows, {memory.format_bytes(nbytes)}")
+    if keep:
+        return (f"{size}, kept on the devices for the fit: a full copy on each of the "
+                f"{devices} (PartitionSpec()), each step gathering its rows there.")
+    return (f"{size}, fed from the host, each batch copied to the devices when its "
+            "step comes" + (f" ({why_not})." if why_not else " (data_on_device=False)."))
 
 
 def _process_lines(devices, hosts):
@@ -74,7 +93,7 @@ def _state_lines(state):
                  else "all replicated: PartitionSpec()")
         lines.append(
             f"  {name:<14}{len(values):>4} arrays {size:>12,} values "
-            f"{_megabytes(per_device):>10} per device  ({where})"
+            f"{memory.format_bytes(per_device):>10} per device  ({where})"
         )
     return lines
 
@@ -87,18 +106,43 @@ def _batch_name(path):
     return jax.tree_util.keystr(path) or "x"
 
 
-def _shard_rows(array):
+def _shard_rows(array, batch):
+    """Each local device's real rows, in mesh order, and the padding it holds."""
+    shards = sorted(array.addressable_shards,
+                    key=lambda s: (s.index[0] if s.index else slice(None)).indices(
+                        array.shape[0])[0])
     rows = []
-    for shard in sorted(array.addressable_shards, key=lambda s: s.device.id):
+    for shard in shards:
         index = shard.index[0] if shard.index else slice(None)
         start, stop, _ = index.indices(array.shape[0])
-        rows.append(f"{_device_name(shard.device)}: rows {start}-{stop - 1}")
+        real = _real_span(start, stop, batch, array.shape[0])
+        pad = stop - start - (0 if real is None else real[1] - real[0])
+        text = ("no rows" if real is None else f"row {real[0]}" if real[1] - real[0] == 1
+                else f"rows {real[0]}-{real[1] - 1}")
+        rows.append(f"{_device_name(shard.device)}: {text}"
+                    + (f" + {pad} padding" if pad else ""))
     return rows
+
+
+def _real_span(start, stop, batch, padded):
+    """The real rows among padded rows `start:stop`, numbered as the step sees them.
+
+    `None` when all are padding. Across processes (`batch.blocks`) each
+    block's real rows come first; they are numbered after the real rows
+    of the blocks before it.
+    """
+    blocks = batch.blocks or (batch.rows,)
+    size = padded // len(blocks)
+    first = last = None
+    before = 0
+    for number, real in enumerate(blocks):
+        low, high = max(start, number * size), min(stop, number * size + real)
+        if low < high:
+            first = before + low - number * size if first is None else first
+            last = before + high - number * size
+        before += real
+    return None if first is None else (first, last)
 
 
 def _device_name(device):
     return f"{device.platform}:{device.id}"
-
-
-def _megabytes(nbytes):
-    return f"{np.float64(nbytes) / 2**20:.2f} MiB"

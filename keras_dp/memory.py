@@ -63,7 +63,7 @@ class MemoryPlan:
         return self.capacity is None or self.peak <= self.capacity
 
     def __str__(self):
-        mib = lambda n: f"{n / 2**20:,.1f} MiB"  # noqa: E731
+        mib = format_bytes
         lines = [
             f"Memory per device ({self.devices} devices, state_sharding="
             f"{self.state_sharding!r}):",
@@ -75,6 +75,18 @@ class MemoryPlan:
                              else f"{mib(self.capacity)}"),
         ]
         return "\n".join(lines)
+
+
+def format_bytes(nbytes):
+    """`nbytes` in the largest binary unit it fills: 32 B, 37.0 KiB, 1.5 MiB, 2.00 GiB."""
+    nbytes = int(nbytes)
+    if nbytes < 2**10:
+        return f"{nbytes} B"
+    if nbytes < 2**20:
+        return f"{nbytes / 2**10:.1f} KiB"
+    if nbytes < 2**30:
+        return f"{nbytes / 2**20:.1f} MiB"
+    return f"{nbytes / 2**30:,.2f} GiB"
 
 
 def plan(trainer, batch):

@@ -20,17 +20,21 @@ def make_mesh(devices=None, mesh=None):
     """Return the 1-D data-parallel mesh with the single axis `"batch"`.
 
     Args:
-        devices: the devices to train on; all of JAX's devices when `None`.
-        mesh: a user's own `jax.sharding.Mesh`; it must have exactly one
-            axis, named `"batch"`. Mutually exclusive with `devices`.
+        devices: the devices to train on, each once; all of JAX's devices
+            when `None`.
+        mesh: a user's own mesh, a `jax.sharding.Mesh` or a
+            `keras.distribution.DeviceMesh`; it must have exactly one axis,
+            named `"batch"`. Mutually exclusive with `devices`.
 
     Returns:
         A `Mesh` whose axis type is `AxisType.Auto` (Keras's Dropout fails
-        under explicit-sharding axes).
+        under explicit-sharding axes): a user's `Auto` mesh itself, else
+        one over the same devices in the same order (`jax.make_mesh` makes
+        `Explicit` axes by default).
 
     Raises:
-        ValueError: both arguments given, an empty device list, or a mesh
-            whose axes are not exactly `("batch",)`.
+        ValueError: both arguments given, an empty device list, a device
+            listed twice, or a mesh whose axes are not exactly `("batch",)`.
     """
     if mesh is not None:
         if devices is not None:
@@ -38,19 +42,49 @@ def make_mesh(devices=None, mesh=None):
                 "Pass either `mesh` or `devices`, not both. Received: "
                 f"mesh={mesh}, devices={devices}."
             )
-        if tuple(mesh.axis_names) != (BATCH_AXIS,):
-            raise ValueError(
-                "keras_dp needs a 1-D mesh with the single axis "
-                f"'{BATCH_AXIS}'. Received: mesh.axis_names={mesh.axis_names}. "
-                f"Build one with keras_dp.make_mesh(devices)."
-            )
-        return mesh
-    devices = jax.devices() if devices is None else list(devices)
+        return _users_mesh(mesh)
+    given = devices
+    devices = jax.devices() if devices is None else list(np.asarray(devices, dtype=object).flat)
     if not devices:
         raise ValueError("`devices` is empty. Pass at least one JAX device.")
+    if not all(isinstance(device, jax.Device) for device in devices):
+        raise ValueError(
+            "`devices` is a list of JAX devices, not a count or ids. Received: "
+            f"devices={given!r}. Pass, for example, devices=jax.devices()[:2]."
+        )
+    twice = sorted({str(device) for device in devices if devices.count(device) > 1})
+    if twice:
+        raise ValueError(
+            "Each device may appear once: a device listed twice would hold two "
+            f"shards of every batch. Received: {', '.join(twice)} more than once "
+            f"in devices={devices}. Pass distinct devices, for example jax.devices()[:n]."
+        )
     return Mesh(
         np.asarray(devices), (BATCH_AXIS,), axis_types=(AxisType.Auto,)
     )
+
+
+def _users_mesh(mesh):
+    """A user's mesh, checked, as a `jax.sharding.Mesh` with an `Auto` `"batch"` axis."""
+    if not isinstance(mesh, Mesh) and hasattr(mesh, "axis_names") and hasattr(mesh, "devices"):
+        # A keras.distribution.DeviceMesh: its devices in its shape.
+        mesh = Mesh(np.asarray(mesh.devices).reshape(tuple(mesh.shape)), tuple(mesh.axis_names))
+    if not isinstance(mesh, Mesh):
+        raise ValueError(
+            "`mesh` is a jax.sharding.Mesh or a keras.distribution.DeviceMesh. "
+            f"Received: mesh={mesh!r} of type {type(mesh).__name__}. "
+            "Pass devices=[...] instead, or build one with keras_dp.make_mesh(devices)."
+        )
+    if tuple(mesh.axis_names) != (BATCH_AXIS,):
+        raise ValueError(
+            "keras_dp needs a 1-D mesh with the single axis "
+            f"'{BATCH_AXIS}'. Received: mesh.axis_names={mesh.axis_names}. "
+            f"Build one with keras_dp.make_mesh(devices), or pass "
+            f"devices=list(mesh.devices.flat) to train on the same devices."
+        )
+    if tuple(mesh.axis_types) != (AxisType.Auto,):
+        return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,))
+    return mesh
 
 
 def check_keras_distribution():
@@ -71,9 +105,11 @@ def check_keras_distribution():
         raise ValueError(
             "keras_dp trains with data parallelism only: it keeps a full copy "
             "of every variable on every device and ignores Keras layouts. "
-            f"Received: a {type(current).__name__} distribution set with "
-            "keras.distribution.set_distribution(). Call "
-            "keras.distribution.set_distribution(None) before keras_dp, or "
+            f"Received: a {type(current).__name__} distribution, set with "
+            "keras.distribution.set_distribution() or entered with "
+            "`with distribution.scope():`. Call keras_dp outside that scope, "
+            "after keras.distribution.set_distribution(None) (a model created "
+            "under it trains as well: keras_dp copies its variables whole), or "
             "train a model-parallel layout with Keras's own model.fit."
         )
 

@@ -109,19 +109,14 @@ def make_feed(trainer, batches):
             processes, or arrays that do not fit.
     """
     choice = trainer.data_on_device
-    if choice is False:
-        return None
-    why_not = _ineligible(trainer, batches)
-    if why_not is None:
-        fit, why_not = fits(data_bytes(batches.arrays), trainer.mesh)
-        if fit:
-            return ResidentFeed(trainer, batches)
-        if choice == "auto":
-            warnings.warn(
-                f"data_on_device='auto': {why_not}; feeding batches from the "
-                "host instead. Pass data_on_device=False to choose that "
-                "without this warning.", stacklevel=3)
-            return None
+    keep, why_not = decide(trainer, batches)
+    if keep:
+        return ResidentFeed(trainer, batches)
+    if choice == "auto" and why_not is not None and _ineligible(trainer, batches) is None:
+        warnings.warn(  # arrays too big: the one case "auto" warns about
+            f"data_on_device='auto': {why_not}; feeding batches from the "
+            "host instead. Pass data_on_device=False to choose that "
+            "without this warning.", stacklevel=3)
     if choice is True:
         raise ValueError(
             f"data_on_device=True cannot keep this data on the devices: "
@@ -129,6 +124,23 @@ def make_feed(trainer, batches):
             "be, else the host path) or False."
         )
     return None
+
+
+def decide(trainer, batches):
+    """Whether a fit on `batches` keeps them on the devices: `(keep, why not)`.
+
+    What `make_feed` does, without placing anything or warning: `why not`
+    is None when the data is kept, or when `data_on_device=False` chose
+    the host.
+    """
+    if trainer.data_on_device is False:
+        return False, None
+    why_not = _ineligible(trainer, batches)
+    if why_not is None:
+        fit, why_not = fits(data_bytes(batches.arrays), trainer.mesh)
+        if fit:
+            return True, None
+    return False, why_not
 
 
 def _ineligible(trainer, batches):

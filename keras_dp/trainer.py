@@ -50,7 +50,8 @@ class ShardedTrainer:
             overrides what the model was compiled with. To train, an
             uncompiled model needs at least `optimizer` (and `loss`, unless
             its losses come from `add_loss`); to predict, neither.
-        mesh: a 1-D `jax.sharding.Mesh` with axis `"batch"`.
+        mesh: a 1-D `jax.sharding.Mesh` or `keras.distribution.DeviceMesh`
+            with axis `"batch"` (see `keras_dp.make_mesh`).
         devices: the devices to train on (default: all of JAX's devices).
             Use either `mesh` or `devices`.
         seed: seed of the per-epoch shuffle of array data.
@@ -251,7 +252,7 @@ class ShardedTrainer:
         """The train step compiled for these arguments (`.as_text()` is HLO)."""
         return self._train_step.lower(state, batch).compile()
 
-    def describe(self, batch=None):
+    def describe(self, batch=None, x=None, y=None, sample_weight=None):
         """Describe the mesh, each state group's sharding and a batch's.
 
         Across processes every process must call it (it reads the state and
@@ -261,6 +262,9 @@ class ShardedTrainer:
 
         Args:
             batch: an optional host batch; its placement is shown per device.
+            x, y, sample_weight: optionally, the training data of a coming
+                `fit`: a line says whether it will be kept on the devices
+                (`data_on_device`) and its size.
 
         Returns:
             A multi-line string.
@@ -268,7 +272,16 @@ class ShardedTrainer:
         state = self.init_state() if build_lib.is_built(self.model) else None
         device_batch = None if batch is None else self.shard(batch)
         hosts = distributed.host_names() if self.multiprocess else None
-        return describe_lib.describe(self.mesh, state, device_batch, hosts)
+        text = describe_lib.describe(self.mesh, state, device_batch, hosts,
+                                     self.steps_per_execution)
+        if x is None:
+            return text
+        batches = self._batches(x, y, sample_weight, None, False)
+        keep, why_not = resident.decide(self, batches)
+        rows = getattr(batches, "num_samples", None)
+        nbytes = resident.data_bytes(batches.arrays) if hasattr(batches, "arrays") else 0
+        return text + "\n" + describe_lib.data_line(rows, nbytes, self.num_devices, keep,
+                                                     why_not)
 
     # -- The Keras-shaped loops ----------------------------------------------
 

@@ -141,6 +141,8 @@ def test_into_a_log_file_each_epoch_is_one_line_and_a_profile_is_written(tmp_pat
     # Not a terminal: Keras's line per epoch (verbose 2), no redrawn bar.
     assert not re.search(r"[\r\b\x1b]", out)
     assert "cpu:0: rows 0-31 | cpu:1: rows 32-63" in out
+    assert re.search(r"^Training data: 640 rows, [\d.]+ KiB, kept on the devices for the fit: "
+                     r"a full copy on each of the 2 ", out, flags=re.M)
     bars = re.findall(r"^10/10 - .* - accuracy: ([\d.]+) - loss: ([\d.]+) - "
                       r"val_accuracy: ([\d.]+) - val_loss: ([\d.]+)$", out, flags=re.M)
     assert len(bars) == 2 and float(bars[1][1]) < float(bars[0][1])

@@ -1,6 +1,9 @@
 """Devices and shardings."""
 
+import re
+
 import jax
+import keras
 import numpy as np
 import pytest
 
@@ -53,3 +56,83 @@ def test_local_copy_stays_on_the_device_and_outlives_donation():
     jax.jit(lambda a: a + 1, donate_argnums=0)(state)
     assert state.is_deleted() and not copy.is_deleted()
     np.testing.assert_array_equal(np.asarray(copy), np.arange(6.0))
+
+
+def _tiny_sgd_model():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                              keras.layers.Dense(4)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def _tiny_data(rows=48):
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(rows, 8)).astype("float32"), rng.integers(0, 4, rows)
+
+
+def _assert_same_training(model, **where):
+    """`model` trained by keras_dp on `where` ends where Keras's own fit does."""
+    x, y = _tiny_data()
+    reference = _tiny_sgd_model()
+    reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    keras_dp.fit_sharded(model, x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+                         **where)
+    for ours, theirs in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6 * np.abs(theirs).max())
+
+
+def test_jax_make_mesh_with_its_default_explicit_axis_trains_on_the_same_devices():
+    # jax.make_mesh gives Explicit axes by default; Keras's layers need Auto.
+    mine = jax.make_mesh((4,), ("batch",), devices=devices(4)[::-1])
+    assert mine.axis_types == (jax.sharding.AxisType.Explicit,)
+    mesh = keras_dp.make_mesh(mesh=mine)
+    assert mesh.axis_types == (jax.sharding.AxisType.Auto,)
+    assert list(mesh.devices.flat) == devices(4)[::-1]
+    _assert_same_training(_tiny_sgd_model(), mesh=mine)
+
+
+def test_a_keras_device_mesh_is_taken_as_its_jax_mesh():
+    mesh = keras_dp.make_mesh(mesh=keras.distribution.DeviceMesh((2,), ["batch"], devices(2)))
+    assert list(mesh.devices.flat) == devices(2) and mesh.axis_names == ("batch",)
+    _assert_same_training(
+        _tiny_sgd_model(), mesh=keras.distribution.DeviceMesh((2,), ["batch"], devices(2)))
+    with pytest.raises(ValueError, match=r"single axis 'batch'.*\('data',\).*"
+                                         r"devices=list\(mesh.devices.flat\)"):
+        keras_dp.make_mesh(mesh=keras.distribution.DeviceMesh((2,), ["data"], devices(2)))
+    with pytest.raises(ValueError, match="Mesh or a keras.distribution.DeviceMesh.*list"):
+        keras_dp.make_mesh(mesh=devices(2))
+
+
+@pytest.mark.parametrize("bad", [2, [0, 1], "cpu"])
+def test_devices_that_are_not_jax_devices_are_refused_naming_the_fix(bad):
+    with pytest.raises(ValueError, match=r"list of JAX devices.*Received: devices="
+                                         + re.escape(repr(bad)) + r"\..*jax.devices\(\)\[:2\]"):
+        keras_dp.make_mesh(bad)
+
+
+def test_a_device_listed_twice_is_refused_naming_it():
+    with pytest.raises(ValueError, match=r"appear once.*cpu:0\b.*jax.devices\(\)\[:n\]") as err:
+        keras_dp.ShardedTrainer(_tiny_sgd_model(), devices=[devices(2)[0]] * 2 + devices(2)[1:])
+    assert "cpu:1" not in str(err.value).split("Received:")[1].split("more than")[0]
+
+
+def test_a_keras_distribution_scope_is_refused_naming_the_scope():
+    layout = keras.distribution.LayoutMap(keras.distribution.DeviceMesh((2, 2), ["batch", "model"],
+                                                                        devices(4)))
+    layout[".*dense.*kernel"] = (None, "model")
+    distribution = keras.distribution.ModelParallel(layout_map=layout, batch_dim_name="batch")
+    with distribution.scope():
+        model = _tiny_sgd_model()
+        with pytest.raises(ValueError, match=r"ModelParallel.*`with distribution.scope\(\):`"
+                                             r".*outside that scope"):
+            keras_dp.ShardedTrainer(model, devices=devices(4))
+    # Created under the scope, trained outside it: whole copies on keras_dp's
+    # mesh, the same steps as Keras's fit, and the variables keep their layout.
+    kernel = model.layers[0].kernel.value.sharding
+    assert kernel.spec == jax.sharding.PartitionSpec(None, "model")
+    _assert_same_training(model, devices=devices(4))
+    assert model.layers[0].kernel.value.sharding == kernel
+    x, _ = _tiny_data()
+    np.testing.assert_allclose(model.predict(x, verbose=0), model(x), rtol=1e-5, atol=1e-6)

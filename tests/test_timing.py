@@ -59,3 +59,32 @@ def test_profile_dir_gets_a_trace_of_the_first_epoch(mnist, tmp_path):
     # The trace was stopped: a new one can start.
     jax.profiler.start_trace(str(tmp_path / "again"))
     jax.profiler.stop_trace()
+
+
+class SlowEpochEnd(keras.callbacks.Callback):
+    """Sleeps `seconds` in each `on_epoch_end`."""
+
+    def __init__(self, seconds):
+        super().__init__()
+        self.seconds = seconds
+
+    def on_epoch_end(self, epoch, logs=None):
+        time.sleep(self.seconds)
+
+
+def test_a_slow_callback_and_k_steps_per_call_are_counted_where_they_ran(mnist):
+    (x, y), (x_test, y_test) = mnist
+    # Resident data (the default for these arrays), 4 steps per call: 32
+    # steps of 64 rows in 8 calls; the clock runs after the slow callback.
+    trainer = keras_dp.ShardedTrainer(mlp(), devices=devices(2), steps_per_execution=4)
+    clock = EpochClock()
+    trainer.fit(x, y, batch_size=64, epochs=2, verbose=0, callbacks=[SlowEpochEnd(0.3), clock],
+                validation_data=(x_test[:256], y_test[:256]))
+    for entry, wall in zip(trainer.timings, clock.walls, strict=True):
+        parts = sum(entry[part] for part in timing.PARTS)
+        assert parts == pytest.approx(wall, rel=0.05), entry
+        assert entry["wall_s"] == pytest.approx(parts + entry["other_s"])
+        assert entry["callbacks_s"] >= 0.3 and entry["validation_s"] > 0, entry
+        assert entry["samples"] == len(x)
+        assert entry["samples_per_s"] == pytest.approx(
+            len(x) / (entry["wall_s"] - entry["validation_s"]))

@@ -119,7 +119,7 @@ def test_state_is_replicated_and_batch_is_sharded(mnist):
     assert "cpu:1: rows 16-31" in text
     text = trainer.describe((batch[0][:30], batch[1][:30]))
     assert "30 rows, split along 'batch' (padded to 32; the step cuts rows 30-31 off)" in text
-    assert "cpu:3: rows 24-31" in text
+    assert "cpu:3: rows 24-29 + 2 padding" in text
     assert "trainable" in text and "PartitionSpec()" in text
 
 
@@ -141,3 +141,101 @@ def test_partial_last_batch_runs_exactly(mnist, n_devices):
     for (path, a), (_, b) in zip(*results):
         if path != NO_GRADIENT:
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=path)
+
+
+def _two_in_two_out():
+    keras.utils.set_random_seed(0)
+    a, b = keras.Input((64,), name="a"), keras.Input((5,), name="b")
+    hidden = keras.layers.Dense(128, activation="relu")(keras.layers.Concatenate()([a, b]))
+    model = keras.Model({"a": a, "b": b}, {"cls": keras.layers.Dense(3, name="cls")(hidden),
+                                           "reg": keras.layers.Dense(1, name="reg")(hidden)})
+    model.compile(optimizer="adam", loss={"cls": keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True), "reg": "mse"}, metrics={"cls": ["accuracy"]})
+    return model
+
+
+def test_describe_shows_each_devices_real_rows_and_its_padding_in_mesh_order():
+    rows = 10
+    batch = ({"a": np.zeros((rows, 64), "float32"), "b": np.zeros((rows, 5), "float32")},
+             {"cls": np.zeros(rows, "int32"), "reg": np.zeros((rows, 1), "float32")})
+    trainer = keras_dp.ShardedTrainer(_two_in_two_out(), devices=devices(3))
+    trainer.build(batch)
+    text = trainer.describe(batch)
+    # 10 rows on 3 devices: padded to 12, 4 + 4 + 2 real rows after the cut.
+    for name in ("x['a']", "x['b']", "y['cls']", "y['reg']"):
+        assert f"  {name}" in text
+    assert text.count("cpu:0: rows 0-3 | cpu:1: rows 4-7 | cpu:2: rows 8-9 + 2 padding") == 4
+    # Devices in a non-default order: listed in mesh order, as the rows go.
+    order = [devices(4)[i] for i in (3, 1, 0, 2)]
+    single = keras_dp.ShardedTrainer(_two_in_two_out(), devices=order).describe(
+        jax.tree.map(lambda a: a[:2], batch))
+    assert "cpu:3, cpu:1, cpu:0, cpu:2" in single
+    assert "cpu:3: row 0 | cpu:1: row 1 | cpu:0: no rows + 1 padding | " \
+           "cpu:2: no rows + 1 padding" in single
+
+
+def test_describe_prints_each_groups_bytes_on_one_device_as_the_shards_hold_them():
+    from keras_dp import memory
+
+    batch = ({"a": np.zeros((8, 64), "float32"), "b": np.zeros((8, 5), "float32")},
+             {"cls": np.zeros(8, "int32"), "reg": np.zeros((8, 1), "float32")})
+    for mode, optimizer_bytes in (("replicated", 75_816), ("optimizer", 28_712)):
+        trainer = keras_dp.ShardedTrainer(_two_in_two_out(), devices=devices(3),
+                                          state_sharding=mode)
+        trainer.build(batch)
+        state = dict(trainer.init_state().groups())
+        on_first = {name: sum(shard.data.nbytes for array in arrays
+                              for shard in array.addressable_shards
+                              if shard.device == devices(1)[0])
+                    for name, arrays in state.items()}
+        # 69 * 128 + 128 + 128 * 3 + 3 + 128 + 1 float32 values; Adam's two
+        # slots of each, plus its iteration count and learning rate.
+        assert on_first["trainable"] == 9_476 * 4
+        assert on_first["optimizer"] == optimizer_bytes
+        assert on_first["metrics"] == 32
+        text = trainer.describe()
+        shown = "74.0 KiB" if mode == "replicated" else "28.0 KiB"  # 75,816 / 28,712 B
+        assert f"optimizer       14 arrays       18,954 values {shown:>10} per device" in text
+        assert "trainable        6 arrays        9,476 values   37.0 KiB per device" in text
+        assert "metrics          8 arrays            8 values       32 B per device" in text
+        assert memory.format_bytes(on_first["optimizer"]) in text
+    assert [memory.format_bytes(n) for n in (0, 1023, 1024, 3 * 2**20 // 2, 2**31)] == [
+        "0 B", "1023 B", "1.0 KiB", "1.5 MiB", "2.00 GiB"]
+
+
+def test_describe_says_where_the_fits_data_lives_and_how_k_batches_stack():
+    import tensorflow as tf
+
+    x, y = np.zeros((1000, 8), "float32"), np.zeros(1000, "int32")
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+    model.compile(optimizer="sgd", loss="mse")
+    trainer = keras_dp.ShardedTrainer(model, devices=devices(3), steps_per_execution=4)
+    text = trainer.describe((x[:10], y[:10]), x, y)
+    assert ("A call of 4 steps takes 4 such batches stacked, [4, 12, ...], "
+            "PartitionSpec(None, 'batch'): each device holds its rows of all 4.") in text
+    # 1,000 x 8 float32 + 1,000 int32 = 36,000 bytes, one copy per device.
+    assert text.endswith("Training data: 1,000 rows, 35.2 KiB, kept on the devices for the "
+                         "fit: a full copy on each of the 3 (PartitionSpec()), each step "
+                         "gathering its rows there.")
+    host = keras_dp.ShardedTrainer(model, devices=devices(3), data_on_device=False)
+    assert host.describe(x=x, y=y).endswith(
+        "fed from the host, each batch copied to the devices when its step comes "
+        "(data_on_device=False).")
+    assert "A call of" not in host.describe((x[:10], y[:10]))
+    stream = tf.data.Dataset.from_tensor_slices((x, y)).batch(10)
+    assert keras_dp.ShardedTrainer(model, devices=devices(3)).describe(x=stream).endswith(
+        "Training data: batches read as they come, fed from the host, each batch copied to "
+        "the devices when its step comes (the data is a dataset or iterable, read batch by "
+        "batch; pass numpy arrays (x, y) instead).")
+
+
+def test_describe_numbers_real_rows_across_process_blocks_as_the_step_joins_them():
+    from keras_dp import describe
+    from keras_dp.placement import DeviceBatch
+
+    # Two processes' blocks of 4 padded rows holding 3 and 1 real rows: the
+    # step joins rows 0-2 of block 0 and row 4 (its 4th real row, row 3).
+    batch = DeviceBatch(None, rows=4, blocks=(3, 1))
+    spans = [describe._real_span(start, start + 2, batch, 8) for start in (0, 2, 4, 6)]
+    assert spans == [(0, 2), (2, 3), (3, 4), None]
+    assert describe._real_span(0, 8, DeviceBatch(None, rows=5), 8) == (0, 5)

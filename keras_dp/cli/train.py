@@ -45,7 +45,7 @@ def train(args):
     (x_train, y_train), (x_test, y_test), local_batch = _process_share(data, args, trainer, print)
     first_batch = (x_train[:local_batch], y_train[:local_batch])
     trainer.build(first_batch)
-    print(trainer.describe(first_batch))
+    print(trainer.describe(first_batch, x_train, y_train))
     if not trainer.multiprocess:
         print(trainer.memory_plan(*first_batch, batch_size=args.batch_size))
     # The test set is scored after every epoch (val_* curves); its last
