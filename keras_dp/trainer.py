@@ -33,6 +33,7 @@ from keras_dp import peers
 from keras_dp import pipeline
 from keras_dp import placement as placement_lib
 from keras_dp import resident
+from keras_dp import state as state_lib
 from keras_dp import steps as steps_lib
 from keras_dp.state import TrainState
 from keras_dp.state import model_weights
@@ -225,11 +226,34 @@ class ShardedTrainer:
 
         `state` is donated unless the trainer keeps the last good state
         (`keeps_last_good`): use the returned state, never the old one.
+        `logs` hold the metrics' running values since they were last reset
+        (`reset_metrics`), as Keras's logs within an epoch do.
+
+        Raises:
+            TypeError: `state` is not a `TrainState`, or `batch` was not
+                placed with `shard`.
+            ValueError: `state` was donated to an earlier step.
         """
+        state_lib.check_usable(state, "trainer.train_step")
+        steps_lib.check_device_batch(batch)
         return self._train_step(state, batch)
 
+    def reset_metrics(self, state):
+        """Return `state` with its metrics reset, as `model.fit` does at each epoch's start.
+
+        The model's own metric variables are reset too.
+        """
+        state_lib.check_usable(state, "trainer.reset_metrics")
+        metrics = state_lib.fresh_metrics(self.model, self.mesh, self.state_layout().metrics)
+        return state._replace(metrics=metrics)
+
     def write_back(self, state):
-        """Copy `state` into the Keras model's variables."""
+        """Copy `state` into the Keras model's variables.
+
+        Raises:
+            TypeError, ValueError: as `train_step`, for `state`.
+        """
+        state_lib.check_usable(state, "trainer.write_back")
         write_back(state, self.model)
 
     def memory_plan(self, x, y=None, *, batch_size=32, sample_weight=None):
