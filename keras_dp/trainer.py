@@ -232,10 +232,13 @@ class ShardedTrainer:
         Raises:
             TypeError: `state` is not a `TrainState`, or `batch` was not
                 placed with `shard`.
-            ValueError: `state` was donated to an earlier step.
+            ValueError: `state` was donated to an earlier step, or the
+                batch has no labels and the model's loss needs them.
         """
         state_lib.check_usable(state, "trainer.train_step")
         steps_lib.check_device_batch(batch)
+        if batch.data[1] is None:  # no labels: refused as `build` refuses them, if needed
+            self._builder.build(batch.data)
         return self._train_step(state, batch)
 
     def reset_metrics(self, state):

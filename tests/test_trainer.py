@@ -217,4 +217,8 @@ def test_train_step_names_the_fix_for_a_missing_state_or_an_unplaced_batch():
         trainer.train_step(tuple(state), trainer.shard((x, y)))
     with pytest.raises(TypeError, match=r"batch of type tuple.*trainer\.shard\(batch\)"):
         trainer.train_step(state, (x, y))
+    # No labels for a loss that needs them: build's message, not 57 lines of
+    # JAX ending in "None is not a valid value for jnp.array".
+    with pytest.raises(ValueError, match=r"compiled with a loss \(mse\).*has no labels"):
+        trainer.train_step(state, trainer.shard(x))
     assert all(not leaf.is_deleted() for leaf in jax.tree.leaves(state))
