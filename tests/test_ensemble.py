@@ -894,3 +894,25 @@ def test_members_end_fit_with_their_ema_weights_and_swap_ema_weights_is_refused(
     trainer = keras_dp.EnsembleTrainer(build_ema, 2, devices=devices(2))
     with pytest.raises(ValueError, match="SwapEMAWeights swaps model.optimizer's.*Remove it"):
         trainer.fit(x, y, verbose=0, callbacks=[keras.callbacks.SwapEMAWeights()])
+
+
+def test_evaluate_takes_return_dict_and_leaves_the_results_in_the_members_metrics():
+    # Before, return_dict= raised TypeError, and after evaluate each member's
+    # metrics held reset values (loss 0) where Keras's hold the evaluation's.
+    x, y = small_data(40)
+    trainer = keras_dp.EnsembleTrainer(build_small, 2, seed=3, devices=devices(2))
+    scores = trainer.evaluate(x, y, batch_size=16, verbose=0)
+    assert scores == trainer.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
+    listed = trainer.evaluate(x, y, batch_size=16, verbose=0, return_dict=False)
+    assert listed == [scores["loss"], scores["accuracy"], scores["ensemble_accuracy"],
+                      scores["ensemble_loss"]]
+    for i, member in enumerate(trainer.members):
+        reference = alone(3 + i, build_small)
+        loss, accuracy = reference.evaluate(x, y, batch_size=16, verbose=0)
+        assert listed[0][i] == pytest.approx(loss, rel=1e-5)
+        assert listed[1][i] == pytest.approx(accuracy, rel=1e-5)
+        ours, theirs = member.get_metrics_result(), reference.get_metrics_result()
+        assert sorted(ours) == ["accuracy", "loss"]
+        for name, value in theirs.items():
+            assert float(ours[name]) == pytest.approx(float(value), rel=1e-5), name
+        assert float(ours["loss"]) == pytest.approx(loss, rel=1e-5) and loss > 0

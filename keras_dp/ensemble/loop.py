@@ -198,7 +198,7 @@ def validate(trainer, live, val, callbacks):
     carry into the next epoch, and a member a callback changed (at the last
     batch's end, or in `on_test_begin`) is scored as changed.
     """
-    scores, non_trainable = ensemble_inference.evaluate(
+    scores, non_trainable, _ = ensemble_inference.evaluate(
         trainer, lambda: live.current(trainer.init_state).weights, val, callbacks)
     live.stepped(live.state._replace(non_trainable=non_trainable))
     return {f"val_{name}": value for name, value in scores.items()}

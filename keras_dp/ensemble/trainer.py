@@ -195,7 +195,7 @@ class EnsembleTrainer:
                                  validation_freq=validation_freq)
 
     def evaluate(self, x=None, y=None, *, batch_size=None, verbose="auto", sample_weight=None,
-                 steps=None, callbacks=None):
+                 steps=None, callbacks=None, return_dict=True):
         """Score each member as `model.evaluate` does, and the ensemble.
 
         Member `i`'s scores are what `members[i].evaluate(x, y, ...,
@@ -209,7 +209,15 @@ class EnsembleTrainer:
         As `model.evaluate`: with `steps`, over the first `steps` batches
         only; `verbose` and `callbacks` (given the averaging model, batch
         logs the members' means); each member keeps the non-trainable
-        values its steps leave.
+        values its steps leave, and its metrics hold the evaluation's
+        results (`member.metrics[i].result()`).
+
+        Args:
+            return_dict: True (default, unlike Keras: an ensemble's scores
+                are named per member and for the ensemble) returns the dict
+                below; False returns its values as a list, as
+                `model.evaluate` does: the members' `metrics_names` order,
+                then `ensemble_accuracy` and `ensemble_loss`.
 
         Returns:
             `{"loss": [M floats], <each compiled metric>: [M floats],
@@ -221,10 +229,14 @@ class EnsembleTrainer:
         callbacks = callbacks_lib.callback_list(
             callbacks, self.averaging_model(), verbose, history=False, epochs=1,
             steps=batches.steps)
-        scores, non_trainable = ensemble_inference.evaluate(self, self._weights, batches,
-                                                            callbacks)
-        self._keep_non_trainable(non_trainable)
-        return scores
+        scores, non_trainable, metrics = ensemble_inference.evaluate(
+            self, self._weights, batches, callbacks)
+        # As model.evaluate: the members keep what the test steps left.
+        members_lib.write_back_members(TrainState(None, non_trainable, None, metrics),
+                                       self.members)
+        if return_dict:
+            return scores
+        return callbacks_lib.in_evaluate_order(scores, self.members[0])
 
     def predict_members(self, x, *, batch_size=None, verbose="auto", steps=None,
                         callbacks=None):
