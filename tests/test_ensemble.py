@@ -916,3 +916,27 @@ def test_evaluate_takes_return_dict_and_leaves_the_results_in_the_members_metric
         for name, value in theirs.items():
             assert float(ours[name]) == pytest.approx(float(value), rel=1e-5), name
         assert float(ours["loss"]) == pytest.approx(loss, rel=1e-5) and loss > 0
+
+
+def test_the_hand_step_refuses_a_donated_state_instead_of_crashing():
+    # Reusing the donated state made JAX's compiled dispatch pass a deleted
+    # buffer to XLA: the process died with a segfault. A host batch failed
+    # with "not enough values to unpack".
+    x, y = small_data(16)
+    trainer = keras_dp.EnsembleTrainer(build_small, 2, seed=3, devices=devices(2))
+    trainer.build((x, y))
+    old = trainer.init_state()
+    state, logs = trainer.train_step(old, trainer.replicate((x, y)))
+    assert np.asarray(logs["loss"]).shape == (2,)
+    with pytest.raises(ValueError, match=r"donated to an earlier train_step.*state, logs = "):
+        trainer.train_step(old, trainer.replicate((x, y)))
+    with pytest.raises(ValueError, match="donated"):
+        trainer.write_back(old)
+    with pytest.raises(TypeError, match=r"batch of type tuple.*trainer\.replicate\(batch\)"):
+        trainer.train_step(state, (x, y))
+    with pytest.raises(TypeError, match="Received: state of type NoneType"):
+        trainer.train_step(None, trainer.replicate((x, y)))
+    state, logs = trainer.train_step(state, trainer.replicate((x, y)))
+    trainer.write_back(state)
+    for i, member in enumerate(trainer.members):
+        np.testing.assert_array_equal(member.get_weights()[0], np.asarray(state.trainable[0][i]))

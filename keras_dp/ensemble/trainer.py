@@ -8,6 +8,7 @@ from keras_dp import callbacks as callbacks_lib
 from keras_dp import mesh as mesh_lib
 from keras_dp import model_checks
 from keras_dp import pipeline
+from keras_dp import state as state_lib
 from keras_dp.ensemble import inference as ensemble_inference
 from keras_dp.ensemble import loop as ensemble_loop
 from keras_dp.ensemble import members as members_lib
@@ -123,7 +124,14 @@ class EnsembleTrainer:
         Returns:
             The new state, and logs mapping each metric to an `(M,)` array.
             A member whose loss is not finite keeps its previous weights.
+
+        Raises:
+            TypeError: `state` is not a `TrainState`, or `batch` is not on
+                the devices.
+            ValueError: `state` was donated to an earlier step.
         """
+        state_lib.check_usable(state, "trainer.train_step")
+        _check_placed(batch)
         state, logs, _ = self._step(per_member, 1)(state, batch)
         return state, logs
 
@@ -133,6 +141,7 @@ class EnsembleTrainer:
 
     def write_back(self, state):
         """Copy member `i`'s row of the stacked `state` into member `i`'s model."""
+        state_lib.check_usable(state, "trainer.write_back")
         members_lib.write_back_members(state, self.members)
 
     def describe(self):
@@ -374,6 +383,17 @@ class EnsembleTrainer:
     def _keep_non_trainable(self, non_trainable):
         """Write the stacked non-trainable values into the members, as Keras's predict keeps them."""
         members_lib.write_back_members(TrainState(None, non_trainable, None, None), self.members)
+
+
+def _check_placed(batch):
+    """Refuse a host batch where a step needs one from `replicate` or `stack`."""
+    leaves = jax.tree.leaves(batch)
+    if not (isinstance(batch, tuple) and len(batch) == 3 and leaves
+            and all(isinstance(leaf, jax.Array) for leaf in leaves)):
+        raise TypeError(
+            "trainer.train_step takes a batch placed on the devices. Received: batch of "
+            f"type {type(batch).__name__}. Place it first: trainer.train_step(state, "
+            "trainer.replicate(batch)), or trainer.stack(batches) with per_member=True.")
 
 
 def _stack(batches):
