@@ -198,10 +198,13 @@ class ShardedTrainer:
                 built (`keras_dp.model_checks.check_trainable_unchanged`).
         """
         if not build_lib.is_built(self.model):
+            what = ("its optimizer, loss or metrics are" if self.model.built
+                    else "the model is")
             raise ValueError(
-                "The model is not built, so it has no variables to train. "
-                "Call trainer.build(batch) with one batch of data first (fit "
-                "does this for you), or model.build(input_shape)."
+                f"The training state cannot be read yet: {what} not built. Call "
+                "trainer.build(batch) with one batch of data first (fit does this "
+                "for you); it builds the layers, loss, metrics and optimizer, as "
+                "model.fit does (model.build(input_shape) builds the layers only)."
             )
         model_checks.check_trainable_unchanged(self.model)
         return TrainState.from_model(self.model, self.mesh, self.state_layout())
@@ -276,6 +279,7 @@ class ShardedTrainer:
 
     def compiled_train_step(self, state, batch):
         """The train step compiled for these arguments (`.as_text()` is HLO)."""
+        steps_lib.check_device_batch(batch, "trainer.compiled_train_step")
         return self._train_step.lower(state, batch).compile()
 
     def describe(self, batch=None):

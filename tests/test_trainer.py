@@ -222,3 +222,21 @@ def test_train_step_names_the_fix_for_a_missing_state_or_an_unplaced_batch():
     with pytest.raises(ValueError, match=r"compiled with a loss \(mse\).*has no labels"):
         trainer.train_step(state, trainer.shard(x))
     assert all(not leaf.is_deleted() for leaf in jax.tree.leaves(state))
+
+
+def test_init_state_of_a_built_model_without_its_optimizer_names_trainer_build():
+    # Before, the message said "The model is not built" of a model with an
+    # Input (built) and suggested model.build(input_shape), which builds
+    # neither the optimizer nor the metrics that the state holds.
+    x, y = _regression_data(16)
+    model = _regression_model()
+    assert model.built and not model.optimizer.built
+    trainer = keras_dp.ShardedTrainer(model, devices=devices(3))
+    with pytest.raises(ValueError, match=r"its optimizer, loss or metrics are not built\. "
+                                         r"Call trainer\.build\(batch\)"):
+        trainer.init_state()
+    with pytest.raises(TypeError, match=r"compiled_train_step takes a batch placed"):
+        trainer.compiled_train_step(None, (x, y))
+    trainer.build((x, y))
+    state = trainer.init_state()
+    assert [leaf.shape for leaf in state.trainable] == [(6, 8), (8,), (8,), (8,), (8, 1), (1,)]
