@@ -940,3 +940,21 @@ def test_the_hand_step_refuses_a_donated_state_instead_of_crashing():
     trainer.write_back(state)
     for i, member in enumerate(trainer.members):
         np.testing.assert_array_equal(member.get_weights()[0], np.asarray(state.trainable[0][i]))
+
+
+@pytest.mark.slow  # about 10 s: a fit and two reference fits
+def test_after_fit_with_validation_the_members_metrics_hold_its_results_as_keras_does():
+    # Keras's fit validates with the model's own metrics, which then hold the
+    # validation's results; the members held the last epoch's training results.
+    x, y = small_data(40)
+    options = dict(batch_size=16, epochs=1, shuffle=False, verbose=0,
+                   validation_data=(x[:20], y[:20]))
+    trainer = keras_dp.EnsembleTrainer(build_small, 2, seed=5, devices=devices(2))
+    trainer.fit(x, y, **options)
+    for i, member in enumerate(trainer.members):
+        reference = alone(5 + i, build_small)
+        history = reference.fit(x, y, **options).history
+        ours, theirs = member.get_metrics_result(), reference.get_metrics_result()
+        assert float(theirs["loss"]) == pytest.approx(history["val_loss"][0], rel=1e-6)
+        for name, value in theirs.items():
+            assert float(ours[name]) == pytest.approx(float(value), rel=1e-5), name
