@@ -240,3 +240,21 @@ def test_init_state_of_a_built_model_without_its_optimizer_names_trainer_build()
     trainer.build((x, y))
     state = trainer.init_state()
     assert [leaf.shape for leaf in state.trainable] == [(6, 8), (8,), (8,), (8,), (8, 1), (1,)]
+
+
+@pytest.mark.slow  # about 7 s: two fits
+def test_after_fit_with_validation_the_model_metrics_hold_its_results_as_keras_does():
+    # Keras validates with the model's own metrics, which then hold the
+    # validation's results; the model held the last epoch's training results.
+    x, y = _regression_data(40)
+    options = dict(batch_size=16, epochs=1, shuffle=False, verbose=0,
+                   validation_data=(x[:20], y[:20]))
+    reference = _regression_model()
+    history = reference.fit(x, y, **options).history
+    model = _regression_model()
+    keras_dp.fit_sharded(model, x, y, devices=devices(3), **options)
+    ours, theirs = model.get_metrics_result(), reference.get_metrics_result()
+    assert float(theirs["loss"]) == pytest.approx(history["val_loss"][0], rel=1e-6)
+    assert sorted(ours) == sorted(theirs) == ["loss", "mae"]
+    for name, value in theirs.items():
+        assert float(ours[name]) == pytest.approx(float(value), rel=1e-5), name
