@@ -343,10 +343,12 @@ def validate(run, val):
     """
     live, read = run.live, run.trainer.init_state
     any_process = run.trainer.placement.any_process if run.trainer.multiprocess else None
-    logs, non_trainable, _ = inference.evaluate(
+    logs, non_trainable, metrics = inference.evaluate(
         run.trainer, lambda: live.current(read, any_process).weights, val, run.callbacks,
         run.validation)
-    live.stepped(live.current(read, any_process)._replace(non_trainable=non_trainable))
+    # As after model.fit's validation, the metrics hold its results until the next epoch.
+    live.stepped(live.current(read, any_process)._replace(non_trainable=non_trainable,
+                                                          metrics=metrics))
     return {f"val_{name}": value for name, value in logs.items()}
 
 

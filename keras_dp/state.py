@@ -126,6 +126,31 @@ def is_alive(state):
     return not any(leaf.is_deleted() for leaf in jax.tree.leaves(state))
 
 
+def check_usable(state, caller):
+    """Refuse what a step or `write_back` cannot take, naming the fix.
+
+    A donated state's arrays are deleted; JAX's dispatch of an already
+    compiled step passes such a buffer on and can crash the process
+    (measured: a segfault on XLA:CPU), so this is checked before the call.
+
+    Raises:
+        TypeError: `state` is not a `TrainState`.
+        ValueError: an array of `state` is deleted (donated to a step).
+    """
+    if not isinstance(state, TrainState):
+        raise TypeError(
+            f"{caller} takes a keras_dp.TrainState, from trainer.init_state() or "
+            f"returned by the previous train_step. Received: state of type "
+            f"{type(state).__name__}. Call trainer.build(batch) and "
+            f"state = trainer.init_state() first.")
+    if not is_alive(state):
+        raise ValueError(
+            f"{caller} was given a state whose arrays are deleted: it was donated to "
+            "an earlier train_step, which consumed it. Use the state that step "
+            "returned: `state, logs = trainer.train_step(state, batch)`, or a new one "
+            "from trainer.init_state().")
+
+
 def _values(variables):
     return [variable.value for variable in variables]
 

@@ -59,6 +59,19 @@ def make_train_step(model, mesh, state_sharding="replicated", donate=True):
                    donate_argnums=donated(donate))
 
 
+def check_device_batch(batch, caller="trainer.train_step"):
+    """Refuse a batch that is not on the mesh yet, naming the fix.
+
+    Raises:
+        TypeError: `batch` is not a `placement.DeviceBatch`.
+    """
+    if not isinstance(batch, placement.DeviceBatch):
+        raise TypeError(
+            f"{caller} takes a batch placed on the mesh (a keras_dp DeviceBatch). "
+            f"Received: batch of type {type(batch).__name__}. Place it first: "
+            f"{caller}(state, trainer.shard(batch)).")
+
+
 def donated(donate):
     """`donate_argnums` of a train program: its state (argument 0), or nothing."""
     return 0 if donate else ()

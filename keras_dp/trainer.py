@@ -33,6 +33,7 @@ from keras_dp import peers
 from keras_dp import pipeline
 from keras_dp import placement as placement_lib
 from keras_dp import resident
+from keras_dp import state as state_lib
 from keras_dp import steps as steps_lib
 from keras_dp.state import TrainState
 from keras_dp.state import model_weights
@@ -198,10 +199,13 @@ class ShardedTrainer:
                 built (`keras_dp.model_checks.check_trainable_unchanged`).
         """
         if not build_lib.is_built(self.model):
+            what = ("its optimizer, loss or metrics are" if self.model.built
+                    else "the model is")
             raise ValueError(
-                "The model is not built, so it has no variables to train. "
-                "Call trainer.build(batch) with one batch of data first (fit "
-                "does this for you), or model.build(input_shape)."
+                f"The training state cannot be read yet: {what} not built. Call "
+                "trainer.build(batch) with one batch of data first (fit does this "
+                "for you); it builds the layers, loss, metrics and optimizer, as "
+                "model.fit does (model.build(input_shape) builds the layers only)."
             )
         model_checks.check_trainable_unchanged(self.model)
         return TrainState.from_model(self.model, self.mesh, self.state_layout())
@@ -226,11 +230,37 @@ class ShardedTrainer:
 
         `state` is donated unless the trainer keeps the last good state
         (`keeps_last_good`): use the returned state, never the old one.
+        `logs` hold the metrics' running values since they were last reset
+        (`reset_metrics`), as Keras's logs within an epoch do.
+
+        Raises:
+            TypeError: `state` is not a `TrainState`, or `batch` was not
+                placed with `shard`.
+            ValueError: `state` was donated to an earlier step, or the
+                batch has no labels and the model's loss needs them.
         """
+        state_lib.check_usable(state, "trainer.train_step")
+        steps_lib.check_device_batch(batch)
+        if batch.data[1] is None:  # no labels: refused as `build` refuses them, if needed
+            self._builder.build(batch.data)
         return self._train_step(state, batch)
 
+    def reset_metrics(self, state):
+        """Return `state` with its metrics reset, as `model.fit` does at each epoch's start.
+
+        The model's own metric variables are reset too.
+        """
+        state_lib.check_usable(state, "trainer.reset_metrics")
+        metrics = state_lib.fresh_metrics(self.model, self.mesh, self.state_layout().metrics)
+        return state._replace(metrics=metrics)
+
     def write_back(self, state):
-        """Copy `state` into the Keras model's variables."""
+        """Copy `state` into the Keras model's variables.
+
+        Raises:
+            TypeError, ValueError: as `train_step`, for `state`.
+        """
+        state_lib.check_usable(state, "trainer.write_back")
         write_back(state, self.model)
 
     def memory_plan(self, x, y=None, *, batch_size=32, sample_weight=None):
@@ -250,6 +280,7 @@ class ShardedTrainer:
 
     def compiled_train_step(self, state, batch):
         """The train step compiled for these arguments (`.as_text()` is HLO)."""
+        steps_lib.check_device_batch(batch, "trainer.compiled_train_step")
         return self._train_step.lower(state, batch).compile()
 
     def describe(self, batch=None, x=None, y=None, sample_weight=None):

@@ -883,3 +883,67 @@ def test_members_end_fit_with_their_ema_weights_and_swap_ema_weights_is_refused(
     trainer = keras_dp.EnsembleTrainer(build_ema, 2, devices=devices(2))
     with pytest.raises(ValueError, match="SwapEMAWeights swaps model.optimizer's.*Remove it"):
         trainer.fit(x, y, verbose=0, callbacks=[keras.callbacks.SwapEMAWeights()])
+
+
+def test_evaluate_takes_return_dict_and_leaves_the_results_in_the_members_metrics():
+    # Before, return_dict= raised TypeError, and after evaluate each member's
+    # metrics held reset values (loss 0) where Keras's hold the evaluation's.
+    x, y = small_data(40)
+    trainer = keras_dp.EnsembleTrainer(build_small, 2, seed=3, devices=devices(2))
+    scores = trainer.evaluate(x, y, batch_size=16, verbose=0)
+    assert scores == trainer.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
+    listed = trainer.evaluate(x, y, batch_size=16, verbose=0, return_dict=False)
+    assert listed == [scores["loss"], scores["accuracy"], scores["ensemble_accuracy"],
+                      scores["ensemble_loss"]]
+    for i, member in enumerate(trainer.members):
+        reference = alone(3 + i, build_small)
+        loss, accuracy = reference.evaluate(x, y, batch_size=16, verbose=0)
+        assert listed[0][i] == pytest.approx(loss, rel=1e-5)
+        assert listed[1][i] == pytest.approx(accuracy, rel=1e-5)
+        ours, theirs = member.get_metrics_result(), reference.get_metrics_result()
+        assert sorted(ours) == ["accuracy", "loss"]
+        for name, value in theirs.items():
+            assert float(ours[name]) == pytest.approx(float(value), rel=1e-5), name
+        assert float(ours["loss"]) == pytest.approx(loss, rel=1e-5) and loss > 0
+
+
+def test_the_hand_step_refuses_a_donated_state_instead_of_crashing():
+    # Reusing the donated state made JAX's compiled dispatch pass a deleted
+    # buffer to XLA: the process died with a segfault. A host batch failed
+    # with "not enough values to unpack".
+    x, y = small_data(16)
+    trainer = keras_dp.EnsembleTrainer(build_small, 2, seed=3, devices=devices(2))
+    trainer.build((x, y))
+    old = trainer.init_state()
+    state, logs = trainer.train_step(old, trainer.replicate((x, y)))
+    assert np.asarray(logs["loss"]).shape == (2,)
+    with pytest.raises(ValueError, match=r"donated to an earlier train_step.*state, logs = "):
+        trainer.train_step(old, trainer.replicate((x, y)))
+    with pytest.raises(ValueError, match="donated"):
+        trainer.write_back(old)
+    with pytest.raises(TypeError, match=r"batch of type tuple.*trainer\.replicate\(batch\)"):
+        trainer.train_step(state, (x, y))
+    with pytest.raises(TypeError, match="Received: state of type NoneType"):
+        trainer.train_step(None, trainer.replicate((x, y)))
+    state, logs = trainer.train_step(state, trainer.replicate((x, y)))
+    trainer.write_back(state)
+    for i, member in enumerate(trainer.members):
+        np.testing.assert_array_equal(member.get_weights()[0], np.asarray(state.trainable[0][i]))
+
+
+@pytest.mark.slow  # about 10 s: a fit and two reference fits
+def test_after_fit_with_validation_the_members_metrics_hold_its_results_as_keras_does():
+    # Keras's fit validates with the model's own metrics, which then hold the
+    # validation's results; the members held the last epoch's training results.
+    x, y = small_data(40)
+    options = dict(batch_size=16, epochs=1, shuffle=False, verbose=0,
+                   validation_data=(x[:20], y[:20]))
+    trainer = keras_dp.EnsembleTrainer(build_small, 2, seed=5, devices=devices(2))
+    trainer.fit(x, y, **options)
+    for i, member in enumerate(trainer.members):
+        reference = alone(5 + i, build_small)
+        history = reference.fit(x, y, **options).history
+        ours, theirs = member.get_metrics_result(), reference.get_metrics_result()
+        assert float(theirs["loss"]) == pytest.approx(history["val_loss"][0], rel=1e-6)
+        for name, value in theirs.items():
+            assert float(ours[name]) == pytest.approx(float(value), rel=1e-5), name

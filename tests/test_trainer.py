@@ -239,3 +239,120 @@ def test_describe_numbers_real_rows_across_process_blocks_as_the_step_joins_them
     spans = [describe._real_span(start, start + 2, batch, 8) for start in (0, 2, 4, 6)]
     assert spans == [(0, 2), (2, 3), (3, 4), None]
     assert describe._real_span(0, 8, DeviceBatch(None, rows=5), 8) == (0, 5)
+
+
+def _regression_model():
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"),
+                              keras.layers.BatchNormalization(), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+    return model
+
+
+def _regression_data(rows=50):
+    rng = np.random.default_rng(0)
+    return (rng.normal(size=(rows, 6)).astype("float32"),
+            rng.normal(size=(rows, 1)).astype("float32"))
+
+
+@pytest.mark.parametrize("state_sharding", [
+    "replicated", pytest.param("full", marks=pytest.mark.slow)])  # ~7 s each
+def test_a_hand_written_epoch_loop_matches_model_fit(state_sharding):
+    # The README's loop: 50 rows in batches of 16 on 3 devices (the last
+    # batch of 2 rows does not divide), 2 epochs, metrics reset at each
+    # epoch's start by `reset_metrics`; before it existed the logs of epoch
+    # 2 were running means over both epochs (loss 1.0052 where Keras says 0.9782).
+    x, y = _regression_data()
+    reference = _regression_model()
+    history = reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    model = _regression_model()
+    trainer = keras_dp.ShardedTrainer(model, devices=devices(3), state_sharding=state_sharding)
+    batches = [(x[i:i + 16], y[i:i + 16]) for i in range(0, 50, 16)]
+    trainer.build(batches[0])
+    state = trainer.init_state()
+    for epoch in range(2):
+        state = trainer.reset_metrics(state)
+        for batch in batches:
+            state, logs = trainer.train_step(state, trainer.shard(batch))
+        for name in ("loss", "mae"):
+            np.testing.assert_allclose(float(logs[name]), history.history[name][epoch],
+                                       rtol=1e-5)
+    layouts = jax.tree.leaves(trainer.state_layout())
+    for leaf, sharding in zip(jax.tree.leaves(state), layouts, strict=True):
+        assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
+    trainer.write_back(state)
+    for ours, theirs in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6 * np.abs(theirs).max())
+    np.testing.assert_allclose(model.evaluate(x, y, verbose=0),
+                               reference.evaluate(x, y, verbose=0), rtol=1e-5)
+
+
+def test_train_step_refuses_a_donated_state_instead_of_crashing():
+    # Reusing the donated state made JAX's compiled dispatch pass a deleted
+    # buffer to XLA: the process died with a segfault.
+    x, y = _regression_data(16)
+    trainer = keras_dp.ShardedTrainer(_regression_model(), devices=devices(3))
+    trainer.build((x, y))
+    old = trainer.init_state()
+    state, _ = trainer.train_step(old, trainer.shard((x, y)))
+    assert all(leaf.is_deleted() for leaf in jax.tree.leaves(old))
+    with pytest.raises(ValueError, match=r"donated to an earlier train_step.*state, logs = "):
+        trainer.train_step(old, trainer.shard((x, y)))
+    with pytest.raises(ValueError, match="donated"):
+        trainer.write_back(old)
+    state, logs = trainer.train_step(state, trainer.shard((x, y)))  # the new one still runs
+    assert np.isfinite(float(logs["loss"]))
+
+
+def test_train_step_names_the_fix_for_a_missing_state_or_an_unplaced_batch():
+    x, y = _regression_data(16)
+    trainer = keras_dp.ShardedTrainer(_regression_model(), devices=devices(3))
+    trainer.build((x, y))
+    with pytest.raises(TypeError, match=r"Received: state of type NoneType.*init_state\(\)"):
+        trainer.train_step(None, trainer.shard((x, y)))
+    state = trainer.init_state()
+    with pytest.raises(TypeError, match=r"Received: state of type tuple"):
+        trainer.train_step(tuple(state), trainer.shard((x, y)))
+    with pytest.raises(TypeError, match=r"batch of type tuple.*trainer\.shard\(batch\)"):
+        trainer.train_step(state, (x, y))
+    # No labels for a loss that needs them: build's message, not 57 lines of
+    # JAX ending in "None is not a valid value for jnp.array".
+    with pytest.raises(ValueError, match=r"compiled with a loss \(mse\).*has no labels"):
+        trainer.train_step(state, trainer.shard(x))
+    assert all(not leaf.is_deleted() for leaf in jax.tree.leaves(state))
+
+
+def test_init_state_of_a_built_model_without_its_optimizer_names_trainer_build():
+    # Before, the message said "The model is not built" of a model with an
+    # Input (built) and suggested model.build(input_shape), which builds
+    # neither the optimizer nor the metrics that the state holds.
+    x, y = _regression_data(16)
+    model = _regression_model()
+    assert model.built and not model.optimizer.built
+    trainer = keras_dp.ShardedTrainer(model, devices=devices(3))
+    with pytest.raises(ValueError, match=r"its optimizer, loss or metrics are not built\. "
+                                         r"Call trainer\.build\(batch\)"):
+        trainer.init_state()
+    with pytest.raises(TypeError, match=r"compiled_train_step takes a batch placed"):
+        trainer.compiled_train_step(None, (x, y))
+    trainer.build((x, y))
+    state = trainer.init_state()
+    assert [leaf.shape for leaf in state.trainable] == [(6, 8), (8,), (8,), (8,), (8, 1), (1,)]
+
+
+@pytest.mark.slow  # about 7 s: two fits
+def test_after_fit_with_validation_the_model_metrics_hold_its_results_as_keras_does():
+    # Keras validates with the model's own metrics, which then hold the
+    # validation's results; the model held the last epoch's training results.
+    x, y = _regression_data(40)
+    options = dict(batch_size=16, epochs=1, shuffle=False, verbose=0,
+                   validation_data=(x[:20], y[:20]))
+    reference = _regression_model()
+    history = reference.fit(x, y, **options).history
+    model = _regression_model()
+    keras_dp.fit_sharded(model, x, y, devices=devices(3), **options)
+    ours, theirs = model.get_metrics_result(), reference.get_metrics_result()
+    assert float(theirs["loss"]) == pytest.approx(history["val_loss"][0], rel=1e-6)
+    assert sorted(ours) == sorted(theirs) == ["loss", "mae"]
+    for name, value in theirs.items():
+        assert float(ours[name]) == pytest.approx(float(value), rel=1e-5), name

@@ -29,9 +29,10 @@ def evaluate(trainer, weights, batches, callbacks):
     the mean probabilities (`keras_dp.ensemble.scores`).
 
     Returns:
-        `(scores, non_trainable)`: `{name: [M values]}` for each member's
-        log plus the floats `ensemble_loss` and `ensemble_accuracy`; and
-        the stacked non-trainable values the last step left.
+        `(scores, non_trainable, metrics)`: `{name: [M values]}` for each
+        member's log plus the floats `ensemble_loss` and
+        `ensemble_accuracy`; and the stacked non-trainable and metric
+        values the last step left.
 
     Raises:
         ValueError: the batches have no labels.
@@ -57,7 +58,7 @@ def evaluate(trainer, weights, batches, callbacks):
     scores.update(_ensemble_scores(np.concatenate(parts, axis=1).mean(axis=0), labels,
                                    sample_weights))
     callbacks.on_test_end(logs_lib.mean_logs(scores))
-    return scores, non_trainable
+    return scores, non_trainable, metrics
 
 
 def predict(trainer, weights, batches, callbacks):

@@ -195,12 +195,14 @@ def validate(trainer, live, val, callbacks):
 
     As under `model.fit`: the callbacks' test hooks run, the non-trainable
     values the steps leave (a seed generator advanced in inference mode)
-    carry into the next epoch, and a member a callback changed (at the last
-    batch's end, or in `on_test_begin`) is scored as changed.
+    carry into the next epoch, the members' metrics hold the validation's
+    results until the next epoch resets them, and a member a callback
+    changed (at the last batch's end, or in `on_test_begin`) is scored as
+    changed.
     """
-    scores, non_trainable = ensemble_inference.evaluate(
+    scores, non_trainable, metrics = ensemble_inference.evaluate(
         trainer, lambda: live.current(trainer.init_state).weights, val, callbacks)
-    live.stepped(live.state._replace(non_trainable=non_trainable))
+    live.stepped(live.state._replace(non_trainable=non_trainable, metrics=metrics))
     return {f"val_{name}": value for name, value in scores.items()}
 
 

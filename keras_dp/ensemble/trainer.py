@@ -8,6 +8,7 @@ from keras_dp import callbacks as callbacks_lib
 from keras_dp import mesh as mesh_lib
 from keras_dp import model_checks
 from keras_dp import pipeline
+from keras_dp import state as state_lib
 from keras_dp.ensemble import inference as ensemble_inference
 from keras_dp.ensemble import loop as ensemble_loop
 from keras_dp.ensemble import members as members_lib
@@ -123,7 +124,14 @@ class EnsembleTrainer:
         Returns:
             The new state, and logs mapping each metric to an `(M,)` array.
             A member whose loss is not finite keeps its previous weights.
+
+        Raises:
+            TypeError: `state` is not a `TrainState`, or `batch` is not on
+                the devices.
+            ValueError: `state` was donated to an earlier step.
         """
+        state_lib.check_usable(state, "trainer.train_step")
+        _check_placed(batch)
         state, logs, _ = self._step(per_member, 1)(state, batch)
         return state, logs
 
@@ -133,6 +141,7 @@ class EnsembleTrainer:
 
     def write_back(self, state):
         """Copy member `i`'s row of the stacked `state` into member `i`'s model."""
+        state_lib.check_usable(state, "trainer.write_back")
         members_lib.write_back_members(state, self.members)
 
     def describe(self):
@@ -195,7 +204,7 @@ class EnsembleTrainer:
                                  validation_freq=validation_freq)
 
     def evaluate(self, x=None, y=None, *, batch_size=None, verbose="auto", sample_weight=None,
-                 steps=None, callbacks=None):
+                 steps=None, callbacks=None, return_dict=True):
         """Score each member as `model.evaluate` does, and the ensemble.
 
         Member `i`'s scores are what `members[i].evaluate(x, y, ...,
@@ -209,7 +218,15 @@ class EnsembleTrainer:
         As `model.evaluate`: with `steps`, over the first `steps` batches
         only; `verbose` and `callbacks` (given the averaging model, batch
         logs the members' means); each member keeps the non-trainable
-        values its steps leave.
+        values its steps leave, and its metrics hold the evaluation's
+        results (`member.metrics[i].result()`).
+
+        Args:
+            return_dict: True (default, unlike Keras: an ensemble's scores
+                are named per member and for the ensemble) returns the dict
+                below; False returns its values as a list, as
+                `model.evaluate` does: the members' `metrics_names` order,
+                then `ensemble_accuracy` and `ensemble_loss`.
 
         Returns:
             `{"loss": [M floats], <each compiled metric>: [M floats],
@@ -221,10 +238,14 @@ class EnsembleTrainer:
         callbacks = callbacks_lib.callback_list(
             callbacks, self.averaging_model(), verbose, history=False, epochs=1,
             steps=batches.steps)
-        scores, non_trainable = ensemble_inference.evaluate(self, self._weights, batches,
-                                                            callbacks)
-        self._keep_non_trainable(non_trainable)
-        return scores
+        scores, non_trainable, metrics = ensemble_inference.evaluate(
+            self, self._weights, batches, callbacks)
+        # As model.evaluate: the members keep what the test steps left.
+        members_lib.write_back_members(TrainState(None, non_trainable, None, metrics),
+                                       self.members)
+        if return_dict:
+            return scores
+        return callbacks_lib.in_evaluate_order(scores, self.members[0])
 
     def predict_members(self, x, *, batch_size=None, verbose="auto", steps=None,
                         callbacks=None):
@@ -362,6 +383,17 @@ class EnsembleTrainer:
     def _keep_non_trainable(self, non_trainable):
         """Write the stacked non-trainable values into the members, as Keras's predict keeps them."""
         members_lib.write_back_members(TrainState(None, non_trainable, None, None), self.members)
+
+
+def _check_placed(batch):
+    """Refuse a host batch where a step needs one from `replicate` or `stack`."""
+    leaves = jax.tree.leaves(batch)
+    if not (isinstance(batch, tuple) and len(batch) == 3 and leaves
+            and all(isinstance(leaf, jax.Array) for leaf in leaves)):
+        raise TypeError(
+            "trainer.train_step takes a batch placed on the devices. Received: batch of "
+            f"type {type(batch).__name__}. Place it first: trainer.train_step(state, "
+            "trainer.replicate(batch)), or trainer.stack(batches) with per_member=True.")
 
 
 def _stack(batches):
