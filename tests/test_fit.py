@@ -332,3 +332,8 @@ def test_a_profile_dir_under_home_is_expanded_and_a_file_refused_before_any_step
                              profile_dir="notes.txt")
     for left, right in zip(weights(model), before, strict=True):
         np.testing.assert_array_equal(left, right)  # no step ran
+    # Before, str(7) made the trace's directory "7" in the working directory.
+    with pytest.raises(TypeError, match=r"^`profile_dir` must be a directory's path \(a str "
+                                        r"or os.PathLike\)\. Received: profile_dir=7\.$"):
+        keras_dp.fit_sharded(model, x, y, batch_size=3, verbose=0, devices=devices(3),
+                             profile_dir=7)
