@@ -185,10 +185,7 @@ def _profile(profile_dir):
     """
     if profile_dir is None:
         return None
-    if not isinstance(profile_dir, (str, os.PathLike)):
-        raise TypeError("`profile_dir` must be a directory's path (a str or "
-                        f"os.PathLike). Received: profile_dir={profile_dir!r}.")
-    directory = os.path.abspath(os.path.expanduser(os.fspath(profile_dir)))
+    directory = checkpoint_lib.check_dir(profile_dir, "profile_dir")
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as error:

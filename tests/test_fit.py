@@ -307,7 +307,7 @@ def _tiny_regressor():
     return model
 
 
-def test_a_profile_dir_under_home_is_expanded_and_a_file_refused_before_any_step(
+def test_a_profile_dir_under_home_is_expanded_and_a_bad_one_refused_before_any_step(
         tmp_path, monkeypatch):
     # Before, profile_dir="~/prof" wrote its trace into a directory named "~"
     # under the working directory (checkpoint_dir expands it), and a path
@@ -332,8 +332,17 @@ def test_a_profile_dir_under_home_is_expanded_and_a_file_refused_before_any_step
                              profile_dir="notes.txt")
     for left, right in zip(weights(model), before, strict=True):
         np.testing.assert_array_equal(left, right)  # no step ran
-    # Before, str(7) made the trace's directory "7" in the working directory.
-    with pytest.raises(TypeError, match=r"^`profile_dir` must be a directory's path \(a str "
-                                        r"or os.PathLike\)\. Received: profile_dir=7\.$"):
-        keras_dp.fit_sharded(model, x, y, batch_size=3, verbose=0, devices=devices(3),
-                             profile_dir=7)
+    # Before, str(7) made the trace's directory "7" in the working directory,
+    # checkpoint_dir=7 was os.fspath's "expected str, bytes or os.PathLike
+    # object, not int", and "" (an unset variable) meant the working directory.
+    for name in ("profile_dir", "checkpoint_dir"):
+        with pytest.raises(TypeError, match=rf"^`{name}` must be a directory's path \(a str "
+                                            rf"or os.PathLike\)\. Received: {name}=7\.$"):
+            keras_dp.fit_sharded(model, x, y, batch_size=3, verbose=0, devices=devices(3),
+                                 **{name: 7})
+        with pytest.raises(ValueError, match=rf"^`{name}` must name a directory; an empty "
+                                             rf"path would be the working directory\. "
+                                             rf"Received: {name}=''\."):
+            keras_dp.fit_sharded(model, x, y, batch_size=3, verbose=0, devices=devices(3),
+                                 **{name: ""})
+    assert sorted(os.listdir(work)) == ["notes.txt"]
