@@ -91,7 +91,7 @@ class Checkpoints:
         self.restored = None  # the `Position` restored by `restore`, if any
 
         self._ocp = ocp
-        self.directory = os.path.abspath(os.path.expanduser(os.fspath(directory)))
+        self.directory = check_dir(directory, "checkpoint_dir")
         self.max_to_keep = max_to_keep
         self._lock = guard.DirectoryLock(self.directory) if lock else None
         self._manager = _manager_class(ocp)(
@@ -278,6 +278,26 @@ def closing(checkpoints):
     finally:
         if checkpoints is not None:
             checkpoints.close()
+
+
+def check_dir(value, argument):
+    """`value`, a directory argument, as an absolute path with `~` expanded; None stays None.
+
+    Raises:
+        TypeError: `value` is not a str or `os.PathLike`.
+        ValueError: `value` is empty (an unset variable, say), which would
+            otherwise mean the working directory.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"`{argument}` must be a directory's path (a str or "
+                        f"os.PathLike). Received: {argument}={value!r}.")
+    if not os.fspath(value):
+        raise ValueError(f"`{argument}` must name a directory; an empty path would be the "
+                         f"working directory. Received: {argument}=''. Pass the "
+                         "directory's path (\".\" for the working directory).")
+    return os.path.abspath(os.path.expanduser(os.fspath(value)))
 
 
 def open_for_fit(checkpoint_dir, model, seed, multiprocess, initial_epoch,

@@ -63,11 +63,12 @@ def choose_dir(compilation_cache, environ, current):
                 "default), False (leave JAX's cache setting alone) or a "
                 f"directory. Received: compilation_cache={compilation_cache!r}."
             )
-        return os.fspath(compilation_cache)
+        return os.path.expanduser(os.fspath(compilation_cache))
     setting = environ.get(ENV, "").strip()
     if setting.lower() in OFF or current:
         return None
-    return setting or default_dir(environ)
+    # JAX takes "~" literally; checkpoint_dir and profile_dir expand it too.
+    return os.path.expanduser(setting) if setting else default_dir(environ)
 
 
 def enable(compilation_cache=True, min_compile_time_s=None):

@@ -51,7 +51,7 @@ def fit_sharded(model, x=None, y=None, *, epochs=1, batch_size=None,
             optimizer state, or the whole state, over the devices
             (`keras_dp.layout`); the steps computed are the same.
         profile_dir: write a `jax.profiler` trace of a few steps of the
-            first epoch there (see `ShardedTrainer.fit`).
+            first epoch there (see `ShardedTrainer.fit`); `~` is expanded.
         data_on_device: keep array data on the devices and gather each
             step's rows there (`"auto"`, the default: when it fits; `True`;
             `False`); see `ShardedTrainer` and `keras_dp.resident`.

@@ -17,6 +17,7 @@ and `steps_in_flight`.
 
 import contextlib
 import dataclasses
+import os
 
 from keras_dp import _compat
 from keras_dp import agreement
@@ -126,7 +127,7 @@ def fit(trainer, batches, val, callbacks, *, epochs, resume, validation_freq,
                                       validation)
     run = FitRun(trainer, batches, LiveModel(model), callbacks, feed, checkpoints,
                  validation=validation)
-    run.profile = timing.Profile(profile_dir) if profile_dir is not None else None
+    run.profile = _profile(profile_dir)
     trainer.timings = []
     epoch_logs, finished, stopped = {}, False, None
     callbacks.on_train_begin()
@@ -174,6 +175,28 @@ def fit(trainer, batches, val, callbacks, *, epochs, resume, validation_freq,
     if checkpoints is not None:
         checkpoints.close()
     return model.history
+
+
+def _profile(profile_dir):
+    """The `timing.Profile` of `profile_dir` (`~` expanded, made now), or None.
+
+    Made before any step: a path that cannot be a directory fails here, not
+    in `jax.profiler.start_trace` after the first call.
+    """
+    if profile_dir is None:
+        return None
+    directory = checkpoint_lib.check_dir(profile_dir, "profile_dir")
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as error:
+        reason = ("it exists and is not a directory" if os.path.exists(directory)
+                  else error.strerror or str(error))
+        raise ValueError(
+            "`profile_dir` must be a directory keras_dp can create and write to: "
+            f"{directory} {reason}. Received: profile_dir={profile_dir!r}. "
+            "Pass a directory's path."
+        ) from None
+    return timing.Profile(directory)
 
 
 def _validation_programs(trainer, val, epochs, validation_freq):

@@ -388,6 +388,9 @@ class ShardedTrainer:
         # Across processes, every process's preparation and settings are
         # checked against the others' before anything waits on them.
         with agreement.preparing(self.placement) as settings:
+            for name, directory in (("checkpoint_dir", checkpoint_dir),
+                                    ("profile_dir", profile_dir)):
+                checkpoint_lib.check_dir(directory, name)  # a bad path fails first
             epochs = pipeline.check_count("epochs", epochs)
             initial_epoch = pipeline.check_count("initial_epoch", initial_epoch)
             checkpoints_to_keep = pipeline.check_count(

@@ -105,3 +105,15 @@ def test_the_argument_then_the_environment_then_jax_then_the_default_decide():
     with pytest.raises(ValueError, match="True .*False .*or a directory. Received: "
                                          "compilation_cache=3"):
         choose(3, {}, None)
+
+
+def test_a_cache_directory_under_home_is_expanded_not_made_literally(tmp_path):
+    # Before, "~/jax cache" (the argument or the environment variable) reached
+    # JAX as is, and JAX wrote its cache into a directory named "~" under the
+    # working directory (checkpoint_dir and profile_dir expand it).
+    result = run_fit(tmp_path, **{compilation_cache.ENV: "~/jax cache"})
+    cache = tmp_path / "home" / "jax cache"
+    assert result["dir"] == str(cache)
+    assert any(cache.iterdir())
+    assert not (tmp_path / "~").exists()
+    assert compilation_cache.choose_dir("~/mine", {}, None) == os.path.expanduser("~/mine")

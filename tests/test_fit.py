@@ -1,5 +1,7 @@
 """fit_sharded as a Keras user meets it: data kinds, callbacks, write-back."""
 
+import os
+
 import jax
 import keras
 import numpy as np
@@ -296,3 +298,51 @@ def test_a_program_of_several_fits_equals_keras(tmp_path):
     for left, right in zip(model.optimizer.variables, expected.optimizer.variables, strict=True):
         right = np.asarray(right)
         np.testing.assert_allclose(np.asarray(left), right, rtol=1e-5, atol=1e-5 * np.abs(right).max())
+
+
+def _tiny_regressor():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+def test_a_profile_dir_under_home_is_expanded_and_a_bad_one_refused_before_any_step(
+        tmp_path, monkeypatch):
+    # Before, profile_dir="~/prof" wrote its trace into a directory named "~"
+    # under the working directory (checkpoint_dir expands it), and a path
+    # naming a file failed after the first step with XLA's "FAILED_PRECONDITION:
+    # ... is not a directory" (a JaxRuntimeError).
+    home, work = tmp_path / "home", tmp_path / "work"
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    x, y = np.ones((10, 4), "float32"), np.ones((10, 1), "float32")
+    keras_dp.fit_sharded(_tiny_regressor(), x, y, batch_size=3, verbose=0, devices=devices(3),
+                         profile_dir="~/my runs/prof")
+    assert list((home / "my runs" / "prof").rglob("*.xplane.pb"))
+    assert os.listdir(work) == []  # no directory named "~" here
+    (work / "notes.txt").write_text("")
+    model = _tiny_regressor()
+    before = weights(model)
+    with pytest.raises(ValueError, match=r"^`profile_dir` must be a directory keras_dp can "
+                                         r"create and write to: .*notes\.txt.*exists and is "
+                                         r"not a directory\. Received: profile_dir='notes\.txt'"):
+        keras_dp.fit_sharded(model, x, y, batch_size=3, verbose=0, devices=devices(3),
+                             profile_dir="notes.txt")
+    for left, right in zip(weights(model), before, strict=True):
+        np.testing.assert_array_equal(left, right)  # no step ran
+    # Before, str(7) made the trace's directory "7" in the working directory,
+    # checkpoint_dir=7 was os.fspath's "expected str, bytes or os.PathLike
+    # object, not int", and "" (an unset variable) meant the working directory.
+    for name in ("profile_dir", "checkpoint_dir"):
+        with pytest.raises(TypeError, match=rf"^`{name}` must be a directory's path \(a str "
+                                            rf"or os.PathLike\)\. Received: {name}=7\.$"):
+            keras_dp.fit_sharded(model, x, y, batch_size=3, verbose=0, devices=devices(3),
+                                 **{name: 7})
+        with pytest.raises(ValueError, match=rf"^`{name}` must name a directory; an empty "
+                                             rf"path would be the working directory\. "
+                                             rf"Received: {name}=''\."):
+            keras_dp.fit_sharded(model, x, y, batch_size=3, verbose=0, devices=devices(3),
+                                 **{name: ""})
+    assert sorted(os.listdir(work)) == ["notes.txt"]
