@@ -120,6 +120,7 @@ def test_a_callbacks_own_state_starts_afresh_on_resume_as_under_backup_and_resto
     assert stop.stopped_epoch == 2
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_full_sharding_on_4_devices_resumes_replicated_on_2(data, tmp_path):
     # Saved split as the state lies, read into the model and laid out anew:
     # another device count and state_sharding resume the same run.
@@ -430,6 +431,7 @@ def test_a_full_disk_is_refused_before_the_first_step(tmp_path):
     assert result["files"] == [".keras_dp.lock"]
 
 
+@pytest.mark.slow
 def test_a_save_onto_a_full_disk_is_one_clear_error_and_keeps_the_weights(tmp_path):
     # The check passes (1 MiB free); a callback then fills the disk before epoch 1's save.
     result = full_disk(tmp_path, 1, "fill")

@@ -63,6 +63,7 @@ def run_in_terminal(args, cwd, env, timeout):
         os.close(controller)
 
 
+@pytest.mark.slow
 def test_the_default_command_offline_reaches_090_on_the_bundled_subset(tmp_path):
     # `keras-dp train` as a newcomer types it, in a terminal, on a machine
     # with no network (no download) and no MNIST anywhere.

@@ -107,6 +107,7 @@ def test_the_argument_then_the_environment_then_jax_then_the_default_decide():
         choose(3, {}, None)
 
 
+@pytest.mark.slow
 def test_a_cache_directory_under_home_is_expanded_not_made_literally(tmp_path):
     # Before, "~/jax cache" (the argument or the environment variable) reached
     # JAX as is, and JAX wrote its cache into a directory named "~" under the

@@ -302,6 +302,7 @@ def test_initialize_after_jax_started_says_to_call_it_first():
         distributed.initialize("127.0.0.1:1", 2, 0)
 
 
+@pytest.mark.slow
 def test_a_peer_that_never_arrives_raises_a_python_timeout_naming_the_coordinator():
     # Real rendezvous for 2 processes, each on its own port so that neither
     # peer ever arrives: JAX alone would abort both natively at its deadline.

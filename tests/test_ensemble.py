@@ -569,6 +569,7 @@ def test_predict_draws_new_random_numbers_each_batch_and_call_as_keras_does():
         np.testing.assert_array_equal(seed_state(member), seed_state(reference))
 
 
+@pytest.mark.slow
 def test_validation_carries_the_random_state_into_the_next_epoch_as_model_fit_does():
     # Before, every validation drew from the seed state training had left,
     # and training went on from that state, not from the validation's.
@@ -839,6 +840,7 @@ def test_steps_per_epoch_draws_from_one_continuing_stream_as_model_fit_does():
         assert_members_close(member, reference, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_backup_and_restore_resumes_at_the_epoch_after_the_backup(tmp_path):
     # Before, the restored ensemble started again at epoch 0 and trained
     # `epochs` more epochs on top of the restored weights.
@@ -869,6 +871,7 @@ def build_ema():
     return model
 
 
+@pytest.mark.slow
 def test_members_end_fit_with_their_ema_weights_and_swap_ema_weights_is_refused():
     # Keras's fit ends by finalizing the optimizer (EMA weights into the
     # model); the members kept their raw weights.

@@ -98,6 +98,7 @@ def test_sigterm_soak(tmp_path):
         sigterm_exit(tmp_path / str(seed), seed, host=seed % 2 == 0)
 
 
+@pytest.mark.slow
 def test_sigint_at_random_moments_never_loses_a_completed_step():
     # Before the fix about 1 in 3 such interrupts put the model back at the
     # last epoch end (5 of 12 trials, measured).

@@ -122,6 +122,7 @@ def test_early_stopping_stops_and_progress_bar_prints(mnist, capsys):
     assert "Epoch 1/5" in out and "4/4" in out
 
 
+@pytest.mark.slow
 def test_model_keeps_trained_weights_when_training_raises_mid_epoch(mnist):
     (x, y), _ = mnist
     batches = [(x[i:i + 64], y[i:i + 64]) for i in range(0, 640, 64)]

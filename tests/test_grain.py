@@ -220,6 +220,7 @@ def test_a_grain_checkpoint_resumed_with_arrays_is_refused_naming_the_input(data
         checkpoint_lib.open_for_fit(tmp_path, model, 0, False, 0)  # arrays: no source
 
 
+@pytest.mark.slow
 def test_steps_per_epoch_over_a_repeated_dataset_resumes_bitwise_mid_stream(data, tmp_path):
     # `.shuffle().repeat()`: Grain reshuffles each repetition; epochs of 5
     # steps cut across its passes of 8 batches, so the stream's position,

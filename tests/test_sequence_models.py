@@ -99,6 +99,7 @@ def sentences(rows=20):
     return texts, np.array(["cat" in text for text in texts], "int32")
 
 
+@pytest.mark.slow
 def test_a_tf_data_text_pipeline_of_padded_batches_equals_keras():
     # StringLookup maps the words in the pipeline; padded_batch pads each batch
     # to its own longest sentence, and each new shape is compiled once, as
@@ -213,6 +214,7 @@ def masked_rnn():
     return model
 
 
+@pytest.mark.slow
 def test_an_ensemble_of_recurrent_members_equals_each_trained_alone():
     # The RNN's scan starts from a constant zero state: shard_map's check of
     # varying values refused to trace it (TypeError, "carry ... differ").
