@@ -262,14 +262,8 @@ def _test_step(model, mesh, state_sharding):
     def test_step(weights, metrics, batch):
         x, y, sample_weight = placement.real_rows(batch, mesh)
         trainable, non_trainable = weights
-        if custom:
-            logs, (_, non_trainable, metrics) = model.test_step(
-                (trainable, non_trainable, metrics), _keras_data((x, y, sample_weight)))
-        else:
-            _, (loss, y_pred, non_trainable, metrics) = model.compute_loss_and_updates(
-                trainable, non_trainable, metrics, x, y, sample_weight, training=False
-            )
-            metrics, logs = _update_metrics(model, metrics, loss, x, y, y_pred, sample_weight)
+        logs, _, non_trainable, metrics = keras_test_step(
+            model, custom, trainable, non_trainable, metrics, x, y, sample_weight)
         non_trainable = layout.constrain(non_trainable, layout.group_shardings(
             non_trainable, mesh, state_sharding, "non_trainable"))
         metrics = layout.constrain(
@@ -352,6 +346,23 @@ def inference_kwargs(model):
     so does this (a subclassed model may define `call(self, x)`).
     """
     return {"training": False} if "training" in inspect.signature(model.call).parameters else {}
+
+
+def keras_test_step(model, custom, trainable, non_trainable, metrics, x, y, sample_weight):
+    """One test step as Keras runs it, statelessly: the model's own `test_step` if `custom`.
+
+    Returns:
+        `(logs, y_pred, non_trainable, metrics)`; `y_pred` is None after a
+        custom `test_step`, which does not return its predictions.
+    """
+    if custom:
+        logs, (_, non_trainable, metrics) = model.test_step(
+            (trainable, non_trainable, metrics), _keras_data((x, y, sample_weight)))
+        return logs, None, non_trainable, metrics
+    _, (loss, y_pred, non_trainable, metrics) = model.compute_loss_and_updates(
+        trainable, non_trainable, metrics, x, y, sample_weight, training=False)
+    metrics, logs = _update_metrics(model, metrics, loss, x, y, y_pred, sample_weight)
+    return logs, y_pred, non_trainable, metrics
 
 
 def _keras_data(batch):

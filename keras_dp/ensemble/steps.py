@@ -98,16 +98,11 @@ def make_test_step(model, mesh, from_logits):
     def member_test(state, batch):
         (trainable, non_trainable), metrics = state
         x, y, sample_weight = batch
-        if custom:
+        logs, y_pred, new_non_trainable, metrics = steps_lib.keras_test_step(
+            model, custom, trainable, non_trainable, metrics, x, y, sample_weight)
+        if y_pred is None:  # a custom test_step returns no predictions
             y_pred, _ = model.stateless_call(trainable, non_trainable, x, **kwargs)
-            logs, (_, non_trainable, metrics) = model.test_step(
-                (trainable, non_trainable, metrics), steps_lib._keras_data(batch))
-        else:
-            _, (loss, y_pred, non_trainable, metrics) = model.compute_loss_and_updates(
-                trainable, non_trainable, metrics, x, y, sample_weight, training=False)
-            metrics, logs = steps_lib._update_metrics(
-                model, metrics, loss, x, y, y_pred, sample_weight)
-        return _probabilities(y_pred, from_logits), non_trainable, metrics, logs
+        return _probabilities(y_pred, from_logits), new_non_trainable, metrics, logs
 
     return jax.jit(_on_each_device(member_test, mesh, False))
 
