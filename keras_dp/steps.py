@@ -123,14 +123,21 @@ def sharded_train_step(model, mesh, state_sharding="replicated"):
 
     `batch` is a `DeviceBatch`; the step cuts it to its real rows, runs
     `model_train_step` on them, keeps the old weights if the loss is not
-    finite (see `make_train_step`), and lays the new state out as
-    `state_sharding` says. Shared by the single- and multi-step programs and
-    by `keras_dp.resident`'s.
+    finite (see `make_train_step`), and lays the state out as
+    `state_sharding` says, both the state it is given and the new one, so
+    that the K steps of a scan partition as the single step does. Shared by
+    the single- and multi-step programs and by `keras_dp.resident`'s.
     """
     step = model_train_step(model, lambda grads: layout.constrain(
         grads, layout.gradient_shardings(grads, mesh, state_sharding)))
 
     def train_step(state, batch):
+        # The state's layout pinned on the way in too: inside a rolled scan
+        # the state is a while loop's carry, whose layout XLA otherwise infers,
+        # and a split state then gave the weights their slots' split, so the
+        # forward ran column-split, summing in another order than the single
+        # step (free here: the single step's arguments already lie so).
+        state = layout.constrain(state, layout.state_shardings(state, mesh, state_sharding))
         new_state, logs = step(state, placement.real_rows(batch, mesh))
         new_state, logs = finite.keep_if_not_finite(new_state, state, logs,
                                                     join=state_sharding == "replicated")

@@ -212,16 +212,22 @@ def test_evaluate_and_predict_with_k_steps_on_a_trained_sharded_trainer_equal_ke
 
 @pytest.mark.parametrize("sharding, unroll, ema, bitwise", [
     ("replicated", 1, False, True),  # the rolled loop (the default off CPU): bitwise
-    ("full", 1, False, False),  # a split state in a rolled loop: rounding apart
+    ("full", 1, False, True),  # a split state in a rolled loop: bitwise since its layout is pinned
+    ("optimizer", 1, True, True),  # EMA averages of a split state, rolled: bitwise
     ("full", None, True, False),  # EMA averages of a split state, unrolled: 1 ulp apart
 ])
 def test_k_steps_under_a_split_state_equal_single_steps_to_rounding_where_not_bitwise(
         sharding, unroll, ema, bitwise):
-    # Found by this file's matrix: README's bitwise K=3 == K=1 holds for a
-    # replicated state, rolled or unrolled; with state_sharding="full" on 3
-    # devices a rolled scan, or an unrolled one with use_ema's averages, came
-    # out a float32 rounding or so apart (2.5e-7 of a kernel; 1 ulp of a bias),
-    # with the same rows and steps. README says so; this pins "to rounding".
+    # Found by this file's matrix: README's bitwise K=3 == K=1 held for a
+    # replicated state only; with state_sharding="full" on 3 devices a rolled
+    # scan came out 2.5e-7 apart in a kernel: the while loop's carried weights
+    # took their optimizer slots' split layout, so the forward ran
+    # column-split (fixed: each step pins its input state's layout;
+    # tests/test_multi_step.py). What remains: the unrolled program with
+    # use_ema fuses the K steps' elementwise EMA updates of a replicated bias
+    # into one XLA:CPU loop fusion (its HLO ops are the single step's, in
+    # the same order), which rounds one value of that bias 1 ulp apart from
+    # K separate steps; its collectives and dots are the single step's, 3 times.
     def run(k):
         model = _mlp(k)
         model.compile(optimizer=keras.optimizers.SGD(LR, momentum=0.9, use_ema=ema),

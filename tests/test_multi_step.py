@@ -1,10 +1,13 @@
 """steps_per_execution: K steps in one compiled call, exactly, in fit, evaluate and predict."""
 
+import jax
 import keras
 import numpy as np
 import pytest
 
 import keras_dp
+from keras_dp import pipeline
+from keras_dp import placement
 from conftest import BatchEnds, devices, mlp
 
 
@@ -87,3 +90,34 @@ def test_evaluate_predict_and_validation_run_k_steps_per_call_exactly(mnist):
     assert records[1].test == list(range(11))
     assert trainer._test_steps._cache_size() == 1
     assert trainer._predict_steps._cache_size() == 1
+
+
+@pytest.mark.parametrize("sharding", [pytest.param("optimizer", marks=pytest.mark.slow), "full"])
+def test_a_rolled_k_step_program_under_a_split_state_equals_single_steps_bitwise(sharding):
+    # Before the state's layout was pinned at the top of every step, the
+    # while loop of a rolled scan (unroll=1, the default off CPU) let XLA's
+    # sharding propagation give the carried weights the split layout of
+    # their optimizer slots: the forward pass then ran column-split (rows
+    # all-gathered, each logit an all-reduce of three partial sums) instead
+    # of row-split as in the single step, 1e-8 apart after one step.
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((24,)), keras.layers.Dense(192, activation="relu"),
+                              keras.layers.Dense(3)])  # 24x192: split on 3 devices
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    trainer = keras_dp.ShardedTrainer(model, devices=devices(3), state_sharding=sharding,
+                                      unroll=1)
+    rng = np.random.default_rng(0)
+    batches = [(rng.normal(size=(7, 24)).astype("float32"), rng.integers(0, 3, 7))
+               for _ in range(3)]
+    trainer.build(batches[0])
+    single = trainer.init_state()
+    for batch in batches:
+        single, single_logs = trainer.train_step(single, trainer.shard(batch))
+    stack = placement.to_device_stacked([pipeline.unpack(batch) for batch in batches],
+                                        trainer.mesh)
+    multi, multi_logs, finite = trainer._train_steps(trainer.init_state(), stack)
+    assert int(finite) == 3
+    assert float(multi_logs["loss"]) == float(single_logs["loss"])
+    for ours, theirs in zip(jax.tree.leaves(multi), jax.tree.leaves(single), strict=True):
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
