@@ -198,22 +198,33 @@ class ShardedTrainer:
                 or a layer's `trainable` changed since the optimizer was
                 built (`keras_dp.model_checks.check_trainable_unchanged`).
         """
-        if not build_lib.is_built(self.model):
-            what = ("its optimizer, loss or metrics are" if self.model.built
-                    else "the model is")
-            raise ValueError(
-                f"The training state cannot be read yet: {what} not built. Call "
-                "trainer.build(batch) with one batch of data first (fit does this "
-                "for you); it builds the layers, loss, metrics and optimizer, as "
-                "model.fit does (model.build(input_shape) builds the layers only)."
-            )
+        self._require_built("The training state")
         model_checks.check_trainable_unchanged(self.model)
         return TrainState.from_model(self.model, self.mesh, self.state_layout())
 
     def state_layout(self):
-        """The sharding of every state variable, as a `TrainState` of lists."""
+        """The sharding of every state variable, as a `TrainState` of lists.
+
+        Raises:
+            ValueError: the model, its metrics or optimizer are not built
+                (their variables do not exist yet; call `build` first).
+        """
+        self._require_built("The state layout")
         return layout.state_shardings(
             TrainState.variables_of(self.model), self.mesh, self.state_sharding)
+
+    def _require_built(self, what):
+        """Refuse to read the state of a model not built for training, naming the fix."""
+        if not build_lib.is_built(self.model):
+            missing = ("its optimizer, loss or metrics are" if self.model.built
+                       else "the model is")
+            raise ValueError(
+                f"{what} cannot be read yet: {missing} not built, so its variables "
+                "do not exist. Call trainer.build(batch) with one batch of data first "
+                "(fit does this for you); it builds the layers, loss, metrics and "
+                "optimizer, as model.fit does (model.build(input_shape) builds the "
+                "layers only)."
+            )
 
     def shard(self, batch):
         """Put a host batch `(x, y[, sample_weight])` on the mesh, split by rows.

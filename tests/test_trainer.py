@@ -356,3 +356,28 @@ def test_after_fit_with_validation_the_model_metrics_hold_its_results_as_keras_d
     assert sorted(ours) == sorted(theirs) == ["loss", "mae"]
     for name, value in theirs.items():
         assert float(ours[name]) == pytest.approx(float(value), rel=1e-5), name
+
+
+def test_state_layout_of_a_model_not_built_is_refused_and_complete_once_built():
+    # state_layout() on a model not built yet returned partial lists (no
+    # weights, the optimizer's two counters, the metrics'), without a word.
+    model = keras.Sequential([keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse",
+                  metrics=["mae"])
+    trainer = keras_dp.ShardedTrainer(model, devices=devices(2), state_sharding="full")
+    fix = r"Call trainer.build\(batch\) with one batch of data first"
+    with pytest.raises(ValueError, match="The state layout cannot be read yet: the model is "
+                                         "not built, so its variables do not exist. " + fix):
+        trainer.state_layout()
+    model.build((None, 6))  # the layers, not the optimizer
+    with pytest.raises(ValueError, match="The state layout cannot be read yet: its optimizer, "
+                                         "loss or metrics are not built"):
+        trainer.state_layout()
+    with pytest.raises(ValueError, match="The training state cannot be read yet: its optimizer"):
+        trainer.init_state()
+    trainer.build(_regression_data(4))
+    layout = trainer.state_layout()
+    state = trainer.init_state()
+    assert [len(group) for group in layout] == [len(group) for group in state] == [4, 0, 6, 4]
+    for leaf, sharding in zip(jax.tree.leaves(state), jax.tree.leaves(layout), strict=True):
+        assert leaf.sharding == sharding
