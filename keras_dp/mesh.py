@@ -93,7 +93,11 @@ def check_keras_distribution():
     keras_dp replicates every variable and splits each batch over its own
     mesh. Under `keras.distribution.DataParallel` that is what Keras would do
     too; any other distribution (`ModelParallel`'s sharded variables) would
-    be silently replaced by full copies, so it is refused.
+    be silently replaced by full copies, so it is refused: when a trainer
+    is made, and again when it builds the model (first in `fit`, `evaluate`
+    and `predict`) or runs a step by hand, since a distribution set after
+    the trainer was made would lay out the variables the build creates and
+    add its own layout constraints to the step's trace.
 
     Raises:
         ValueError: a distribution other than `DataParallel` is set.

@@ -183,8 +183,12 @@ class ShardedTrainer:
 
         Raises:
             ValueError: the model cannot be built on `x`, or the labels do
-                not fit its output.
+                not fit its output; or a Keras distribution other than
+                `DataParallel` was set since the trainer was made
+                (`keras_dp.mesh.check_keras_distribution`; `fit`, `evaluate`
+                and `predict` build first, so they refuse it too).
         """
+        mesh_lib.check_keras_distribution()
         self._builder.build(pipeline.unpack(batch), for_training)
 
     def init_state(self):
@@ -247,9 +251,11 @@ class ShardedTrainer:
         Raises:
             TypeError: `state` is not a `TrainState`, or `batch` was not
                 placed with `shard`.
-            ValueError: `state` was donated to an earlier step, or the
-                batch has no labels and the model's loss needs them.
+            ValueError: `state` was donated to an earlier step, the
+                batch has no labels and the model's loss needs them, or a
+                Keras distribution other than `DataParallel` is active.
         """
+        mesh_lib.check_keras_distribution()
         state_lib.check_usable(state, "trainer.train_step")
         steps_lib.check_device_batch(batch)
         if batch.data[1] is None:  # no labels: refused as `build` refuses them, if needed

@@ -136,3 +136,39 @@ def test_a_keras_distribution_scope_is_refused_naming_the_scope():
     assert model.layers[0].kernel.value.sharding == kernel
     x, _ = _tiny_data()
     np.testing.assert_allclose(model.predict(x, verbose=0), model(x), rtol=1e-5, atol=1e-6)
+
+
+def test_a_keras_distribution_set_after_the_trainer_was_made_is_refused_too():
+    # The check ran only when a trainer was made: a ModelParallel set after
+    # it went unnoticed, the build created the variables in its layout and
+    # its constraints were traced into keras_dp's step. Now fit, evaluate,
+    # predict, build and a step by hand refuse it, before building anything.
+    def unbuilt_model():  # unseeded: set_random_seed would first import TensorFlow (seconds)
+        model = keras.Sequential([keras.layers.Dense(16), keras.layers.Dense(4)])
+        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy())
+        return model
+
+    x, y = _tiny_data(8)
+    unbuilt = unbuilt_model()
+    trainer = keras_dp.ShardedTrainer(unbuilt, devices=devices(2))
+    built = keras_dp.ShardedTrainer(unbuilt_model(), devices=devices(2))
+    built.build((x, y))
+    state, batch = built.init_state(), built.shard((x, y))
+    ensemble = keras_dp.EnsembleTrainer(unbuilt_model, members=2, devices=devices(2))
+    layout = keras.distribution.LayoutMap(keras.distribution.DeviceMesh((2, 2), ["batch", "model"],
+                                                                        devices(4)))
+    distribution = keras.distribution.ModelParallel(layout_map=layout, batch_dim_name="batch")
+    refused = r"data parallelism only.*Received: a ModelParallel distribution.*set_distribution\(None\)"
+    keras.distribution.set_distribution(distribution)
+    try:
+        for run in (lambda: trainer.fit(x, y, batch_size=4, verbose=0),
+                    lambda: trainer.evaluate(x, y, verbose=0),
+                    lambda: trainer.predict(x, verbose=0),
+                    lambda: built.train_step(state, batch),
+                    lambda: ensemble.build((x, y))):
+            with pytest.raises(ValueError, match=refused):
+                run()
+    finally:
+        keras.distribution.set_distribution(None)
+    assert not unbuilt.built and not ensemble.members[0].optimizer.built
+    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(state))  # refused, not donated

@@ -85,6 +85,7 @@ class EnsembleTrainer:
             ValueError: a member cannot be built on `x`, the labels do
                 not fit its output, or its output has fewer than 2 classes.
         """
+        mesh_lib.check_keras_distribution()  # one set since the trainer was made too
         batch = pipeline.unpack(batch)
         for model in self.members:  # without labels: enough to predict
             build_lib.build(model, batch, for_training=batch[1] is not None)
