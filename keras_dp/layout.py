@@ -47,8 +47,9 @@ _SPLIT_GROUPS = {
 def check_mode(state_sharding):
     """Return `state_sharding` if it is one of `MODES`.
 
-    (A mesh whose axes are not exactly `("batch",)` never gets here:
-    `mesh.make_mesh` refuses it with a message for every mode.)
+    (A mesh with more than one axis never gets here: `mesh.make_mesh`
+    refuses it with a message for every mode, and names a 1-D mesh's axis
+    `"batch"`.)
 
     Raises:
         ValueError: an unknown mode.

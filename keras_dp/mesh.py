@@ -24,17 +24,18 @@ def make_mesh(devices=None, mesh=None):
             when `None`.
         mesh: a user's own mesh, a `jax.sharding.Mesh` or a
             `keras.distribution.DeviceMesh`; it must have exactly one axis,
-            named `"batch"`. Mutually exclusive with `devices`.
+            which is taken as the batch axis whatever its name (`"data"`
+            too). Mutually exclusive with `devices`.
 
     Returns:
-        A `Mesh` whose axis type is `AxisType.Auto` (Keras's Dropout fails
-        under explicit-sharding axes): a user's `Auto` mesh itself, else
-        one over the same devices in the same order (`jax.make_mesh` makes
-        `Explicit` axes by default).
+        A `Mesh` with the one axis `"batch"` of type `AxisType.Auto` (Keras's
+        Dropout fails under explicit-sharding axes): a user's `Auto` mesh
+        named `"batch"` itself, else one over the same devices in the same
+        order (`jax.make_mesh` makes `Explicit` axes by default).
 
     Raises:
         ValueError: both arguments given, an empty device list, a device
-            listed twice, or a mesh whose axes are not exactly `("batch",)`.
+            listed twice, or a mesh with more than one axis.
     """
     if mesh is not None:
         if devices is not None:
@@ -65,7 +66,7 @@ def make_mesh(devices=None, mesh=None):
 
 
 def _users_mesh(mesh):
-    """A user's mesh, checked, as a `jax.sharding.Mesh` with an `Auto` `"batch"` axis."""
+    """A user's 1-D mesh, checked, as a `jax.sharding.Mesh` with an `Auto` `"batch"` axis."""
     if not isinstance(mesh, Mesh) and hasattr(mesh, "axis_names") and hasattr(mesh, "devices"):
         # A keras.distribution.DeviceMesh: its devices in its shape.
         mesh = Mesh(np.asarray(mesh.devices).reshape(tuple(mesh.shape)), tuple(mesh.axis_names))
@@ -75,15 +76,17 @@ def _users_mesh(mesh):
             f"Received: mesh={mesh!r} of type {type(mesh).__name__}. "
             "Pass devices=[...] instead, or build one with keras_dp.make_mesh(devices)."
         )
-    if tuple(mesh.axis_names) != (BATCH_AXIS,):
+    if len(mesh.axis_names) != 1:
         raise ValueError(
-            "keras_dp needs a 1-D mesh with the single axis "
-            f"'{BATCH_AXIS}'. Received: mesh.axis_names={mesh.axis_names}. "
-            f"Build one with keras_dp.make_mesh(devices), or pass "
-            f"devices=list(mesh.devices.flat) to train on the same devices."
+            "keras_dp needs a 1-D mesh: its single axis splits the batch. "
+            f"Received: mesh.axis_names={mesh.axis_names}. Build one with "
+            f"keras_dp.make_mesh(devices) or jax.make_mesh((n,), ('{BATCH_AXIS}',)), "
+            "or pass devices=list(mesh.devices.flat) to train on the same devices."
         )
-    if tuple(mesh.axis_types) != (AxisType.Auto,):
-        return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,))
+    # One axis, whatever its name (("data",), ("dp",)): it can only be the
+    # batch axis. keras_dp's shardings name it "batch", over the same devices.
+    if tuple(mesh.axis_names) != (BATCH_AXIS,) or tuple(mesh.axis_types) != (AxisType.Auto,):
+        return Mesh(mesh.devices, (BATCH_AXIS,), axis_types=(AxisType.Auto,))
     return mesh
 
 

@@ -51,8 +51,9 @@ class ShardedTrainer:
             overrides what the model was compiled with. To train, an
             uncompiled model needs at least `optimizer` (and `loss`, unless
             its losses come from `add_loss`); to predict, neither.
-        mesh: a 1-D `jax.sharding.Mesh` or `keras.distribution.DeviceMesh`
-            with axis `"batch"` (see `keras_dp.make_mesh`).
+        mesh: a 1-D `jax.sharding.Mesh` or `keras.distribution.DeviceMesh`;
+            its one axis, whatever its name, splits the batch (see
+            `keras_dp.make_mesh`; `trainer.mesh` names it `"batch"`).
         devices: the devices to train on (default: all of JAX's devices).
             Use either `mesh` or `devices`.
         seed: seed of the per-epoch shuffle of array data.
@@ -111,7 +112,7 @@ class ShardedTrainer:
     Raises:
         TypeError: `model` is not a `keras.Model`.
         TypeError: `seed`, `prefetch` or `unroll` is not an integer.
-        ValueError: the mesh is not a 1-D `"batch"` mesh, or an argument
+        ValueError: the mesh is not 1-D, or an argument
             is out of range.
     """
 

@@ -76,10 +76,10 @@ def test_init_state_of_an_unbuilt_model_names_the_fix():
         keras_dp.ShardedTrainer(model).init_state()
 
 
-def test_a_mesh_without_the_batch_axis_is_refused():
+def test_a_mesh_of_two_axes_is_refused():
     import jax
-    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
-    with pytest.raises(ValueError, match="single axis 'batch'.*keras_dp.make_mesh"):
+    mesh = jax.make_mesh((2, 1), ("batch", "model"), devices=jax.devices()[:2])
+    with pytest.raises(ValueError, match="needs a 1-D mesh.*keras_dp.make_mesh"):
         keras_dp.ShardedTrainer(mlp(), mesh=mesh)
 
 

@@ -98,9 +98,8 @@ def test_a_keras_device_mesh_is_taken_as_its_jax_mesh():
     assert list(mesh.devices.flat) == devices(2) and mesh.axis_names == ("batch",)
     _assert_same_training(
         _tiny_sgd_model(), mesh=keras.distribution.DeviceMesh((2,), ["batch"], devices(2)))
-    with pytest.raises(ValueError, match=r"single axis 'batch'.*\('data',\).*"
-                                         r"devices=list\(mesh.devices.flat\)"):
-        keras_dp.make_mesh(mesh=keras.distribution.DeviceMesh((2,), ["data"], devices(2)))
+    data = keras_dp.make_mesh(mesh=keras.distribution.DeviceMesh((2,), ["data"], devices(2)))
+    assert list(data.devices.flat) == devices(2) and data.axis_names == ("batch",)
     with pytest.raises(ValueError, match="Mesh or a keras.distribution.DeviceMesh.*list"):
         keras_dp.make_mesh(mesh=devices(2))
 
@@ -172,3 +171,19 @@ def test_a_keras_distribution_set_after_the_trainer_was_made_is_refused_too():
         keras.distribution.set_distribution(None)
     assert not unbuilt.built and not ensemble.members[0].optimizer.built
     assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(state))  # refused, not donated
+
+
+@pytest.mark.parametrize("name", ["data", "batch"])
+def test_a_1d_mesh_of_any_axis_name_is_the_batch_axis_and_2d_is_refused(name):
+    # A 1-D mesh whose axis was not named "batch" (("data",), as in JAX's and
+    # Flax's examples) was refused; its one axis can only split the batch.
+    mine = jax.make_mesh((4,), (name,), devices=devices(4)[::-1])
+    trainer = keras_dp.ShardedTrainer(_tiny_sgd_model(), mesh=mine)
+    assert trainer.mesh.axis_names == ("batch",) and trainer.num_devices == 4
+    assert trainer.mesh.axis_types == (jax.sharding.AxisType.Auto,)
+    assert list(trainer.mesh.devices.flat) == devices(4)[::-1]
+    two_d = jax.make_mesh((2, 2), (name, "model"), devices=devices(4))
+    with pytest.raises(ValueError, match=r"needs a 1-D mesh.*Received: mesh.axis_names=\("
+                                         + f"'{name}', 'model'" + r"\).*jax.make_mesh\(\(n,\), "
+                                         r"\('batch',\)\).*devices=list\(mesh.devices.flat\)"):
+        keras_dp.ShardedTrainer(_tiny_sgd_model(), mesh=two_d)
