@@ -224,11 +224,10 @@ class ShardedTrainer:
             missing = ("its optimizer, loss or metrics are" if self.model.built
                        else "the model is")
             raise ValueError(
-                f"{what} cannot be read yet: {missing} not built, so its variables "
-                "do not exist. Call trainer.build(batch) with one batch of data first "
-                "(fit does this for you); it builds the layers, loss, metrics and "
-                "optimizer, as model.fit does (model.build(input_shape) builds the "
-                "layers only)."
+                f"{what} cannot be read yet: {missing} not built. Call "
+                "trainer.build(batch) with one batch of data first (fit does this "
+                "for you); it builds the layers, loss, metrics and optimizer, as "
+                "model.fit does (model.build(input_shape) builds the layers only)."
             )
 
     def shard(self, batch):
