@@ -102,11 +102,13 @@ def build(model, batch, for_training=True, data="the data"):
 
     Raises:
         ValueError: the model holds a TensorFlow-only layer
-            (`model_checks.check_no_tensorflow_layers`), cannot be built on `x`, the
+            (`model_checks.check_no_tensorflow_layers`) or a stateful RNN
+            (`model_checks.check_no_stateful_rnn`), cannot be built on `x`, the
             labels are missing or do not fit its output, or its loss is not
             a scalar (`check_scalar_loss`).
     """
     model_checks.check_no_tensorflow_layers(model)  # an ensemble's members pass here only
+    model_checks.check_no_stateful_rnn(model)
     x, y, sample_weight = jax.tree.map(spec, batch)
     if (for_training and y is None and _compat.compiled_loss(model) is not None
             and not _compat.custom_step(model, "train_step")):

@@ -81,8 +81,9 @@ def check_model(model):
     """Raise a `TypeError` naming the fix unless `model` is a `keras.Model`.
 
     Refuses a model with a layer that runs TensorFlow ops
-    (`check_no_tensorflow_layers`) and a keras_hub task with a preprocessor
-    (`check_no_preprocessor`). Warns when the model is compiled to run
+    (`check_no_tensorflow_layers`), a keras_hub task with a preprocessor
+    (`check_no_preprocessor`) and a stateful RNN whose states Keras does not
+    track (`check_no_stateful_rnn`). Warns when the model is compiled to run
     its step eagerly or un-jitted, which keras_dp does not honour: its
     sharded step is always compiled.
     """
@@ -95,6 +96,7 @@ def check_model(model):
         )
     check_no_tensorflow_layers(model)
     check_no_preprocessor(model)
+    check_no_stateful_rnn(model)
     if model.compiled and (model.run_eagerly or model.jit_compile is False):
         why = ("run_eagerly=True" if model.run_eagerly else "jit_compile=False (from "
                "compile, or set by a layer with supports_jit=False)")
@@ -137,6 +139,37 @@ def check_no_tensorflow_layers(model):
         "the tf.data pipeline, before batching or after: dataset.map(lambda x, y: "
         "(layer(x), y)) with the layer adapted, and start the model at their output "
         "(keras.Input(shape, dtype=\"int64\") for token ids)."
+    )
+
+
+def check_no_stateful_rnn(model):
+    """Raise a `ValueError` naming the fix if an RNN's `stateful=True` would be dropped.
+
+    Keras creates a stateful RNN's states (`layer.states`) untracked, outside
+    the model's variables, so the stateless step of Keras's own `fit`,
+    `evaluate` and `predict` on JAX, and keras_dp's, starts every batch
+    from zero states and drops the new ones: only eager calls, `model(x)`,
+    carry them. An unbuilt one is refused too: it creates its states when
+    built, which fails inside a traced call (under `model.fit` too). A Keras
+    that tracks the states of built layers, carried then as non-trainable
+    variables, passes.
+    """
+    tracked = {id(variable) for variable in model.non_trainable_variables}
+    found = [layer for layer in _compat.all_layers(model)
+             if isinstance(layer, keras.layers.RNN) and layer.stateful and not (
+                 layer.built and all(id(state) in tracked
+                                     for state in keras.tree.flatten(layer.states)))]
+    if not found:
+        return
+    raise ValueError(
+        f"The model holds stateful RNN layers: {layer_names(found)}. Keras on JAX keeps "
+        "their states outside the model's variables, so the compiled step of Keras's own "
+        "model.fit, evaluate and predict, like keras_dp's, starts every batch from zero "
+        "states and drops the new ones (only eager calls, model(x), carry them): "
+        "stateful=True would be silently ignored. Build the layers with stateful=False "
+        "(what model.fit on JAX computes) to train; for stateful step-by-step inference, "
+        "copy the weights into a stateful twin, twin.set_weights(model.get_weights()), "
+        "and call it eagerly, with layer.reset_state() between sequences."
     )
 
 

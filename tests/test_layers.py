@@ -126,6 +126,27 @@ def conv_head():
             layers.GlobalAveragePooling2D]
 
 
+def preprocessing_inside():
+    """Rescaling, Normalization adapted on the data, four random augmentations and Resizing.
+
+    RandomRotation and RandomZoom set `supports_jit=False`, so Keras's fit
+    would run un-jitted (rounding apart); this model, like keras_dp, is jitted.
+    """
+    keras.utils.set_random_seed(0)
+    normalization = layers.Normalization()
+    normalization.adapt(images()[0] / 255.0)
+    model = keras.Sequential([
+        keras.Input((8, 8, 3)), layers.Rescaling(1 / 255.0), normalization,
+        layers.RandomFlip(seed=1), layers.RandomRotation(0.2, seed=2),
+        layers.RandomZoom(0.2, seed=3), layers.RandomContrast(0.3, seed=4),
+        layers.Resizing(6, 6), layers.Conv2D(4, 3, activation="relu"),
+        layers.GlobalAveragePooling2D(), layers.Dense(3, activation="softmax")])
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+    model._jit_compile = True  # as keras_dp always compiles its step
+    return model
+
+
 CASES = {
     # Constraints: Keras applies them in the optimizer's apply, after the update.
     "constraints": (classifier(lambda: layers.Dense(
@@ -152,6 +173,7 @@ CASES = {
         lambda: layers.RandomFlip(seed=1), lambda: layers.RandomContrast(0.3, seed=2),
         lambda: layers.SpatialDropout2D(0.3, seed=3), lambda: layers.Resizing(6, 6),
         *conv_head(), shape=(8, 8, 3), optimizer=lambda: keras.optimizers.SGD(0.05)), images),
+    "preprocessing_inside": (preprocessing_inside, images),
 }
 
 

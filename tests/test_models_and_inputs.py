@@ -480,6 +480,60 @@ def test_a_call_without_a_training_argument_predicts_as_model_predict():
                                model.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
 
 
+def stateful_rnn(stateful=True):
+    """An LSTM regressor on (16, 5, 3) batches, its LSTM `stateful` (a fixed batch of 16)."""
+    model = keras.Sequential([keras.Input((5, 3), batch_size=16),
+                              keras.layers.LSTM(4, stateful=stateful, name="lstm"),
+                              keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    return model
+
+
+class StatefulTagger(keras.Model):
+    """A subclassed model, unbuilt, with a stateful GRU inside a Bidirectional."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = keras.layers.Bidirectional(keras.layers.GRU(3, stateful=True))
+        self.out = keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.out(self.rnn(x))
+
+
+def stateful_data():
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(48, 5, 3)).astype("float32"), rng.normal(size=(48, 1))
+
+
+def test_a_stateful_rnn_is_refused_naming_the_layers_and_the_fix():
+    x, _ = stateful_data()
+    model = stateful_rnn()
+    first, second = model(x[:16]), model(x[:16])  # eager calls carry the states
+    assert np.abs(np.asarray(first) - np.asarray(second)).max() > 1e-3
+    match = r"stateful RNN layers: lstm \(LSTM\)\..*silently ignored.*stateful=False"
+    with pytest.raises(ValueError, match=match):
+        keras_dp.ShardedTrainer(model, devices=devices(3))
+    # Unbuilt, its states would be created inside the trace (model.fit fails there).
+    with pytest.raises(ValueError, match=r"backward_gru \(GRU\), forward_gru \(GRU\)\."):
+        keras_dp.ShardedTrainer(StatefulTagger(), devices=devices(3))
+
+
+@pytest.mark.slow  # 6 s on the 2-core VM: two LSTM compilations
+def test_the_stateful_rnn_fix_equals_kerass_fit_which_drops_the_states():
+    x, y = stateful_data()
+    keras.utils.set_random_seed(0)
+    reference = stateful_rnn()
+    model = stateful_rnn(stateful=False)  # the fix: what model.fit on JAX computes
+    model.set_weights(reference.get_weights())
+    options = dict(batch_size=16, epochs=2, shuffle=False, verbose=0)
+    expected = reference.fit(x, y, **options).history["loss"]
+    assert not np.asarray(reference.get_layer("lstm").states[0]).any()  # never carried
+    np.testing.assert_allclose(fit(model, x, y, devices=devices(3), **options), expected,
+                               rtol=1e-5)
+    assert_weights_close(model, reference)
+
+
 @pytest.mark.slow
 def test_a_keras_applications_model(data):
     x, y = data
