@@ -81,12 +81,17 @@ class GrainEpochs:
         states = self._states = {}
         if self.recording and first:  # a restored position can be saved again as it is
             states[first] = self.last = iterator.get_state()
-        with _flags_explained():
-            for index, batch in enumerate(iterator, first + 1):
-                if self.recording:
-                    states[index] = self.last = iterator.get_state()
-                    states.pop(index - KEPT_STATES, None)
-                yield batch
+        try:
+            with _flags_explained():
+                for index, batch in enumerate(iterator, first + 1):
+                    if self.recording:
+                        states[index] = self.last = iterator.get_state()
+                        states.pop(index - KEPT_STATES, None)
+                    yield batch
+        finally:
+            # Grain's prefetch threads stay until the iterator is closed or
+            # collected, and a raised error's traceback keeps it alive.
+            getattr(iterator, "close", lambda: None)()
 
     def restored(self, epoch, skip):
         """The state restored for `(epoch, skip)` (see `restore`), or None: a fresh start."""
