@@ -193,7 +193,8 @@ def read_verified(manager, index, template, restore_args):
             f"The checkpoint in {path} does not fit this model: it was written "
             "for another model, optimizer or set of metrics, or with another "
             "input (a Grain source's position is saved with it, one row per "
-            "process), so its arrays' names or shapes differ. Resume with the "
+            "process), so its arrays' names or shapes differ "
+            f"({difference(layout(saved), layout(template))}). Resume with the "
             "same model, compile arguments and input, or pass a new checkpoint_dir.")
     kind = next((key for key in (SUMS, LEGACY_SUMS) if key in saved), None)
     if kind is not None:
@@ -308,6 +309,36 @@ def mismatched(tree, kind=SUMS):
 def layout(tree):
     """Each array's name, shape and dtype: what must match for a restore to fit."""
     return [(name, tuple(leaf.shape), np.dtype(leaf.dtype).name) for name, leaf in leaves(tree)]
+
+
+def difference(saved, wanted):
+    """Where layout `saved` (a checkpoint's) and `wanted` (this model's) first differ, in words.
+
+    Example: "['state']['optimizer']: 2 arrays in the checkpoint, 10 for this
+    model; the first that differs, ['state']['optimizer'][2], is absent there
+    and (4, 8) float32 here".
+    """
+    saved = {name: tuple(rest) for name, *rest in saved}
+    wanted = {name: tuple(rest) for name, *rest in wanted}
+    name = min((name for name in saved.keys() | wanted.keys()
+                if saved.get(name) != wanted.get(name)), key=_natural)
+    group = name.rsplit("[", 1)[0]
+    counts = [sum(other.rsplit("[", 1)[0] == group for other in layout_of)
+              for layout_of in (saved, wanted)]
+    return (f"{group}: {counts[0]} arrays in the checkpoint, {counts[1]} for this model; "
+            f"the first that differs, {name}, is {_described(saved.get(name))} there "
+            f"and {_described(wanted.get(name))} here")
+
+
+def _natural(name):
+    """`name`'s sort key with its indices as numbers: `[2]` before `[10]`."""
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part)
+            for part in name.replace("]", "[").split("[")]
+
+
+def _described(entry):
+    """An array's `(shape, dtype)` in words, or "absent"."""
+    return "absent" if entry is None else f"{entry[0]} {entry[1]}"
 
 
 def short(error):

@@ -3,6 +3,7 @@
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -240,6 +241,35 @@ def test_a_checkpoint_of_another_model_or_seed_is_refused(data, tmp_path):
     other.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     with pytest.raises(ValueError, match="does not fit this model"):
         fit(other, data, epochs=2, checkpoint_dir=tmp_path)
+
+
+def small(width, optimizer):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(width, activation="relu"),
+                              keras.layers.Dense(2)])
+    model.compile(optimizer, "mse")
+    return model
+
+
+def test_a_checkpoint_of_other_widths_or_another_optimizer_names_what_differs(tmp_path):
+    # Before, the message named neither the arrays nor their shapes.
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(24, 4)).astype("float32"), rng.normal(size=(24, 2))
+    fit_small = dict(batch_size=8, verbose=0, devices=devices(3), checkpoint_dir=tmp_path)
+    keras_dp.fit_sharded(small(8, "sgd"), x, y, **fit_small)
+    wider = small(16, "sgd")
+    with pytest.raises(ValueError, match=re.escape(
+            "names or shapes differ (['state']['trainable']: 4 arrays in the checkpoint, 4 "
+            "for this model; the first that differs, ['state']['trainable'][0], is (4, 8) "
+            "float32 there and (4, 16) float32 here). Resume with the same model")):
+        keras_dp.fit_sharded(wider, x, y, epochs=2, **fit_small)
+    with pytest.raises(ValueError, match=re.escape(
+            "(['state']['optimizer']: 2 arrays in the checkpoint, 10 for this model; the "
+            "first that differs, ['state']['optimizer'][2], is absent there and (4, 8) "
+            "float32 here)")) as raised:
+        keras_dp.fit_sharded(small(8, "adam"), x, y, epochs=2, **fit_small)
+    assert f"The checkpoint in {tmp_path}/0 does not fit this model" in str(raised.value)
+    assert int(wider.optimizer.iterations.numpy()) == 0  # nothing restored, nothing trained
 
 
 def two_checkpoints(data, directory):
