@@ -441,14 +441,22 @@ class FailingRows:
         return self.x[index], self.y[index]
 
 
-def test_a_grain_source_failing_mid_epoch_reaches_the_user_and_stops_its_threads():
-    # Before the fix Grain's prefetch threads (2 here, and a pool) outlived
-    # the fit: the iterator was neither exhausted nor closed, and the
-    # error's traceback kept it alive until the garbage collector ran.
+@pytest.mark.parametrize("kind", ["MapDataset", "DataLoader"])
+def test_a_grain_source_failing_mid_epoch_reaches_the_user_and_stops_its_threads(kind):
+    # Before the fix Grain's prefetch threads (2 and a pool for the
+    # MapDataset, 8 for the DataLoader) outlived the fit: the iterator was
+    # neither exhausted nor closed, and the error's traceback kept it alive
+    # until the garbage collector ran.
     grain = pytest.importorskip("grain")
     x, y = tiny_data()
     model = tiny_model()
-    dataset = grain.MapDataset.source(FailingRows(x, y, at=20)).batch(8)
+    source = FailingRows(x, y, at=20)
+    if kind == "MapDataset":
+        dataset = grain.MapDataset.source(source).batch(8)
+    else:
+        dataset = grain.DataLoader(
+            data_source=source, operations=[grain.transforms.Batch(8)],
+            sampler=grain.samplers.IndexSampler(32, shuffle=False, num_epochs=1))
     with no_garbage_collection():
         before = threading.enumerate()
         with pytest.raises(InputFault) as raised:
