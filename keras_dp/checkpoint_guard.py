@@ -43,6 +43,8 @@ PLAN = "plan"  # the rows-per-step plan of a fit (`checkpoint.plan_of`), absent 
 # Present only in the checkpoints of a run that `stop_training` ended
 # (`checkpoint.Position.stopped`); a reader's template never holds it: read along.
 STOPPED = "stopped"
+# The optimizer's class name (`checkpoint.optimizer_name`), absent before it was added.
+OPTIMIZER = "optimizer"
 LOCK_FILE = ".keras_dp.lock"
 # orbax's metadata files beside the arrays: a few KiB per checkpoint.
 _OVERHEAD_BYTES = 64 * 1024
@@ -182,12 +184,14 @@ def read_verified(manager, index, template, restore_args):
         saved = manager.item_metadata(index).tree
     except Exception as error:  # noqa: BLE001 - any read error means damaged
         return f"its metadata could not be read ({short(error)})", None
-    if PLAN in template and PLAN not in saved:  # an older keras_dp's: no plan to check
-        template = {key: value for key, value in template.items() if key != PLAN}
-    for key in (PLAN, STOPPED):  # a reader that checks none: read it along
+    for key in (PLAN, OPTIMIZER):  # an older keras_dp's: nothing to check
+        if key in template and key not in saved:
+            template = {name: value for name, value in template.items() if name != key}
+    for key in (PLAN, STOPPED, OPTIMIZER):  # a reader that checks none: read it along
         if key in saved and key not in template:
-            template = dict(template, **{key: {name: np.zeros((), np.int64)
-                                               for name in saved[key]}})
+            template = dict(template, **{key: {
+                name: np.zeros(saved[key][name].shape, np.dtype(saved[key][name].dtype))
+                for name in saved[key]}})
     if layout(saved) != layout(template):
         raise ValueError(
             f"The checkpoint in {path} does not fit this model: it was written "

@@ -272,6 +272,24 @@ def test_a_checkpoint_of_other_widths_or_another_optimizer_names_what_differs(tm
     assert int(wider.optimizer.iterations.numpy()) == 0  # nothing restored, nothing trained
 
 
+def test_a_checkpoint_of_another_optimizer_with_the_same_shapes_is_refused(tmp_path):
+    # SGD's momentum and RMSprop's velocity have the same shapes: before,
+    # RMSprop restored SGD's momentum (negative entries) as its mean squares
+    # and the first step stopped on a NaN update, a FloatingPointError.
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(24, 4)).astype("float32"), rng.normal(size=(24, 2))
+    fit_small = dict(batch_size=8, verbose=0, devices=devices(2), checkpoint_dir=tmp_path)
+    keras_dp.fit_sharded(small(8, keras.optimizers.SGD(0.1, momentum=0.9)), x, y, **fit_small)
+    model = small(8, keras.optimizers.RMSprop(0.01))
+    with pytest.raises(ValueError, match=(
+            r"^The checkpoint in \S+ was written with the optimizer SGD, and this model's "
+            r"is RMSprop: .* Compile with SGD to resume that run, or pass a new "
+            r"checkpoint_dir")):
+        keras_dp.fit_sharded(model, x, y, epochs=2, **fit_small)
+    resumed = small(8, keras.optimizers.SGD(0.1, momentum=0.9))  # the same optimizer resumes
+    assert keras_dp.fit_sharded(resumed, x, y, epochs=2, **fit_small).epoch == [1]
+
+
 def two_checkpoints(data, directory):
     """Checkpoints 0 (after epoch 1) and 1 (after epoch 2); the model after epoch 2."""
     model = mlp()
