@@ -367,6 +367,7 @@ def open_for_fit(checkpoint_dir, model, seed, multiprocess, initial_epoch,
         source.recording = True
     with contextlib.ExitStack() as on_error:
         on_error.callback(checkpoints.close)
+        guard.check_writable(checkpoints.directory)
         position = checkpoints.restore(model, seed) or start
         checkpoints.check_room(model)
         on_error.pop_all()

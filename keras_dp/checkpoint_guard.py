@@ -108,6 +108,22 @@ class DirectoryLock:
         self._fd = None
 
 
+def check_writable(directory):
+    """Raise `PermissionError` if this process cannot write into `directory`.
+
+    A lock file left there by an earlier run opens for writing even when
+    the directory itself is read-only; without this, a fit would train an
+    epoch and fail at its save.
+    """
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise PermissionError(
+            errno.EACCES,
+            f"checkpoint_dir {directory} cannot be written to (Permission denied): "
+            "the first save, at the end of an epoch, would fail. It must be a "
+            "directory this process can write to: fix its permissions (chmod u+w), "
+            "or pass another path.")
+
+
 def check_room(directory, checkpoint_bytes, checkpoints_to_add, free_bytes=None):
     """Raise `OSError` (ENOSPC) if `directory` lacks room for the checkpoints to come.
 

@@ -534,3 +534,35 @@ def test_a_save_never_asks_jax_for_the_preemption_sync_point(data, tmp_path, mon
     fit(mlp(), data, epochs=2, checkpoint_dir=tmp_path)
     assert sorted(int(name) for name in os.listdir(tmp_path) if name.isdigit()) == [0, 1]
     assert asked == []
+
+
+def permissions_enforced(tmp_path):
+    probe = tmp_path / "probe"
+    probe.mkdir(mode=0o500)
+    try:
+        (probe / "file").touch()
+    except PermissionError:
+        return True
+    return False  # root (CAP_DAC_OVERRIDE) writes anyway
+
+
+def test_a_checkpoint_dir_made_read_only_is_refused_before_the_first_step(tmp_path):
+    # Before, its lock file still opened, an epoch trained, and its save
+    # failed; a directory that cannot be created was refused at once.
+    if not permissions_enforced(tmp_path):
+        pytest.skip("this user writes into a directory of mode 0o500 (root)")
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(24, 4)).astype("float32"), rng.normal(size=(24, 2))
+    fit_small = dict(batch_size=8, verbose=0, devices=devices(2), checkpoint_dir=tmp_path / "c")
+    keras_dp.fit_sharded(small(8, "sgd"), x, y, **fit_small)
+    os.chmod(tmp_path / "c", 0o500)
+    model = small(8, "sgd")
+    try:
+        with pytest.raises(PermissionError, match=(
+                r"^\[Errno 13\] checkpoint_dir \S+/c cannot be written to \(Permission denied\): "
+                r"the first save.*fix its permissions \(chmod u\+w\), or pass another path\.$")):
+            keras_dp.fit_sharded(model, x, y, epochs=2, **fit_small)
+    finally:
+        os.chmod(tmp_path / "c", 0o700)
+    assert int(model.optimizer.iterations.numpy()) == 0  # not a step trained
+    assert keras_dp.fit_sharded(model, x, y, epochs=2, **fit_small).epoch == [1]  # writable: resumes
