@@ -88,7 +88,7 @@ class Checkpoints:
         import orbax.checkpoint as ocp
 
         self.source, self.plan = source, plan
-        self.optimizer = None  # the model's optimizer's name, saved and checked (`optimizer_name`)
+        self.optimizer = None  # its name, saved and checked (`checkpoint_guard.optimizer_name`)
         self.restored = None  # the `Position` restored by `restore`, if any
 
         self._ocp = ocp
@@ -128,7 +128,7 @@ class Checkpoints:
         if position.stopped:
             tree[guard.STOPPED] = {"stopped": np.asarray(1, np.int64)}
         if self.optimizer is not None:
-            tree[guard.OPTIMIZER] = {"name": _name_array(self.optimizer)}
+            tree[guard.OPTIMIZER] = guard.optimizer_tree(self.optimizer)
         tree[guard.SUMS] = guard.bitsums(tree)
         try:
             self._manager.save(index, args=self._ocp.args.StandardSave(tree), force=True)
@@ -207,7 +207,7 @@ class Checkpoints:
         Raises:
             ValueError: the newest readable checkpoint does not fit the model
                 (another model, optimizer or metrics wrote it: its arrays'
-                names or shapes differ), or another seed wrote it, whose
+                names or shapes differ, or its optimizer's class), or another seed wrote it, whose
                 shuffle order would make the resumed run differ, or it was
                 taken mid-epoch under another plan (`plan_of`: batch size,
                 rows, steps per epoch, shuffle), so the rest of the epoch
@@ -216,11 +216,11 @@ class Checkpoints:
         """
         template = _template(abstract, self.source, self.plan)
         if self.optimizer is not None:
-            template[guard.OPTIMIZER] = {"name": _name_array("")}
+            template[guard.OPTIMIZER] = guard.optimizer_tree(self.optimizer)
         tree = guard.newest_intact(self._manager, template, self._ocp.args.StandardRestore)
         if tree is None:
             return None, None
-        self._check_optimizer(tree)
+        guard.check_optimizer(tree, self.optimizer, self.directory)
         self._check_seed(tree, seed)
         position = Position(int(tree["position"]["epoch"]), int(tree["position"]["steps"]),
                             stopped=guard.STOPPED in tree)
@@ -228,22 +228,6 @@ class Checkpoints:
         if self.source is not None:
             self.source.restore(position, tree["input"])
         return TrainState(**tree["state"]), position
-
-    def _check_optimizer(self, tree):
-        """Refuse a checkpoint of another optimizer whose variables have the same shapes.
-
-        SGD's momentum and RMSprop's velocity, say: restored, RMSprop would
-        take a negative momentum for a mean square and train on NaN.
-        """
-        if self.optimizer is None or guard.OPTIMIZER not in tree:
-            return
-        saved = bytes(np.asarray(tree[guard.OPTIMIZER]["name"])).rstrip(b"\0").decode()
-        if saved != self.optimizer:
-            raise ValueError(
-                f"The checkpoint in {self.directory} was written with the optimizer "
-                f"{saved}, and this model's is {self.optimizer}: its slots would be "
-                f"restored into the wrong optimizer. Compile with {saved} to resume "
-                "that run, or pass a new checkpoint_dir to start afresh.")
 
     def _check_seed(self, tree, seed):
         saved_seed = int(tree["position"]["seed"])
@@ -362,7 +346,7 @@ def open_for_fit(checkpoint_dir, model, seed, multiprocess, initial_epoch,
     # is process 0's, for all of them.
     checkpoints = Checkpoints(checkpoint_dir, lock=not multiprocess or _process_index() == 0,
                               source=source, plan=plan, max_to_keep=max_to_keep)
-    checkpoints.optimizer = optimizer_name(model.optimizer)
+    checkpoints.optimizer = guard.optimizer_name(model.optimizer)
     if source is not None:
         source.recording = True
     with contextlib.ExitStack() as on_error:
@@ -467,22 +451,6 @@ def _template(abstract, source=None, plan=None):
     if plan is not None:
         tree[guard.PLAN] = _plan_tree(plan)
     return tree
-
-
-def optimizer_name(optimizer):
-    """`optimizer`'s class name, and its inner optimizer's for a wrapper: "LossScaleOptimizer(Adam)"."""
-    inner = getattr(optimizer, "inner_optimizer", None)
-    name = type(optimizer).__name__
-    return name if inner is None else f"{name}({optimizer_name(inner)})"
-
-
-def _name_array(name):
-    """`name` as a fixed-size uint8 array (zero-padded): checkpoint arrays keep one layout."""
-    data = name.encode()[:_NAME_BYTES]
-    return np.frombuffer(data.ljust(_NAME_BYTES, b"\0"), np.uint8).copy()
-
-
-_NAME_BYTES = 64
 
 
 def _position_tree(epoch, steps, seed):

@@ -20,7 +20,8 @@ and is the same however the array is split over devices and processes: a
 save never gathers an array to check it, and a checkpoint written split
 over 4 devices verifies when read onto 2, or onto 1 process of 2. An older
 checkpoint holding CRC-32s (keras_dp before this checksum) is verified by
-its CRC-32s, on the host.
+its CRC-32s, on the host. The optimizer's class name is saved too and
+compared (`check_optimizer`): two optimizers' slots can have the same shapes.
 """
 
 import errno
@@ -45,6 +46,7 @@ PLAN = "plan"  # the rows-per-step plan of a fit (`checkpoint.plan_of`), absent 
 STOPPED = "stopped"
 # The optimizer's class name (`checkpoint.optimizer_name`), absent before it was added.
 OPTIMIZER = "optimizer"
+_NAME_BYTES = 64
 LOCK_FILE = ".keras_dp.lock"
 # orbax's metadata files beside the arrays: a few KiB per checkpoint.
 _OVERHEAD_BYTES = 64 * 1024
@@ -122,6 +124,37 @@ def check_writable(directory):
             "the first save, at the end of an epoch, would fail. It must be a "
             "directory this process can write to: fix its permissions (chmod u+w), "
             "or pass another path.")
+
+
+def optimizer_name(optimizer):
+    """`optimizer`'s class name, with its inner optimizer's for a wrapper: "LossScaleOptimizer(Adam)"."""
+    inner = getattr(optimizer, "inner_optimizer", None)
+    name = type(optimizer).__name__
+    return name if inner is None else f"{name}({optimizer_name(inner)})"
+
+
+def optimizer_tree(name):
+    """A checkpoint's entry for optimizer `name`: its bytes, zero-padded to a fixed size."""
+    data = name.encode()[:_NAME_BYTES].ljust(_NAME_BYTES, b"\0")
+    return {"name": np.frombuffer(data, np.uint8).copy()}
+
+
+def check_optimizer(tree, name, directory):
+    """Refuse a checkpoint `tree` written with another optimizer than `name` (None: unchecked).
+
+    Its variables can have the same shapes (SGD's momentum, RMSprop's
+    velocity): restored, RMSprop would take a negative momentum for a mean
+    square and train on NaN.
+    """
+    if name is None or OPTIMIZER not in tree:  # an older keras_dp's checkpoint
+        return
+    saved = bytes(np.asarray(tree[OPTIMIZER]["name"])).rstrip(b"\0").decode()
+    if saved != name:
+        raise ValueError(
+            f"The checkpoint in {directory} was written with the optimizer {saved}, "
+            f"and this model's is {name}: its slots would be restored into the wrong "
+            f"optimizer. Compile with {saved} to resume that run, or pass a new "
+            "checkpoint_dir to start afresh.")
 
 
 def check_room(directory, checkpoint_bytes, checkpoints_to_add, free_bytes=None):
