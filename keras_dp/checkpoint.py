@@ -207,11 +207,11 @@ class Checkpoints:
         Raises:
             ValueError: the newest readable checkpoint does not fit the model
                 (another model, optimizer or metrics wrote it: its arrays'
-                names or shapes differ, or its optimizer's class), or another seed wrote it, whose
-                shuffle order would make the resumed run differ, or it was
-                taken mid-epoch under another plan (`plan_of`: batch size,
-                rows, steps per epoch, shuffle), so the rest of the epoch
-                would take other rows.
+                names or shapes differ, or its optimizer's class), or
+                another seed wrote it, whose shuffle order would make the
+                resumed run differ, or it was taken mid-epoch under another
+                plan (`plan_of`: batch size, rows, steps per epoch,
+                shuffle), so the rest of the epoch would take other rows.
             DamagedCheckpointError: every checkpoint in the directory is damaged.
         """
         template = _template(abstract, self.source, self.plan)

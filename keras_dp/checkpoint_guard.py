@@ -44,7 +44,7 @@ PLAN = "plan"  # the rows-per-step plan of a fit (`checkpoint.plan_of`), absent 
 # Present only in the checkpoints of a run that `stop_training` ended
 # (`checkpoint.Position.stopped`); a reader's template never holds it: read along.
 STOPPED = "stopped"
-# The optimizer's class name (`checkpoint.optimizer_name`), absent before it was added.
+# The optimizer's class name (`optimizer_name`), absent before it was added.
 OPTIMIZER = "optimizer"
 _NAME_BYTES = 64
 LOCK_FILE = ".keras_dp.lock"
