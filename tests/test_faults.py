@@ -467,3 +467,24 @@ def test_a_grain_source_failing_mid_epoch_reaches_the_user_and_stops_its_threads
     reference = tiny_model()
     reference.fit(x[:16], y[:16], batch_size=8, verbose=0, shuffle=False)
     assert_weights_close(model, reference)
+
+
+def test_an_ensembles_input_failing_mid_pass_leaves_no_thread():
+    # As for one model: before the fix fit_ensemble, its evaluate and its
+    # predict left Keras's CallbackList pool running after such an error.
+    x, y = tiny_data()
+    y = (np.arange(32) % 3).astype("int32")
+
+    def build():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    trainer = keras_dp.EnsembleTrainer(build, 2, devices=devices(2))
+    trainer.fit(x, y, batch_size=8, verbose=0)
+    for call in (trainer.fit, trainer.evaluate, trainer.predict):
+        with no_garbage_collection():
+            before = threading.enumerate()
+            with pytest.raises(InputFault, match="cannot read batch 2"):
+                call(batches_failing_at(x, y, 2), verbose=0)
+            assert new_threads(before) == [], call.__name__
