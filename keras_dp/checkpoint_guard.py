@@ -232,6 +232,9 @@ def read_verified(manager, index, template, restore_args):
     try:
         saved = manager.item_metadata(index).tree
     except Exception as error:  # noqa: BLE001 - any read error means damaged
+        if not os.path.isdir(os.path.join(path, "default")):  # orbax's item: nothing saved
+            return ("it holds no saved state (a save cut short, or a copy of one: "
+                    "delete it)"), None
         return f"its metadata could not be read ({short(error)})", None
     for key in (PLAN, OPTIMIZER):  # an older keras_dp's: nothing to check
         if key in template and key not in saved:

@@ -232,6 +232,23 @@ def test_a_partly_written_checkpoint_is_never_restored(data, tmp_path):
     assert_weights_equal(resumed, model)
 
 
+def test_an_empty_newest_step_is_skipped_with_a_warning_that_says_so(tmp_path):
+    # Before, the warning quoted orbax: "Unable to retrieve default item.
+    # Please ensure that a handler for the default item is registered ...".
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(24, 4)).astype("float32"), rng.normal(size=(24, 2))
+    fit_small = dict(batch_size=8, verbose=0, devices=devices(2), checkpoint_dir=tmp_path)
+    one_epoch = small(8, "sgd")
+    keras_dp.fit_sharded(one_epoch, x, y, **fit_small)
+    (tmp_path / "1").mkdir()  # a step directory with nothing in it
+    resumed = small(8, "sgd")
+    with pytest.warns(RuntimeWarning, match=(
+            r"skipped damaged checkpoints \(\S+/1: it holds no saved state \(a save cut "
+            r"short, or a copy of one: delete it\)\); resuming from the older intact one, 0")):
+        assert keras_dp.fit_sharded(resumed, x, y, **fit_small).epoch == []
+    assert_weights_equal(resumed, one_epoch)
+
+
 def test_a_checkpoint_of_another_model_or_seed_is_refused(data, tmp_path):
     fit(mlp(), data, epochs=1, checkpoint_dir=tmp_path)
     with pytest.raises(ValueError, match="seed=0"):
