@@ -8,6 +8,8 @@ write files run on process 0 only (`for_this_process`), every process
 taking part in their reads of a split state.
 """
 
+import contextlib
+
 import jax
 import keras
 import numpy as np
@@ -45,6 +47,31 @@ def callback_list(callbacks, model, verbose, history=True, collective_reads=Fals
         callbacks, add_history=history, add_progbar=verbose != 0, model=model,
         verbose=verbose, **params,
     )
+
+
+def release(callbacks):
+    """Shut down the thread pool of a `CallbackList` whose pass an exception ended.
+
+    Keras's `CallbackList` starts a pool in `on_*_begin` when every callback
+    may run asynchronously (History and the progress bar do) and shuts it
+    down only in `on_*_end`, which a failed pass never reaches: its worker
+    thread would stay until the list is garbage collected.
+    """
+    executor = getattr(callbacks, "_executor", None)
+    if executor is not None:
+        executor.shutdown(cancel_futures=True)
+        callbacks._executor, callbacks._futures = None, []
+        callbacks._in_begin_end_block_count = 0
+
+
+@contextlib.contextmanager
+def released_on_error(callbacks):
+    """`release(callbacks)` if the block raises, and the exception goes on unchanged."""
+    try:
+        yield
+    except BaseException:
+        release(callbacks)
+        raise
 
 
 def for_this_process(callbacks, collective_reads=False):

@@ -88,6 +88,7 @@ class Checkpoints:
         import orbax.checkpoint as ocp
 
         self.source, self.plan = source, plan
+        self.optimizer = None  # its name, saved and checked (`checkpoint_guard.optimizer_name`)
         self.restored = None  # the `Position` restored by `restore`, if any
 
         self._ocp = ocp
@@ -126,6 +127,8 @@ class Checkpoints:
             tree[guard.PLAN] = _plan_tree(self.plan)
         if position.stopped:
             tree[guard.STOPPED] = {"stopped": np.asarray(1, np.int64)}
+        if self.optimizer is not None:
+            tree[guard.OPTIMIZER] = guard.optimizer_tree(self.optimizer)
         tree[guard.SUMS] = guard.bitsums(tree)
         try:
             self._manager.save(index, args=self._ocp.args.StandardSave(tree), force=True)
@@ -204,17 +207,20 @@ class Checkpoints:
         Raises:
             ValueError: the newest readable checkpoint does not fit the model
                 (another model, optimizer or metrics wrote it: its arrays'
-                names or shapes differ), or another seed wrote it, whose
-                shuffle order would make the resumed run differ, or it was
-                taken mid-epoch under another plan (`plan_of`: batch size,
-                rows, steps per epoch, shuffle), so the rest of the epoch
-                would take other rows.
+                names or shapes differ, or its optimizer's class), or
+                another seed wrote it, whose shuffle order would make the
+                resumed run differ, or it was taken mid-epoch under another
+                plan (`plan_of`: batch size, rows, steps per epoch,
+                shuffle), so the rest of the epoch would take other rows.
             DamagedCheckpointError: every checkpoint in the directory is damaged.
         """
-        tree = guard.newest_intact(self._manager, _template(abstract, self.source, self.plan),
-                                   self._ocp.args.StandardRestore)
+        template = _template(abstract, self.source, self.plan)
+        if self.optimizer is not None:
+            template[guard.OPTIMIZER] = guard.optimizer_tree(self.optimizer)
+        tree = guard.newest_intact(self._manager, template, self._ocp.args.StandardRestore)
         if tree is None:
             return None, None
+        guard.check_optimizer(tree, self.optimizer, self.directory)
         self._check_seed(tree, seed)
         position = Position(int(tree["position"]["epoch"]), int(tree["position"]["steps"]),
                             stopped=guard.STOPPED in tree)
@@ -340,10 +346,12 @@ def open_for_fit(checkpoint_dir, model, seed, multiprocess, initial_epoch,
     # is process 0's, for all of them.
     checkpoints = Checkpoints(checkpoint_dir, lock=not multiprocess or _process_index() == 0,
                               source=source, plan=plan, max_to_keep=max_to_keep)
+    checkpoints.optimizer = guard.optimizer_name(model.optimizer)
     if source is not None:
         source.recording = True
     with contextlib.ExitStack() as on_error:
         on_error.callback(checkpoints.close)
+        guard.check_writable(checkpoints.directory)
         position = checkpoints.restore(model, seed) or start
         checkpoints.check_room(model)
         on_error.pop_all()

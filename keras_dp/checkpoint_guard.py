@@ -20,7 +20,8 @@ and is the same however the array is split over devices and processes: a
 save never gathers an array to check it, and a checkpoint written split
 over 4 devices verifies when read onto 2, or onto 1 process of 2. An older
 checkpoint holding CRC-32s (keras_dp before this checksum) is verified by
-its CRC-32s, on the host.
+its CRC-32s, on the host. The optimizer's class name is saved too and
+compared (`check_optimizer`): two optimizers' slots can have the same shapes.
 """
 
 import errno
@@ -43,6 +44,9 @@ PLAN = "plan"  # the rows-per-step plan of a fit (`checkpoint.plan_of`), absent 
 # Present only in the checkpoints of a run that `stop_training` ended
 # (`checkpoint.Position.stopped`); a reader's template never holds it: read along.
 STOPPED = "stopped"
+# The optimizer's class name (`optimizer_name`), absent before it was added.
+OPTIMIZER = "optimizer"
+_NAME_BYTES = 64
 LOCK_FILE = ".keras_dp.lock"
 # orbax's metadata files beside the arrays: a few KiB per checkpoint.
 _OVERHEAD_BYTES = 64 * 1024
@@ -104,6 +108,53 @@ class DirectoryLock:
     def _close(self):
         os.close(self._fd)
         self._fd = None
+
+
+def check_writable(directory):
+    """Raise `PermissionError` if this process cannot write into `directory`.
+
+    A lock file left there by an earlier run opens for writing even when
+    the directory itself is read-only; without this, a fit would train an
+    epoch and fail at its save.
+    """
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise PermissionError(
+            errno.EACCES,
+            f"checkpoint_dir {directory} cannot be written to (Permission denied): "
+            "the first save, at the end of an epoch, would fail. It must be a "
+            "directory this process can write to: fix its permissions (chmod u+w), "
+            "or pass another path.")
+
+
+def optimizer_name(optimizer):
+    """`optimizer`'s class name, with its inner optimizer's for a wrapper: "LossScaleOptimizer(Adam)"."""
+    inner = getattr(optimizer, "inner_optimizer", None)
+    name = type(optimizer).__name__
+    return name if inner is None else f"{name}({optimizer_name(inner)})"
+
+
+def optimizer_tree(name):
+    """A checkpoint's entry for optimizer `name`: its bytes, zero-padded to a fixed size."""
+    data = name.encode()[:_NAME_BYTES].ljust(_NAME_BYTES, b"\0")
+    return {"name": np.frombuffer(data, np.uint8).copy()}
+
+
+def check_optimizer(tree, name, directory):
+    """Refuse a checkpoint `tree` written with another optimizer than `name` (None: unchecked).
+
+    Its variables can have the same shapes (SGD's momentum, RMSprop's
+    velocity): restored, RMSprop would take a negative momentum for a mean
+    square and train on NaN.
+    """
+    if name is None or OPTIMIZER not in tree:  # an older keras_dp's checkpoint
+        return
+    saved = bytes(np.asarray(tree[OPTIMIZER]["name"])).rstrip(b"\0").decode()
+    if saved != name:
+        raise ValueError(
+            f"The checkpoint in {directory} was written with the optimizer {saved}, "
+            f"and this model's is {name}: its slots would be restored into the wrong "
+            f"optimizer. Compile with {saved} to resume that run, or pass a new "
+            "checkpoint_dir to start afresh.")
 
 
 def check_room(directory, checkpoint_bytes, checkpoints_to_add, free_bytes=None):
@@ -181,19 +232,25 @@ def read_verified(manager, index, template, restore_args):
     try:
         saved = manager.item_metadata(index).tree
     except Exception as error:  # noqa: BLE001 - any read error means damaged
+        if not os.path.isdir(os.path.join(path, "default")):  # orbax's item: nothing saved
+            return ("it holds no saved state (a save cut short, or a copy of one: "
+                    "delete it)"), None
         return f"its metadata could not be read ({short(error)})", None
-    if PLAN in template and PLAN not in saved:  # an older keras_dp's: no plan to check
-        template = {key: value for key, value in template.items() if key != PLAN}
-    for key in (PLAN, STOPPED):  # a reader that checks none: read it along
+    for key in (PLAN, OPTIMIZER):  # an older keras_dp's: nothing to check
+        if key in template and key not in saved:
+            template = {name: value for name, value in template.items() if name != key}
+    for key in (PLAN, STOPPED, OPTIMIZER):  # a reader that checks none: read it along
         if key in saved and key not in template:
-            template = dict(template, **{key: {name: np.zeros((), np.int64)
-                                               for name in saved[key]}})
+            template = dict(template, **{key: {
+                name: np.zeros(saved[key][name].shape, np.dtype(saved[key][name].dtype))
+                for name in saved[key]}})
     if layout(saved) != layout(template):
         raise ValueError(
             f"The checkpoint in {path} does not fit this model: it was written "
             "for another model, optimizer or set of metrics, or with another "
             "input (a Grain source's position is saved with it, one row per "
-            "process), so its arrays' names or shapes differ. Resume with the "
+            "process), so its arrays' names or shapes differ "
+            f"({difference(layout(saved), layout(template))}). Resume with the "
             "same model, compile arguments and input, or pass a new checkpoint_dir.")
     kind = next((key for key in (SUMS, LEGACY_SUMS) if key in saved), None)
     if kind is not None:
@@ -308,6 +365,36 @@ def mismatched(tree, kind=SUMS):
 def layout(tree):
     """Each array's name, shape and dtype: what must match for a restore to fit."""
     return [(name, tuple(leaf.shape), np.dtype(leaf.dtype).name) for name, leaf in leaves(tree)]
+
+
+def difference(saved, wanted):
+    """Where layout `saved` (a checkpoint's) and `wanted` (this model's) first differ, in words.
+
+    Example: "['state']['optimizer']: 2 arrays in the checkpoint, 10 for this
+    model; the first that differs, ['state']['optimizer'][2], is absent there
+    and (4, 8) float32 here".
+    """
+    saved = {name: tuple(rest) for name, *rest in saved}
+    wanted = {name: tuple(rest) for name, *rest in wanted}
+    name = min((name for name in saved.keys() | wanted.keys()
+                if saved.get(name) != wanted.get(name)), key=_natural)
+    group = name.rsplit("[", 1)[0]
+    counts = [sum(other.rsplit("[", 1)[0] == group for other in layout_of)
+              for layout_of in (saved, wanted)]
+    return (f"{group}: {counts[0]} arrays in the checkpoint, {counts[1]} for this model; "
+            f"the first that differs, {name}, is {_described(saved.get(name))} there "
+            f"and {_described(wanted.get(name))} here")
+
+
+def _natural(name):
+    """`name`'s sort key with its indices as numbers: `[2]` before `[10]`."""
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part)
+            for part in name.replace("]", "[").split("[")]
+
+
+def _described(entry):
+    """An array's `(shape, dtype)` in words, or "absent"."""
+    return "absent" if entry is None else f"{entry[0]} {entry[1]}"
 
 
 def short(error):

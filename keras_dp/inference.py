@@ -52,7 +52,7 @@ def evaluate(trainer, weights, batches, callbacks, programs=None):
     placed = trainer.placement.steps(
         batches.epoch(0), trainer.steps_per_execution, batches.peek(),
         placement_lib.planned_rows(batches))
-    with contextlib.closing(placed):
+    with contextlib.closing(placed), callbacks_lib.released_on_error(callbacks):
         for steps, device_batch in placed:
             callbacks.on_test_batch_begin(index)
             non_trainable, metrics, logs = programs.call(
@@ -88,7 +88,7 @@ def predict(trainer, weights, batches, callbacks):
     inputs = (batch[0] for batch in batches.epoch(0))
     placed = placement.steps(inputs, trainer.steps_per_execution, batches.peek()[0],
                              placement_lib.planned_rows(batches))
-    with contextlib.closing(placed):
+    with contextlib.closing(placed), callbacks_lib.released_on_error(callbacks):
         for steps, x_device in placed:
             callbacks.on_predict_batch_begin(index)
             if steps == 1:

@@ -3,6 +3,7 @@
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -231,6 +232,23 @@ def test_a_partly_written_checkpoint_is_never_restored(data, tmp_path):
     assert_weights_equal(resumed, model)
 
 
+def test_an_empty_newest_step_is_skipped_with_a_warning_that_says_so(tmp_path):
+    # Before, the warning quoted orbax: "Unable to retrieve default item.
+    # Please ensure that a handler for the default item is registered ...".
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(24, 4)).astype("float32"), rng.normal(size=(24, 2))
+    fit_small = dict(batch_size=8, verbose=0, devices=devices(2), checkpoint_dir=tmp_path)
+    one_epoch = small(8, "sgd")
+    keras_dp.fit_sharded(one_epoch, x, y, **fit_small)
+    (tmp_path / "1").mkdir()  # a step directory with nothing in it
+    resumed = small(8, "sgd")
+    with pytest.warns(RuntimeWarning, match=(
+            r"skipped damaged checkpoints \(\S+/1: it holds no saved state \(a save cut "
+            r"short, or a copy of one: delete it\)\); resuming from the older intact one, 0")):
+        assert keras_dp.fit_sharded(resumed, x, y, **fit_small).epoch == []
+    assert_weights_equal(resumed, one_epoch)
+
+
 def test_a_checkpoint_of_another_model_or_seed_is_refused(data, tmp_path):
     fit(mlp(), data, epochs=1, checkpoint_dir=tmp_path)
     with pytest.raises(ValueError, match="seed=0"):
@@ -240,6 +258,53 @@ def test_a_checkpoint_of_another_model_or_seed_is_refused(data, tmp_path):
     other.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     with pytest.raises(ValueError, match="does not fit this model"):
         fit(other, data, epochs=2, checkpoint_dir=tmp_path)
+
+
+def small(width, optimizer):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(width, activation="relu"),
+                              keras.layers.Dense(2)])
+    model.compile(optimizer, "mse")
+    return model
+
+
+def test_a_checkpoint_of_other_widths_or_another_optimizer_names_what_differs(tmp_path):
+    # Before, the message named neither the arrays nor their shapes.
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(24, 4)).astype("float32"), rng.normal(size=(24, 2))
+    fit_small = dict(batch_size=8, verbose=0, devices=devices(3), checkpoint_dir=tmp_path)
+    keras_dp.fit_sharded(small(8, "sgd"), x, y, **fit_small)
+    wider = small(16, "sgd")
+    with pytest.raises(ValueError, match=re.escape(
+            "names or shapes differ (['state']['trainable']: 4 arrays in the checkpoint, 4 "
+            "for this model; the first that differs, ['state']['trainable'][0], is (4, 8) "
+            "float32 there and (4, 16) float32 here). Resume with the same model")):
+        keras_dp.fit_sharded(wider, x, y, epochs=2, **fit_small)
+    with pytest.raises(ValueError, match=re.escape(
+            "(['state']['optimizer']: 2 arrays in the checkpoint, 10 for this model; the "
+            "first that differs, ['state']['optimizer'][2], is absent there and (4, 8) "
+            "float32 here)")) as raised:
+        keras_dp.fit_sharded(small(8, "adam"), x, y, epochs=2, **fit_small)
+    assert f"The checkpoint in {tmp_path}/0 does not fit this model" in str(raised.value)
+    assert int(wider.optimizer.iterations.numpy()) == 0  # nothing restored, nothing trained
+
+
+def test_a_checkpoint_of_another_optimizer_with_the_same_shapes_is_refused(tmp_path):
+    # SGD's momentum and RMSprop's velocity have the same shapes: before,
+    # RMSprop restored SGD's momentum (negative entries) as its mean squares
+    # and the first step stopped on a NaN update, a FloatingPointError.
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(24, 4)).astype("float32"), rng.normal(size=(24, 2))
+    fit_small = dict(batch_size=8, verbose=0, devices=devices(2), checkpoint_dir=tmp_path)
+    keras_dp.fit_sharded(small(8, keras.optimizers.SGD(0.1, momentum=0.9)), x, y, **fit_small)
+    model = small(8, keras.optimizers.RMSprop(0.01))
+    with pytest.raises(ValueError, match=(
+            r"^The checkpoint in \S+ was written with the optimizer SGD, and this model's "
+            r"is RMSprop: .* Compile with SGD to resume that run, or pass a new "
+            r"checkpoint_dir")):
+        keras_dp.fit_sharded(model, x, y, epochs=2, **fit_small)
+    resumed = small(8, keras.optimizers.SGD(0.1, momentum=0.9))  # the same optimizer resumes
+    assert keras_dp.fit_sharded(resumed, x, y, epochs=2, **fit_small).epoch == [1]
 
 
 def two_checkpoints(data, directory):
@@ -486,3 +551,35 @@ def test_a_save_never_asks_jax_for_the_preemption_sync_point(data, tmp_path, mon
     fit(mlp(), data, epochs=2, checkpoint_dir=tmp_path)
     assert sorted(int(name) for name in os.listdir(tmp_path) if name.isdigit()) == [0, 1]
     assert asked == []
+
+
+def permissions_enforced(tmp_path):
+    probe = tmp_path / "probe"
+    probe.mkdir(mode=0o500)
+    try:
+        (probe / "file").touch()
+    except PermissionError:
+        return True
+    return False  # root (CAP_DAC_OVERRIDE) writes anyway
+
+
+def test_a_checkpoint_dir_made_read_only_is_refused_before_the_first_step(tmp_path):
+    # Before, its lock file still opened, an epoch trained, and its save
+    # failed; a directory that cannot be created was refused at once.
+    if not permissions_enforced(tmp_path):
+        pytest.skip("this user writes into a directory of mode 0o500 (root)")
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(24, 4)).astype("float32"), rng.normal(size=(24, 2))
+    fit_small = dict(batch_size=8, verbose=0, devices=devices(2), checkpoint_dir=tmp_path / "c")
+    keras_dp.fit_sharded(small(8, "sgd"), x, y, **fit_small)
+    os.chmod(tmp_path / "c", 0o500)
+    model = small(8, "sgd")
+    try:
+        with pytest.raises(PermissionError, match=(
+                r"^\[Errno 13\] checkpoint_dir \S+/c cannot be written to \(Permission denied\): "
+                r"the first save.*fix its permissions \(chmod u\+w\), or pass another path\.$")):
+            keras_dp.fit_sharded(model, x, y, epochs=2, **fit_small)
+    finally:
+        os.chmod(tmp_path / "c", 0o700)
+    assert int(model.optimizer.iterations.numpy()) == 0  # not a step trained
+    assert keras_dp.fit_sharded(model, x, y, epochs=2, **fit_small).epoch == [1]  # writable: resumes

@@ -1,5 +1,7 @@
 """Faults during `fit`, made real: SIGINT at random moments, a step that fails at run time."""
 
+import contextlib
+import gc
 import json
 import os
 import pathlib
@@ -7,6 +9,7 @@ import random
 import re
 import subprocess
 import sys
+import threading
 
 import jax
 import keras
@@ -14,6 +17,7 @@ import numpy as np
 import pytest
 
 import keras_dp
+from conftest import assert_weights_close
 from conftest import assert_weights_equal
 from conftest import devices
 
@@ -338,3 +342,149 @@ def test_an_interrupt_while_programs_compile_ahead_exits_python_cleanly():
     assert done.returncode == 0, done.stderr[-3000:]
     assert "terminate called" not in done.stderr and "FATAL" not in done.stderr
     assert done.stdout.split() == ["interrupted", "2"]  # one call of 2 steps, then Ctrl-C
+
+
+# Faults a user meets, round 2: input that fails mid-epoch, and the threads left.
+
+class InputFault(Exception):
+    """What a user's input pipeline raises."""
+
+
+def tiny_data():
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(32, 4)).astype("float32"), rng.normal(size=(32, 2)).astype("float32")
+
+
+def tiny_model():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
+                              keras.layers.Dense(2)])
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    return model
+
+
+def batches_failing_at(x, y, at):
+    """A generator of 8-row batches that raises instead of yielding batch `at`."""
+    for index in range(len(x) // 8):
+        if index == at:
+            raise InputFault(f"cannot read batch {at}")
+        yield x[index * 8:(index + 1) * 8], y[index * 8:(index + 1) * 8]
+
+
+@contextlib.contextmanager
+def no_garbage_collection():
+    """Threads that only the garbage collector would end stay visible."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def new_threads(before):
+    return sorted(thread.name for thread in threading.enumerate()
+                  if thread not in before and thread.is_alive())
+
+
+def test_input_failing_mid_pass_reaches_the_user_and_leaves_no_thread():
+    # Before the fix the pool of Keras's CallbackList (it runs History and
+    # the progress bar asynchronously) outlived each pass that an error
+    # ended, in fit, its validation, evaluate and predict: Keras shuts it
+    # down only in on_train_end (on_test_end, on_predict_end).
+    x, y = tiny_data()
+    model = tiny_model()
+    trainer = keras_dp.ShardedTrainer(model, devices=devices(3))
+    fit = dict(batch_size=8, verbose=0, shuffle=False)
+    trainer.fit(x, y, **fit)
+    calls = {
+        "fit": lambda: trainer.fit(batches_failing_at(x, y, 2), verbose=0),
+        "validation": lambda: trainer.fit(x, y, validation_data=batches_failing_at(x, y, 2),
+                                          **fit),
+        "evaluate": lambda: trainer.evaluate(batches_failing_at(x, y, 2), verbose=0),
+        "predict": lambda: trainer.predict(batches_failing_at(x, y, 2), verbose=0),
+    }
+    for name, call in calls.items():
+        with no_garbage_collection():
+            before = threading.enumerate()
+            with pytest.raises(InputFault) as raised:
+                call()
+            assert str(raised.value) == "cannot read batch 2", name  # unchanged, no chain
+            assert raised.value.__cause__ is None and raised.value.__context__ is None
+            assert new_threads(before) == [], name
+    # As under model.fit: the steps before the failing batch are kept (2 of
+    # the failing fit's, 4 of the fit whose validation failed), and the
+    # model trains on.
+    assert int(model.optimizer.iterations.numpy()) == 4 + 2 + 4
+    reference = tiny_model()
+    reference.fit(x, y, **fit)
+    reference.fit(batches_failing_at(x, y, 99), steps_per_epoch=2, verbose=0)
+    reference.fit(x, y, **fit)
+    assert_weights_close(model, reference)
+    trainer.fit(x, y, **fit)
+    reference.fit(x, y, **fit)
+    assert_weights_close(model, reference)
+
+
+class FailingRows:
+    """A Grain data source over (x, y) rows that raises at row `at`."""
+
+    def __init__(self, x, y, at):
+        self.x, self.y, self.at = x, y, at
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, index):
+        if index == self.at:
+            raise InputFault(f"cannot read row {index}")
+        return self.x[index], self.y[index]
+
+
+@pytest.mark.parametrize("kind", ["MapDataset", "DataLoader"])
+def test_a_grain_source_failing_mid_epoch_reaches_the_user_and_stops_its_threads(kind):
+    # Before the fix Grain's prefetch threads (2 and a pool for the
+    # MapDataset, 8 for the DataLoader) outlived the fit: the iterator was
+    # neither exhausted nor closed, and the error's traceback kept it alive
+    # until the garbage collector ran.
+    grain = pytest.importorskip("grain")
+    x, y = tiny_data()
+    model = tiny_model()
+    source = FailingRows(x, y, at=20)
+    if kind == "MapDataset":
+        dataset = grain.MapDataset.source(source).batch(8)
+    else:
+        dataset = grain.DataLoader(
+            data_source=source, operations=[grain.transforms.Batch(8)],
+            sampler=grain.samplers.IndexSampler(32, shuffle=False, num_epochs=1))
+    with no_garbage_collection():
+        before = threading.enumerate()
+        with pytest.raises(InputFault) as raised:
+            keras_dp.fit_sharded(model, dataset, epochs=2, verbose=0, devices=devices(3))
+        assert str(raised.value) == "cannot read row 20"
+        assert new_threads(before) == []
+    assert int(model.optimizer.iterations.numpy()) == 2  # batches 0 and 1, as model.fit
+    reference = tiny_model()
+    reference.fit(x[:16], y[:16], batch_size=8, verbose=0, shuffle=False)
+    assert_weights_close(model, reference)
+
+
+def test_an_ensembles_input_failing_mid_pass_leaves_no_thread():
+    # As for one model: before the fix fit_ensemble, its evaluate and its
+    # predict left Keras's CallbackList pool running after such an error.
+    x, y = tiny_data()
+    y = (np.arange(32) % 3).astype("int32")
+
+    def build():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    trainer = keras_dp.EnsembleTrainer(build, 2, devices=devices(2))
+    trainer.fit(x, y, batch_size=8, verbose=0)
+    for call in (trainer.fit, trainer.evaluate, trainer.predict):
+        with no_garbage_collection():
+            before = threading.enumerate()
+            with pytest.raises(InputFault, match="cannot read batch 2"):
+                call(batches_failing_at(x, y, 2), verbose=0)
+            assert new_threads(before) == [], call.__name__

@@ -121,7 +121,7 @@ def fit(trainer, sources, val, callbacks, *, epochs, validation_freq):
     # A BackupAndRestore that restored a backup moves the start, as under model.fit.
     epochs = range(_compat.take_initial_epoch(model) or epochs.start, epochs.stop)
     logs = {}
-    with live.attached():
+    with live.attached(), callbacks_lib.released_on_error(callbacks):
         try:
             for epoch in epochs:
                 callbacks.on_epoch_begin(epoch)

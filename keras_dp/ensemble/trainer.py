@@ -239,8 +239,9 @@ class EnsembleTrainer:
         callbacks = callbacks_lib.callback_list(
             callbacks, self.averaging_model(), verbose, history=False, epochs=1,
             steps=batches.steps)
-        scores, non_trainable, metrics = ensemble_inference.evaluate(
-            self, self._weights, batches, callbacks)
+        with callbacks_lib.released_on_error(callbacks):  # on_test_end may not come
+            scores, non_trainable, metrics = ensemble_inference.evaluate(
+                self, self._weights, batches, callbacks)
         # As model.evaluate: the members keep what the test steps left.
         members_lib.write_back_members(TrainState(None, non_trainable, None, metrics),
                                        self.members)
@@ -265,8 +266,9 @@ class EnsembleTrainer:
         callbacks = callbacks_lib.callback_list(
             callbacks, self.averaging_model(), verbose, history=False, epochs=1,
             steps=batches.steps)
-        probabilities, non_trainable = ensemble_inference.predict(
-            self, self._weights, batches, callbacks)
+        with callbacks_lib.released_on_error(callbacks):  # on_predict_end may not come
+            probabilities, non_trainable = ensemble_inference.predict(
+                self, self._weights, batches, callbacks)
         self._keep_non_trainable(non_trainable)
         return probabilities
 

@@ -81,12 +81,15 @@ class GrainEpochs:
         states = self._states = {}
         if self.recording and first:  # a restored position can be saved again as it is
             states[first] = self.last = iterator.get_state()
-        with _flags_explained():
-            for index, batch in enumerate(iterator, first + 1):
-                if self.recording:
-                    states[index] = self.last = iterator.get_state()
-                    states.pop(index - KEPT_STATES, None)
-                yield batch
+        try:
+            with _flags_explained():
+                for index, batch in enumerate(iterator, first + 1):
+                    if self.recording:
+                        states[index] = self.last = iterator.get_state()
+                        states.pop(index - KEPT_STATES, None)
+                    yield batch
+        finally:
+            _close(iterator)
 
     def restored(self, epoch, skip):
         """The state restored for `(epoch, skip)` (see `restore`), or None: a fresh start."""
@@ -126,6 +129,20 @@ class GrainEpochs:
         """Continue epoch `position.epoch` after `position.steps` steps from `saved` (see `saved`)."""
         state = _decode(np.asarray(saved)[jax.process_index()])
         self._restored = None if state is None else (position.epoch, position.steps, state)
+
+
+def _close(iterator):
+    """Stop a Grain iterator's prefetch threads (and worker processes) now.
+
+    They stay until the iterator is closed or collected, and an error's
+    traceback keeps it alive. A `DataLoader`'s iterator has no `close`: the
+    dataset iterator it wraps does.
+    """
+    for each in (iterator, getattr(iterator, "_iterator", None)):
+        close = getattr(each, "close", None)
+        if close is not None:
+            close()
+            return
 
 
 @contextlib.contextmanager
