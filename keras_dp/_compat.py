@@ -153,6 +153,21 @@ def custom_step(model, name):
     return True
 
 
+def shut_down_callback_pool(callbacks):
+    """Stop a `CallbackList`'s thread pool and reset it as `on_*_end` would.
+
+    `CallbackList._executor` (a `ThreadPoolExecutor` started in `on_*_begin`
+    when every callback may run asynchronously), `_futures` and
+    `_in_begin_end_block_count`: Keras shuts the pool down only in
+    `on_*_end`, and has no public call for a pass that an exception ended.
+    """
+    executor = getattr(callbacks, "_executor", None)
+    if executor is not None:
+        executor.shutdown(cancel_futures=True)
+        callbacks._executor, callbacks._futures = None, []
+        callbacks._in_begin_end_block_count = 0
+
+
 def jax_backend_started():
     """Whether JAX has started a backend (then devices can no longer change).
 

@@ -57,11 +57,7 @@ def release(callbacks):
     down only in `on_*_end`, which a failed pass never reaches: its worker
     thread would stay until the list is garbage collected.
     """
-    executor = getattr(callbacks, "_executor", None)
-    if executor is not None:
-        executor.shutdown(cancel_futures=True)
-        callbacks._executor, callbacks._futures = None, []
-        callbacks._in_begin_end_block_count = 0
+    _compat.shut_down_callback_pool(callbacks)
 
 
 @contextlib.contextmanager

@@ -175,3 +175,14 @@ def test_metric_names_expand_compiled_metrics_in_kerass_order():
     x, y = np.ones((4, 3), "float32"), np.zeros((4, 2), "float32")
     logs = model.evaluate(x, y, verbose=0, return_dict=True)
     assert _compat.metric_names(model) == ["loss", "mae"] == list(logs)
+
+
+def test_a_callback_lists_pool_is_where_shut_down_callback_pool_stops_it():
+    callbacks = keras.callbacks.CallbackList(
+        [keras.callbacks.History()], add_history=False, add_progbar=False)
+    callbacks.on_train_begin()  # History may run asynchronously: Keras starts its pool
+    executor = callbacks._executor
+    assert executor is not None and callbacks._in_begin_end_block_count == 1
+    _compat.shut_down_callback_pool(callbacks)
+    assert executor._shutdown
+    assert callbacks._executor is None and callbacks._in_begin_end_block_count == 0
