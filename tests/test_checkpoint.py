@@ -485,6 +485,7 @@ def full_disk(tmp_path, mib, case):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # 7 s: moved out of CI to keep the default run under 10 minutes
 def test_a_full_disk_is_refused_before_the_first_step(tmp_path):
     # 0.25 MiB free; the run needs 3 checkpoints of 0.08 MiB plus metadata.
     result = full_disk(tmp_path, 0.25, "small")

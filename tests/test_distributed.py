@@ -349,6 +349,7 @@ AGREE = ("Every process must run the same fit (the same arguments, model and opt
          "each with its own share of the data")
 
 
+@pytest.mark.slow  # 9 s: moved out of CI to keep the default run under 10 minutes
 def test_fits_that_differ_between_processes_fail_on_every_process_and_stops_agree(tmp_path):
     # Each case hung (epochs, no rows, stop: until killed), aborted in gloo
     # (width) or trained on batches neither process asked for (batch_size:
@@ -449,6 +450,7 @@ def test_an_error_caught_on_one_process_only_ends_every_process_with_its_reason(
 CALLBACKS_WORKER = WORKER.parent / "process_callbacks_worker.py"
 
 
+@pytest.mark.slow  # 18 s: moved out of CI to keep the default run under 10 minutes
 def test_process_0_alone_writes_the_callbacks_files_and_evaluate_on_one_process_times_out(
         tmp_path):
     # Before, both processes ran ModelCheckpoint, CSVLogger, TensorBoard and

@@ -149,6 +149,7 @@ def test_the_averaging_model_saves_and_loads_as_a_keras_file(trained, mnist, tmp
     np.testing.assert_array_equal(loaded.predict(x_test[:300], verbose=0), before)
 
 
+@pytest.mark.slow  # 9 s: moved out of CI to keep the default run under 10 minutes
 def test_the_train_step_has_no_collective_and_members_stay_on_their_devices(mnist):
     # The convnet with 2 members per device: a plain vmap under the SPMD
     # partitioner compiled its convolutions with all-gathers.

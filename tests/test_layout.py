@@ -97,7 +97,7 @@ def test_bytes_per_device_are_a_1_over_n_share_plus_what_stays_whole(mnist, mode
     assert "split over 'batch'" in split.describe()
 
 
-@pytest.mark.parametrize("mode", ["optimizer", "full"])
+@pytest.mark.parametrize("mode", [pytest.param("optimizer", marks=pytest.mark.slow), "full"])
 def test_the_compiled_step_gathers_what_is_split(mnist, mode):
     (x, y), _ = mnist
     trainer = keras_dp.ShardedTrainer(convnet(), devices=devices(4), state_sharding=mode)

@@ -612,6 +612,7 @@ def _two_output_model():
     return model
 
 
+@pytest.mark.slow  # 6 s: moved out of CI to keep the default run under 10 minutes
 def test_evaluate_and_history_follow_kerass_metric_order(data):
     x, y = data[0][:155], data[1][:155]
     labels = {"digit": y, "odd": (y % 2).astype("float32")}
@@ -638,6 +639,7 @@ def test_an_uncompiled_model_predicts_as_model_predict(data):
     assert not model.compiled
 
 
+@pytest.mark.slow  # 5 s: moved out of CI to keep the default run under 10 minutes
 def test_validation_keeps_the_test_steps_non_trainable_state_as_model_fit(data):
     # 7 timesteps of 28 pixels and whole batches: the test step's dropout
     # seed is the point, not the scan's length or a remainder's compile.

@@ -132,6 +132,7 @@ def test_a_tf_data_text_pipeline_of_padded_batches_equals_keras():
     assert trainer._train_step._cache_size() == 3
 
 
+@pytest.mark.slow  # 5 s: moved out of CI to keep the default run under 10 minutes
 def test_ragged_batches_of_split_text_are_padded_as_keras_pads_them():
     # Splitting a batch of strings gives a RaggedTensor; Keras pads it with
     # zeros to the longest row. keras_dp refused it ("dtype object").

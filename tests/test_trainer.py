@@ -43,6 +43,7 @@ def test_four_devices_track_one_device_for_20_steps_in_float32(mnist):
     assert losses_1[-1] < losses_1[0]  # it really trained
 
 
+@pytest.mark.slow  # 8 s; test_exact checks the convnet, BatchNorm included, against Keras in CI
 def test_batchnorm_statistics_are_over_the_global_batch(mnist):
     batches = batches_of(mnist, 1)
     _, state_1, _ = train_by_hand(convnet(seed=2), batches, 1)
