@@ -1,4 +1,4 @@
-"""Test setup: 8 simulated CPU devices, the shared MNIST, a slow marker, no compilation cache.
+"""Test setup: 8 simulated CPU devices, the shared MNIST, a slow marker, one fresh JAX compilation cache.
 
 XLA reads the device count when JAX first starts a backend, so the flag is set
 here, before anything imports JAX.
@@ -15,6 +15,17 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # No persistent compilation cache in the user's home: tests that check the
 # cache give it a directory of their own (tests/test_compilation_cache.py).
 os.environ["KERAS_DP_COMPILATION_CACHE"] = "0"
+# One JAX persistent compilation cache for the whole run, fresh each run and
+# removed at its end: a program several tests compile alike (the convnet's
+# step on the same devices, in this process and in the subprocesses that
+# inherit the variable) compiles once. Tests that check the cache set their own.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="keras_dp_tests_jax_cache_")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 _SHARED_DATA = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
 if "KERAS_DP_DATA_DIR" not in os.environ and (_SHARED_DATA / "mnist.npz").is_file():
     os.environ["KERAS_DP_DATA_DIR"] = str(_SHARED_DATA)

@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from keras_dp import datasets
 
@@ -45,6 +46,7 @@ sys.meta_path[:] = [Hidden({"tensorflow", "matplotlib"})
 CHECKS = '''
 import contextlib, importlib.util, io, json
 import numpy as np
+import pytest
 
 report = {"found": [name for name in ("tensorflow", "matplotlib")
                     if importlib.util.find_spec(name) is not None]}
@@ -84,6 +86,7 @@ print(json.dumps(report))
 '''
 
 
+@pytest.mark.slow  # 13 s: moved out of CI to keep the default run under 10 minutes
 def test_train_and_read_arrays_pydatasets_and_iterables_without_tf_or_matplotlib(tmp_path):
     (x, y), (x_test, y_test) = datasets.load_mnist(datasets.BUNDLED_MNIST)
     source = tmp_path / "mnist_small.npz"

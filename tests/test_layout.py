@@ -51,6 +51,7 @@ def test_each_mode_trains_the_same_steps_as_replicated_in_float32(mnist):
             np.testing.assert_allclose(b, a, rtol=0, atol=1e-4 * max(np.abs(a).max(), 1e-6))
 
 
+@pytest.mark.slow  # 20 s: moved out of CI to keep the default run under 10 minutes
 def test_float64_every_mode_equals_one_device_to_rounding():
     """10 steps, Dropout and BatchNorm, layers of 10 and 30 units: each mode, each optimizer.
 
