@@ -49,24 +49,19 @@ def callback_list(callbacks, model, verbose, history=True, collective_reads=Fals
     )
 
 
-def release(callbacks):
-    """Shut down the thread pool of a `CallbackList` whose pass an exception ended.
+@contextlib.contextmanager
+def released_on_error(callbacks):
+    """Shut down the `CallbackList`'s thread pool if the block raises; the exception goes on unchanged.
 
     Keras's `CallbackList` starts a pool in `on_*_begin` when every callback
     may run asynchronously (History and the progress bar do) and shuts it
     down only in `on_*_end`, which a failed pass never reaches: its worker
     thread would stay until the list is garbage collected.
     """
-    _compat.shut_down_callback_pool(callbacks)
-
-
-@contextlib.contextmanager
-def released_on_error(callbacks):
-    """`release(callbacks)` if the block raises, and the exception goes on unchanged."""
     try:
         yield
     except BaseException:
-        release(callbacks)
+        _compat.shut_down_callback_pool(callbacks)
         raise
 
 

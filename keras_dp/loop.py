@@ -157,7 +157,7 @@ def fit(trainer, batches, val, callbacks, *, epochs, resume, validation_freq,
         # follows a checkpoint's own message.
         if not isinstance(error, (FloatingPointError, SystemExit)):
             error.add_note(run.live.report())
-        callbacks_lib.release(callbacks)  # its thread pool: on_train_end will not run
+        _compat.shut_down_callback_pool(callbacks)  # on_train_end will not run
         raise
     finally:
         feed.close()  # no compile ahead for a fit that has ended
