@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import keras_dp
-from conftest import devices
+from conftest import assert_close_to_scale, devices
 
 # About 3 minutes in all on the 2-core VM (each run compiles its programs).
 pytestmark = pytest.mark.slow
@@ -207,7 +207,7 @@ def test_evaluate_and_predict_with_k_steps_on_a_trained_sharded_trainer_equal_ke
         X_VAL, batch_size=2, verbose=0)
     for name in ("a", "b"):
         assert predicted[name].shape == expected[name].shape == (13, expected[name].shape[1])
-        np.testing.assert_allclose(predicted[name], expected[name], rtol=1e-5, atol=1e-6)
+        assert_close_to_scale(predicted[name], expected[name], err_msg=name)
 
 
 @pytest.mark.parametrize("sharding, unroll, ema, bitwise", [

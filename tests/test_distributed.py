@@ -20,6 +20,7 @@ import pytest
 import keras_dp
 from keras_dp import distributed
 from keras_dp.cli.launch import child_environment
+from conftest import assert_close_to_scale
 
 WORKER = pathlib.Path(__file__).parent / "scripts" / "distributed_worker.py"
 sys.path.insert(0, str(WORKER.parent))
@@ -120,7 +121,7 @@ def test_two_processes_with_k_steps_and_look_ahead_equal_one_process_of_four(
         if name not in ("predictions", "expected", "description"):
             np.testing.assert_array_equal(first[name], second[name])  # bitwise, every array
     for mine, reference in zip(weights(first), one_process_of_four):
-        np.testing.assert_allclose(mine, reference, rtol=1e-5, atol=1e-6)
+        assert_close_to_scale(mine, reference)
     np.testing.assert_array_equal(first["counts"], np.ones(798))  # every row once, last epoch
     # Host round trips per epoch: one for the epoch's plan of rows, one to
     # agree whether to read the model, and one after each epoch but the last
@@ -145,8 +146,7 @@ def test_two_processes_with_k_steps_and_look_ahead_equal_one_process_of_four(
     # predict in K-step calls returns each process's own rows, in order.
     assert first["predictions"].shape == (414, 1) and second["predictions"].shape == (384, 1)
     for result in (first, second):
-        np.testing.assert_allclose(result["predictions"], result["expected"],
-                                   rtol=1e-5, atol=1e-6)
+        assert_close_to_scale(result["predictions"], result["expected"])
         assert bool(result["refused"])  # a global batch that does not divide by 2
         assert bool(result["ensemble_refused"])  # up front, saying why
     # describe() shows the whole mesh, process by process, in every process.
@@ -171,7 +171,7 @@ def test_four_processes_of_one_device_equal_one_process_of_four(tmp_path, one_pr
         for mine, first in zip(weights(result), weights(results[0])):
             np.testing.assert_array_equal(mine, first)
     for mine, reference in zip(weights(results[0]), one_process_of_four):
-        np.testing.assert_allclose(mine, reference, rtol=1e-5, atol=1e-6)
+        assert_close_to_scale(mine, reference)
     np.testing.assert_array_equal(results[0]["counts"], np.ones(798))
 
 

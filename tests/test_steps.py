@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import keras_dp
-from conftest import batches_of, devices, mlp, weights
+from conftest import assert_close_to_scale, batches_of, devices, mlp, weights
 
 
 def test_gradients_are_averaged_by_one_all_reduce_in_the_compiled_step(mnist):
@@ -48,7 +48,7 @@ def test_a_rolled_scan_gives_the_same_steps(mnist, unroll):
                                       unroll=unroll)
     trainer.fit(x[:256], y[:256], batch_size=64, shuffle=False, verbose=0)
     for a, b in zip(weights(reference), weights(model)):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+        assert_close_to_scale(b, a)
 
 
 def test_the_train_step_is_pure_and_donates_its_state(mnist):

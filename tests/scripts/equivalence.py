@@ -23,7 +23,9 @@ parser.add_argument("--pairs", default=None,
                     help="optimizer:mode pairs, comma-separated, instead of every "
                          "optimizer with every --state-sharding mode")
 args = parser.parse_args()
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
+# Other XLA flags stay (--xla_cpu_max_isa, to emulate another CPU); the last count wins.
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""),
+                                    f"--xla_force_host_platform_device_count={args.devices}"])
 os.environ["KERAS_BACKEND"] = "jax"
 if args.float64:
     os.environ["JAX_ENABLE_X64"] = "1"

@@ -36,7 +36,9 @@ parser.add_argument("--perturb", action="store_true")
 parser.add_argument("--no-dropout", action="store_true",
                     help="set every Dropout's rate to 0 (stochastic depth included)")
 args = parser.parse_args()
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
+# Other XLA flags stay (--xla_cpu_max_isa, to emulate another CPU); the last count wins.
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""),
+                                    f"--xla_force_host_platform_device_count={args.devices}"])
 os.environ["KERAS_BACKEND"] = "jax"
 if not args.float32:
     os.environ["JAX_ENABLE_X64"] = "1"

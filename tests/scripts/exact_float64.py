@@ -30,7 +30,9 @@ parser.add_argument("--devices", type=int, default=3)
 parser.add_argument("--optimizers", default="sgd,adam")
 parser.add_argument("--keras-float32-islands", action="store_true")
 args = parser.parse_args()
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
+# Other XLA flags stay (--xla_cpu_max_isa, to emulate another CPU); the last count wins.
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""),
+                                    f"--xla_force_host_platform_device_count={args.devices}"])
 os.environ["KERAS_BACKEND"] = "jax"
 os.environ["JAX_ENABLE_X64"] = "1"
 
