@@ -89,6 +89,7 @@ class Checkpoints:
 
         self.source, self.plan = source, plan
         self.optimizer = None  # its name, saved and checked (`checkpoint_guard.optimizer_name`)
+        self.variables = None  # the model's, saved and checked (`checkpoint_guard.variable_signatures`)
         self.restored = None  # the `Position` restored by `restore`, if any
 
         self._ocp = ocp
@@ -129,6 +130,8 @@ class Checkpoints:
             tree[guard.STOPPED] = {"stopped": np.asarray(1, np.int64)}
         if self.optimizer is not None:
             tree[guard.OPTIMIZER] = guard.optimizer_tree(self.optimizer)
+        if self.variables is not None:
+            tree[guard.VARIABLES] = guard.variables_tree(self.variables)
         tree[guard.SUMS] = guard.bitsums(tree)
         try:
             self._manager.save(index, args=self._ocp.args.StandardSave(tree), force=True)
@@ -207,7 +210,8 @@ class Checkpoints:
         Raises:
             ValueError: the newest readable checkpoint does not fit the model
                 (another model, optimizer or metrics wrote it: its arrays'
-                names or shapes differ, or its optimizer's class), or
+                names or shapes differ, or its optimizer's class, or what
+                each weight is: `checkpoint_guard.check_variables`), or
                 another seed wrote it, whose shuffle order would make the
                 resumed run differ, or it was taken mid-epoch under another
                 plan (`plan_of`: batch size, rows, steps per epoch,
@@ -221,6 +225,7 @@ class Checkpoints:
         if tree is None:
             return None, None
         guard.check_optimizer(tree, self.optimizer, self.directory)
+        guard.check_variables(tree, self.variables, self.directory)
         self._check_seed(tree, seed)
         position = Position(int(tree["position"]["epoch"]), int(tree["position"]["steps"]),
                             stopped=guard.STOPPED in tree)
@@ -347,6 +352,7 @@ def open_for_fit(checkpoint_dir, model, seed, multiprocess, initial_epoch,
     checkpoints = Checkpoints(checkpoint_dir, lock=not multiprocess or _process_index() == 0,
                               source=source, plan=plan, max_to_keep=max_to_keep)
     checkpoints.optimizer = guard.optimizer_name(model.optimizer)
+    checkpoints.variables = guard.variable_signatures(model)
     if source is not None:
         source.recording = True
     with contextlib.ExitStack() as on_error:

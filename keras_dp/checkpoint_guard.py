@@ -22,6 +22,10 @@ over 4 devices verifies when read onto 2, or onto 1 process of 2. An older
 checkpoint holding CRC-32s (keras_dp before this checksum) is verified by
 its CRC-32s, on the host. The optimizer's class name is saved too and
 compared (`check_optimizer`): two optimizers' slots can have the same shapes.
+So is what each model variable is, its layer's class and its own name
+(`variable_signatures`, compared by `check_variables`): two models can hold
+arrays of the same shapes in another arrangement. Hyperparameters (the
+learning rate, say) are not compared: resuming with new ones is a choice.
 """
 
 import errno
@@ -37,6 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from keras_dp import _compat
+
 SUMS = "bitsums"  # the key of this keras_dp's checksums (`bitsums`)
 LEGACY_SUMS = "checksums"  # CRC-32s of each array's bytes, written before
 _SUM_DTYPES = {SUMS: np.uint32, LEGACY_SUMS: np.int64}
@@ -47,6 +53,10 @@ STOPPED = "stopped"
 # The optimizer's class name (`optimizer_name`), absent before it was added.
 OPTIMIZER = "optimizer"
 _NAME_BYTES = 64
+# Each model variable's "Layer/name shape dtype" (`variable_signatures`),
+# absent before it was added. Its length varies with the model, so a
+# reader's template never holds it: it is read along and compared.
+VARIABLES = "variables"
 LOCK_FILE = ".keras_dp.lock"
 # orbax's metadata files beside the arrays: a few KiB per checkpoint.
 _OVERHEAD_BYTES = 64 * 1024
@@ -157,6 +167,53 @@ def check_optimizer(tree, name, directory):
             "checkpoint_dir to start afresh.")
 
 
+def variable_signatures(model):
+    """What each trainable, then non-trainable, variable of `model` is: "Dense/kernel (4, 8) float32".
+
+    The class of the layer that owns it and its own name, not its path:
+    Keras numbers auto-named layers per process (`dense_3`), so paths differ
+    between two runs of one script, while arrays of the same shapes in
+    another arrangement (an Embedding's table where a Dense kernel was)
+    differ here.
+    """
+    owners = {}
+    for layer in _compat.all_layers(model):  # outer layers first: the innermost owner wins
+        for variable in layer.variables:  # with its seed generators' states
+            owners[id(variable)] = type(layer).__name__
+    return [f"{owners.get(id(variable), type(model).__name__)}/{variable.name} "
+            f"{tuple(variable.shape)} {np.dtype(variable.dtype).name}"
+            for variable in [*model.trainable_variables, *model.non_trainable_variables]]
+
+
+def variables_tree(signatures):
+    """A checkpoint's entry for `variable_signatures`: their lines as UTF-8 bytes."""
+    text = "\n".join(["keras_dp variables 1", *signatures]).encode()
+    return {"lines": np.frombuffer(text, np.uint8).copy()}
+
+
+def check_variables(tree, signatures, directory):
+    """Refuse a checkpoint `tree` of variables other than `signatures` (None: unchecked).
+
+    Names the first variable that differs. A checkpoint of a keras_dp from
+    before the signatures were saved is not checked.
+    """
+    if signatures is None or VARIABLES not in tree:
+        return
+    saved = bytes(np.asarray(tree[VARIABLES]["lines"])).decode().split("\n")[1:]
+    if saved == signatures:
+        return
+    index = next((i for i, (a, b) in enumerate(zip(saved, signatures)) if a != b),
+                 min(len(saved), len(signatures)))
+    there, here = (lines[index] if index < len(lines) else "absent"
+                   for lines in (saved, signatures))
+    raise ValueError(
+        f"The checkpoint in {directory} was written for another model: its arrays fit "
+        f"this model's shapes, but weight {index} (trainable weights first, as layer "
+        f"class/name, shape, dtype) is {there} there and {here} here, so the arrays "
+        "would be restored into the wrong layers. Resume with the model that wrote "
+        "it, or pass a new checkpoint_dir to start afresh.")
+
+
 def check_room(directory, checkpoint_bytes, checkpoints_to_add, free_bytes=None):
     """Raise `OSError` (ENOSPC) if `directory` lacks room for the checkpoints to come.
 
@@ -239,7 +296,7 @@ def read_verified(manager, index, template, restore_args):
     for key in (PLAN, OPTIMIZER):  # an older keras_dp's: nothing to check
         if key in template and key not in saved:
             template = {name: value for name, value in template.items() if name != key}
-    for key in (PLAN, STOPPED, OPTIMIZER):  # a reader that checks none: read it along
+    for key in (PLAN, STOPPED, OPTIMIZER, VARIABLES):  # a reader that checks none: read it along
         if key in saved and key not in template:
             template = dict(template, **{key: {
                 name: np.zeros(saved[key][name].shape, np.dtype(saved[key][name].dtype))

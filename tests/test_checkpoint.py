@@ -585,3 +585,73 @@ def test_a_checkpoint_dir_made_read_only_is_refused_before_the_first_step(tmp_pa
         os.chmod(tmp_path / "c", 0o700)
     assert int(model.optimizer.iterations.numpy()) == 0  # not a step trained
     assert keras_dp.fit_sharded(model, x, y, epochs=2, **fit_small).epoch == [1]  # writable: resumes
+
+
+def dense_first():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, use_bias=False),
+                              keras.layers.Dense(8)])
+    model.compile(keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def embedding_first():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((1,), dtype="int32"), keras.layers.Embedding(8, 8),
+                              keras.layers.Flatten(), keras.layers.Dense(8)])
+    model.compile(keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def test_a_checkpoint_of_the_same_shapes_in_other_layers_is_refused_naming_the_first(tmp_path):
+    # Both hold (8, 8), (8, 8) and (8,) arrays: before, the Dense kernel was
+    # restored as the Embedding's table and the run went on silently.
+    x = np.random.default_rng(0).normal(size=(24, 8)).astype("float32")
+    tokens, y = (np.arange(24) % 8)[:, None], np.arange(24) % 8
+    fit_small = dict(batch_size=8, verbose=0, devices=devices(2), checkpoint_dir=tmp_path)
+    keras_dp.fit_sharded(dense_first(), x, y, **fit_small)
+    other = embedding_first()
+    with pytest.raises(ValueError, match=re.escape(
+            f"The checkpoint in {tmp_path} was written for another model: its arrays fit "
+            "this model's shapes, but weight 0 (trainable weights first, as layer class/name, "
+            "shape, dtype) is Dense/kernel (8, 8) float32 there and Embedding/embeddings "
+            "(8, 8) float32 here, so the arrays would be restored")):
+        keras_dp.fit_sharded(other, tokens, y, epochs=2, **fit_small)
+    assert int(other.optimizer.iterations.numpy()) == 0  # nothing restored, nothing trained
+    # Layers named anew (dense_5 where the run had dense_1, as in another
+    # Python process) are the same model: it resumes.
+    assert [dense_first() for _ in range(2)][-1].layers[0].name != "dense"
+    assert keras_dp.fit_sharded(dense_first(), x, y, epochs=2, **fit_small).epoch == [1]
+
+
+def test_variable_signatures_name_each_weights_layer_class_not_its_path():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dropout(0.5),
+                              keras.layers.BatchNormalization()])
+    from keras_dp import checkpoint_guard
+
+    assert checkpoint_guard.variable_signatures(model) == [
+        "Dense/kernel (4, 3) float32", "Dense/bias (3,) float32",
+        "BatchNormalization/gamma (3,) float32", "BatchNormalization/beta (3,) float32",
+        "Dropout/seed_generator_state (2,) uint32",
+        "BatchNormalization/moving_mean (3,) float32",
+        "BatchNormalization/moving_variance (3,) float32"]
+
+
+class SetsLearningRate(keras.callbacks.Callback):
+    def on_train_begin(self, logs=None):
+        self.model.optimizer.learning_rate.assign(0.5)
+
+
+def test_a_resume_restores_the_checkpoints_learning_rate_unless_a_callback_sets_one(tmp_path):
+    # Hyperparameters are not compared (a new one is a choice), but the
+    # learning rate is an optimizer variable: the checkpoint's comes back.
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(24, 4)).astype("float32"), rng.normal(size=(24, 2))
+    fit_small = dict(batch_size=8, verbose=0, devices=devices(2), checkpoint_dir=tmp_path)
+    keras_dp.fit_sharded(small(8, keras.optimizers.SGD(0.1)), x, y, **fit_small)
+    resumed = small(8, keras.optimizers.SGD(0.5))
+    assert keras_dp.fit_sharded(resumed, x, y, epochs=2, **fit_small).epoch == [1]
+    assert float(resumed.optimizer.learning_rate.numpy()) == np.float32(0.1)
+    changed = small(8, keras.optimizers.SGD(0.5))
+    keras_dp.fit_sharded(changed, x, y, epochs=3, callbacks=[SetsLearningRate()], **fit_small)
+    assert float(changed.optimizer.learning_rate.numpy()) == 0.5
