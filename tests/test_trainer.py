@@ -45,10 +45,7 @@ def test_batchnorm_statistics_are_over_the_global_batch(mnist):
     moving = [i for i, name in enumerate(names) if "moving_mean" in name]
     assert len(moving) == 3
     for i in moving:
-        np.testing.assert_allclose(
-            np.asarray(state_4.non_trainable[i]), np.asarray(state_1.non_trainable[i]),
-            rtol=1e-5, atol=1e-7,
-        )
+        assert_close_to_scale(state_4.non_trainable[i], state_1.non_trainable[i])
         # Statistics of one device's 16 rows alone would differ.
         assert not np.allclose(
             np.asarray(state_shard.non_trainable[i]), np.asarray(state_1.non_trainable[i]),
@@ -274,7 +271,7 @@ def test_a_hand_written_epoch_loop_matches_model_fit(state_sharding):
         assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
     trainer.write_back(state)
     for ours, theirs in zip(model.get_weights(), reference.get_weights(), strict=True):
-        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6 * np.abs(theirs).max())
+        assert_close_to_scale(ours, theirs)
     np.testing.assert_allclose(model.evaluate(x, y, verbose=0),
                                reference.evaluate(x, y, verbose=0), rtol=1e-5)
 
