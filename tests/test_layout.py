@@ -12,7 +12,7 @@ import pytest
 
 import keras_dp
 from keras_dp import layout
-from conftest import NO_GRADIENT, convnet, devices, mlp, weights
+from conftest import NO_GRADIENT, assert_close_to_scale, convnet, devices, mlp, weights
 
 SCRIPT = pathlib.Path(__file__).parent / "scripts" / "equivalence.py"
 
@@ -159,7 +159,7 @@ def test_a_checkpoint_of_full_on_4_devices_resumes_replicated_on_2(mnist, tmp_pa
                                    checkpoint_dir=tmp_path / "ckpt", **options)
     assert history.epoch == [1]
     for a, b in zip(weights(unbroken), weights(resumed)):
-        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5 * max(np.abs(a).max(), 1e-6))
+        assert_close_to_scale(b, a, 1e-4)  # Adam: measured 3.1e-6
 
 
 def test_memory_plan_reads_the_compiled_programs_own_analysis(mnist):

@@ -589,7 +589,7 @@ def test_optimizer_features_match_keras_fit(data, options):
     fit(model, *data, batch_size=BATCH, epochs=2, shuffle=False)
     assert int(np.asarray(model.optimizer.iterations)) == int(np.asarray(reference.optimizer.iterations))
     for left, right in zip(weights(model), weights(reference), strict=True):
-        assert_close_to_scale(left, right, 1e-3)  # Adam: rounding near 0 grows
+        assert_close_to_scale(left, right, 1e-3)  # AdamW: measured 3.7e-5
 
 
 def _two_output_model():
