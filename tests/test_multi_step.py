@@ -143,3 +143,22 @@ def test_model_checkpoint_save_freq_counts_k_step_calls_as_readme_says(tmp_path)
         saved[fit] = sorted(path.name.split(".")[0] for path in directory.iterdir())
     assert saved["sharded"] == ["w1-4", "w1-7", "w2-2", "w2-6", "w3-2", "w3-6"]
     assert saved["keras"] == ["w1-4", "w1-8", "w2-4", "w2-8", "w3-4", "w3-8"]
+
+
+def test_a_leftover_validation_batch_is_its_own_call_where_keras_reports_a_short_call_once():
+    # README (Several steps per call): 3 validation batches at K=2 end with
+    # batch indices 1, then 2 here; Keras runs the last as a short call
+    # that it reports as 1, then 3.
+    x = np.random.default_rng(0).random((40, 4), "float32")
+    y = np.arange(len(x)) % 3
+    ends = {}
+    for fit in ("keras", "sharded"):
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy",
+                      steps_per_execution=2)
+        runner = model if fit == "keras" else keras_dp.ShardedTrainer(model, devices=devices(2))
+        record = EvaluateAndPredictEnds()
+        runner.fit(x, y, batch_size=16, verbose=0, validation_data=(x[:24], y[:24]),
+                   validation_batch_size=8, callbacks=[record])
+        ends[fit] = record.test
+    assert ends == {"sharded": [1, 2], "keras": [1, 3]}
