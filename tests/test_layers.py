@@ -270,7 +270,7 @@ def test_lora_or_quantize_after_training_then_compile_equals_keras_fit(change):
         assert_scaled_close(ours.value, theirs.value, ours.path)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float16", marks=pytest.mark.slow)])
 def test_a_16_bit_layer_in_a_float32_model_is_bitwise_keras_on_one_device(dtype):
     # README: such layers train bitwise as Keras's on one device; on 3 the
     # all-reduce sums their gradients in another order in their own
