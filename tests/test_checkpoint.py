@@ -584,3 +584,27 @@ def test_a_checkpoint_dir_made_read_only_is_refused_before_the_first_step(tmp_pa
         os.chmod(tmp_path / "c", 0o700)
     assert int(model.optimizer.iterations.numpy()) == 0  # not a step trained
     assert keras_dp.fit_sharded(model, x, y, epochs=2, **fit_small).epoch == [1]  # writable: resumes
+
+
+@pytest.mark.parametrize("change", [
+    dict(steps_per_execution=3, data_on_device=False), dict(devices=devices(4))],
+    ids=["k_and_feed", "devices"])
+def test_a_mid_epoch_checkpoint_resumes_under_another_k_feed_or_device_count(
+        data, tmp_path, change):
+    # README: another steps_per_execution or data_on_device keeps every
+    # step's rows and resumes bitwise; another device count sums the
+    # gradients in another order, so it resumes to rounding.
+    unbroken = mlp(dropout=0.25)
+    fit(unbroken, data, epochs=2)
+    with pytest.raises(SystemExit):
+        fit(mlp(dropout=0.25), data, epochs=2, checkpoint_dir=tmp_path,
+            callbacks=[SigtermAt(1, 4)])
+    resumed = mlp(seed=7, dropout=0.25)
+    assert fit(resumed, data, epochs=2, checkpoint_dir=tmp_path, **change).epoch == [1]
+    assert int(resumed.optimizer.iterations.numpy()) == 2 * ROWS // BATCH
+    if "devices" not in change:
+        assert_weights_equal(resumed, unbroken)
+        return
+    for mine, reference in zip(weights(resumed), weights(unbroken), strict=True):
+        np.testing.assert_allclose(mine, reference, rtol=0,
+                                   atol=1e-5 * max(np.abs(reference).max(), 1e-6))

@@ -951,3 +951,21 @@ def test_after_fit_with_validation_the_members_metrics_hold_its_results_as_keras
         assert float(theirs["loss"]) == pytest.approx(history["val_loss"][0], rel=1e-6)
         for name, value in theirs.items():
             assert float(ours[name]) == pytest.approx(float(value), rel=1e-5), name
+
+
+@pytest.mark.slow  # 9 s: two members and two models compiled
+def test_training_sample_weights_train_each_member_as_its_own_model_fit():
+    # README: each member equals its own model.fit with sample weights; the
+    # other tests weight only the validation data and evaluate.
+    x, y = small_data(40)
+    weights = np.random.default_rng(2).uniform(0.5, 3, 40).astype("float32")
+    options = dict(batch_size=16, epochs=2, shuffle=False, verbose=0, sample_weight=weights)
+    result = keras_dp.fit_ensemble(build_small, x, y, members=2, seed=4, devices=devices(2),
+                                   **options)
+    for i, member in enumerate(result.members):
+        reference = alone(4 + i, build_small)
+        expected = reference.fit(x, y, **options).history
+        for key, values in expected.items():
+            np.testing.assert_allclose([epoch[i] for epoch in result.member_history[key]],
+                                       values, rtol=1e-5, err_msg=key)
+        assert_members_close(member, reference, rtol=1e-5)
