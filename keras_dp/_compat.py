@@ -168,6 +168,27 @@ def shut_down_callback_pool(callbacks):
         callbacks._in_begin_end_block_count = 0
 
 
+def unsettled_monitor(callback):
+    """Whether `callback` is a Keras monitoring callback whose direction is not set yet.
+
+    Keras's private `MonitorCallback` (`EarlyStopping`, `ModelCheckpoint`,
+    `ReduceLROnPlateau`, ...) leaves `monitor_op` None under `mode="auto"`
+    until its first `on_epoch_end`; `settle_monitor` sets it.
+    """
+    return (hasattr(callback, "_set_monitor_op") and callback.monitor_op is None
+            and callback.mode == "auto")
+
+
+def settle_monitor(callback, model):
+    """Set `callback.monitor_op` from `model`'s compiled metrics (`_set_monitor_op`).
+
+    Keras infers whether the monitored log should fall or rise from the
+    metrics of the model the callback holds; `callback.set_model(model)` first.
+    """
+    callback.set_model(model)
+    callback._set_monitor_op()
+
+
 def jax_backend_started():
     """Whether JAX has started a backend (then devices can no longer change).
 

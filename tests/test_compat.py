@@ -186,3 +186,19 @@ def test_a_callback_lists_pool_is_where_shut_down_callback_pool_stops_it():
     _compat.shut_down_callback_pool(callbacks)
     assert executor._shutdown
     assert callbacks._executor is None and callbacks._in_begin_end_block_count == 0
+
+
+def test_settle_monitor_reads_the_direction_from_the_models_compiled_metrics():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    _compat.symbolic_build(model, (np.zeros((2, 3), "float32"), np.zeros((2,), "int32"), None))
+    rising, falling = (keras.callbacks.EarlyStopping("val_accuracy"),
+                       keras.callbacks.EarlyStopping("val_loss"))
+    assert _compat.unsettled_monitor(rising) and _compat.unsettled_monitor(falling)
+    assert not _compat.unsettled_monitor(keras.callbacks.EarlyStopping("val_loss", mode="min"))
+    assert not _compat.unsettled_monitor(keras.callbacks.History())
+    _compat.settle_monitor(rising, model)
+    _compat.settle_monitor(falling, model)
+    assert rising.model is model
+    assert rising.monitor_op is keras.ops.greater and falling.monitor_op is keras.ops.less
+    assert not _compat.unsettled_monitor(rising)

@@ -95,15 +95,12 @@ def resolve_monitors(callbacks, member):
     comes before any step for a name neither knows.
     """
     for callback in callbacks or ():
-        # Keras's private MonitorCallback (EarlyStopping, ModelCheckpoint, ...).
-        if not hasattr(callback, "_set_monitor_op") or (
-                callback.monitor_op is not None or callback.mode != "auto"):
+        if not _compat.unsettled_monitor(callback):
             continue
         name = callback.monitor.removeprefix("val_")
         if name in ("ensemble_loss", "ensemble_accuracy"):
             callback.mode = "min" if name == "ensemble_loss" else "max"
-        callback.set_model(member)  # Keras reads the member's compiled metrics
-        callback._set_monitor_op()
+        _compat.settle_monitor(callback, member)  # from the member's compiled metrics
 
 
 def fit(trainer, sources, val, callbacks, *, epochs, validation_freq):
