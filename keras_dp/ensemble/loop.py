@@ -178,8 +178,7 @@ def train_epoch(trainer, live, sources, epoch, callbacks):
         failed = [(member, index + int(count)) for member, count in enumerate(finite)
                   if count < steps]
         index += steps
-        callbacks.on_train_batch_end(
-            index - 1, {name: float(np.mean(v)) for name, v in member_logs.items()})
+        callbacks.on_train_batch_end(index - 1, logs_lib.mean_logs(member_logs))
         if failed and not callbacks.model.stop_training:
             raise FloatingPointError(failure_message(epoch, failed, member_logs["loss"]))
         if callbacks.model.stop_training:
