@@ -26,7 +26,6 @@ from keras_dp import callbacks as callbacks_lib
 from keras_dp import checkpoint as checkpoint_lib
 from keras_dp import inference
 from keras_dp import inflight
-from keras_dp import labels as labels_lib
 from keras_dp import model_checks
 from keras_dp import placement as placement_lib
 from keras_dp import preemption as preemption_lib
@@ -120,7 +119,6 @@ def fit(trainer, batches, val, callbacks, *, epochs, resume, validation_freq,
     """
     model = trainer.model
     model.stop_training = False
-    labels_lib.check_data(model, (batches, "the training data"), (val, "the validation data"))
     last = resume.epoch if resume.stopped else epochs  # a stopped run trains nothing
     validation = _validation_programs(trainer, val, range(resume.epoch, last), validation_freq)
     feed = programs_lib.CompilingFeed(feed or HostFeed(trainer, batches), trainer, batches,
