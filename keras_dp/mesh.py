@@ -136,11 +136,6 @@ def stacked_batch_sharded(mesh):
     return NamedSharding(mesh, PartitionSpec(None, BATCH_AXIS))
 
 
-def replicate(tree, mesh):
-    """Copy every array of `tree` to every device of `mesh` (see `place`)."""
-    return place(tree, mesh, replicated(mesh))
-
-
 def place(tree, mesh, shardings, same_on_every_process=False):
     """Copy every array of `tree` onto `mesh`, laid out as `shardings`.
 
@@ -201,18 +196,6 @@ def _fresh_copy(value):
     if isinstance(value, jax.Array):
         return jnp.copy(value)  # a new buffer on the value's own device
     return np.array(value, copy=True)
-
-
-def to_host(array):
-    """Return a numpy copy of a replicated array, read from a local shard.
-
-    Reading one addressable shard works for arrays that span several
-    processes, where `np.asarray(array)` would raise. A numpy array (a
-    restored checkpoint) is copied as it is.
-    """
-    if isinstance(array, np.ndarray):
-        return array.copy()
-    return np.array(array.addressable_data(0), copy=True)
 
 
 def local_copy(array, like=None):

@@ -28,27 +28,29 @@ def test_a_users_mesh_is_kept_and_devices_pick_a_sub_mesh():
         keras_dp.make_mesh([])
 
 
-def test_replicate_copies_so_donation_never_deletes_the_source():
+def test_place_copies_so_donation_never_deletes_the_source():
     mesh = keras_dp.make_mesh(devices(4))
     source = jax.numpy.arange(6.0)
-    copy = mesh_lib.replicate([source], mesh)[0]
+    copy = mesh_lib.place([source], mesh, mesh_lib.replicated(mesh))[0]
     assert copy.sharding.is_fully_replicated and len(copy.sharding.device_set) == 4
     jax.jit(lambda a: a + 1, donate_argnums=0)(copy)
     assert copy.is_deleted() and not source.is_deleted()
-    np.testing.assert_array_equal(mesh_lib.to_host(mesh_lib.replicate(source, mesh)), np.arange(6.0))
+    np.testing.assert_array_equal(
+        np.asarray(mesh_lib.place(source, mesh, mesh_lib.replicated(mesh))), np.arange(6.0))
 
 
-def test_replicate_copies_a_numpy_source_too():
+def test_place_copies_a_numpy_source_too():
     # XLA:CPU may alias a numpy buffer even with may_alias=False.
     source = np.arange(6.0)
-    copy = mesh_lib.replicate(source, keras_dp.make_mesh(devices(2)))
+    mesh = keras_dp.make_mesh(devices(2))
+    copy = mesh_lib.place(source, mesh, mesh_lib.replicated(mesh))
     source[:] = -1
-    np.testing.assert_array_equal(mesh_lib.to_host(copy), np.arange(6.0))
+    np.testing.assert_array_equal(np.asarray(copy), np.arange(6.0))
 
 
 def test_local_copy_stays_on_the_device_and_outlives_donation():
     mesh = keras_dp.make_mesh(devices(4))
-    state = mesh_lib.replicate(jax.numpy.arange(6.0), mesh)
+    state = mesh_lib.place(jax.numpy.arange(6.0), mesh, mesh_lib.replicated(mesh))
     like = jax.device_put(jax.numpy.zeros(6), devices(2)[1])
     with jax.transfer_guard_device_to_host("disallow"):  # no trip through the host
         copy = mesh_lib.local_copy(state, like=like)
