@@ -127,7 +127,7 @@ def test_a_keras_distribution_scope_is_refused_naming_the_scope():
     with distribution.scope():
         model = _tiny_sgd_model()
         with pytest.raises(ValueError, match=r"ModelParallel.*`with distribution.scope\(\):`"
-                                             r".*outside that scope"):
+                                             r".*outside that scope.*state_sharding='full'"):
             keras_dp.ShardedTrainer(model, devices=devices(4))
     # Created under the scope, trained outside it: whole copies on keras_dp's
     # mesh, the same steps as Keras's fit, and the variables keep their layout.
