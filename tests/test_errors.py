@@ -320,6 +320,26 @@ def test_trainer_counts_are_checked_when_it_is_made(argument, value, error, mess
     assert str(raised.value).startswith(message)
 
 
+@pytest.mark.parametrize("seed, error, message", [
+    ("a", TypeError, "`seed` must be an integer. Received: seed='a' (of type str)."),
+    (-1, ValueError, "`seed` must be at least 0. Received: seed=-1."),
+    (1.5, TypeError, "`seed` must be an integer. Received: seed=1.5 (of type float)."),
+])
+def test_an_ensembles_seed_is_checked_before_any_member_is_built(seed, error, message):
+    # Was: seed="a" failed in `seed + i` ("can only concatenate str"), -1 in
+    # numpy's seeding ("Seed must be between 0 and 2**32 - 1"), 1.5 as a
+    # ValueError of Keras's set_random_seed; ShardedTrainer checked its seed.
+    built = []
+
+    def build():
+        built.append(True)
+        return mlp()
+
+    with pytest.raises(error) as raised:
+        keras_dp.EnsembleTrainer(build, 2, seed=seed, devices=devices(2))
+    assert str(raised.value).startswith(message) and not built
+
+
 def test_a_list_of_strings_as_x_is_named_as_text_with_the_fix():
     # Was "x is a Python list of 20 numbers ... pass an array: np.asarray(x)",
     # and np.asarray(x) then failed as text. model.fit says "Unrecognized data type".

@@ -89,7 +89,8 @@ def fit_ensemble(build_model, x=None, y=None, *, members=None, batch_size=None,
         member_shuffle: give each member its own shuffle order.
         from_logits: whether the models output logits (a softmax comes
             before averaging); `None` reads it from the compiled loss.
-        seed: seed of the members' initialisations and of the data order.
+        seed: seed of the members' initialisations and of the data order,
+            an int of at least 0.
         mesh, devices: where to train (default: all of JAX's devices).
 
     Returns:

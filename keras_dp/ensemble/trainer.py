@@ -44,19 +44,21 @@ class EnsembleTrainer:
 
     Raises:
         TypeError: `build_model` is neither callable nor a `keras.Model`, or
-            returned something that is not a `keras.Model`.
-        ValueError: the members do not fit the devices, `build_model`
-            returned an uncompiled model, one model twice or a keras_hub
-            task with a preprocessor (`model_checks.check_no_preprocessor`), or the
-            loss does not tell whether the outputs are logits or is a Keras
-            loss that is not a multi-class one (`members.check_classifier`).
+            returned something that is not a `keras.Model`; or `seed` is
+            not an integer.
+        ValueError: `seed` is negative, the members do not fit the devices,
+            `build_model` returned an uncompiled model, one model twice or a
+            keras_hub task with a preprocessor
+            (`model_checks.check_no_preprocessor`), or the loss does not tell
+            whether the outputs are logits or is a Keras loss that is not a
+            multi-class one (`members.check_classifier`).
     """
 
     def __init__(self, build_model, members=None, *, seed=0, mesh=None,
                  devices=None, from_logits=None, steps_per_execution=None):
+        self.seed = pipeline.check_count("seed", seed, 0)  # before any member is built
         count, self.mesh = members_lib.member_mesh(members, mesh, devices)
-        self.seed = seed
-        self.members = members_lib.make_members(build_model, count, seed)
+        self.members = members_lib.make_members(build_model, count, self.seed)
         model_checks.check_no_preprocessor(self.members[0])
         members_lib.check_classifier(self.members[0])
         self.from_logits = members_lib.read_from_logits(self.members[0], from_logits)
