@@ -183,6 +183,21 @@ def test_a_batch_whose_shape_changes_mid_stream_is_named(steps_per_execution):
     assert int(model.optimizer.iterations.numpy()) == 3  # the batches before it trained
 
 
+def test_a_shape_change_names_the_layers_own_reason_not_kerass_wrapper():
+    # Was "... cannot take them: ValueError: Exception encountered when calling
+    # Reshape.call()." (the first line of Keras's wrapped error), without the reason.
+    model = keras.Sequential([keras.Input((None,)), keras.layers.Reshape((4, 5)),
+                              keras.layers.Flatten(), keras.layers.Dense(10)])
+    model.compile("sgd", "sparse_categorical_crossentropy")
+    with pytest.raises(ValueError) as raised:
+        keras_dp.fit_sharded(model, dense_batches([(20,)] * 2 + [(18,)]), verbose=0,
+                             devices=devices(2))
+    assert "Exception encountered" not in str(raised.value)
+    assert re.search(r"Batch 2 of epoch 1 .*cannot take them: ValueError: The total size of "
+                     r"the tensor must be unchanged. Received: input_shape=\(18,\), "
+                     r"target_shape=\(4, 5\) Give every batch", str(raised.value))
+
+
 def test_batches_of_several_lengths_train_when_the_model_takes_them():
     # A sequence model with a None length: batches padded per batch, as
     # tf.data's padded_batch gives them, with K=2 (stacks of one shape only).
