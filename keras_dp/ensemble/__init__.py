@@ -78,9 +78,10 @@ def fit_ensemble(build_model, x=None, y=None, *, members=None, batch_size=None,
             datasets).
         validation_split: hold out this last fraction of array data (taken
             before shuffling) as the validation data, as in `model.fit`.
-        validation_data: `(x, y[, sample_weight])` or a dataset, scored after each epoch
-            (every `validation_freq`, as in `model.fit`) for every member
-            and for the ensemble.
+        validation_data: `(x, y[, sample_weight])` or a dataset, scored
+            after each epoch for every member and for the ensemble.
+        validation_freq: validate every this many epochs (an int), or
+            after the listed epochs (1-based), as in `model.fit`.
         validation_steps, validation_batch_size: as in `model.fit`: score
             the first this many validation batches; the batch size of
             validation arrays (default `batch_size`).
