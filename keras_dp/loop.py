@@ -200,8 +200,7 @@ def _profile(profile_dir):
 
 def _validation_programs(trainer, val, epochs, validation_freq):
     """The `programs.EvalPrograms` of `val` if one of `epochs` validates, else None."""
-    if val is None or not any(callbacks_lib.should_validate(epoch, validation_freq)
-                              for epoch in epochs):
+    if val is None or not callbacks_lib.validations(epochs, validation_freq):
         return None
     return programs_lib.EvalPrograms(trainer, val)
 

@@ -440,8 +440,8 @@ class ShardedTrainer:
             pipeline.check_one_pass(batches, epochs - initial_epoch, "x",
                                     f"epochs={epochs}, initial_epoch={initial_epoch}")
             if val is not None:
-                validations = sum(callbacks_lib.should_validate(epoch, validation_freq)
-                                  for epoch in range(initial_epoch, epochs))
+                validations = callbacks_lib.validations(range(initial_epoch, epochs),
+                                                        validation_freq)
                 pipeline.check_one_pass(val, validations, "validation_data",
                                         f"epochs={epochs}, validation_freq={validation_freq!r}")
             labels_lib.check_data(self.model, (batches, "the training data"),

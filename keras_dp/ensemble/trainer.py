@@ -360,9 +360,7 @@ class EnsembleTrainer:
         pipeline.check_ends(val, "validation_data", "validation_steps")
         self.build(val.peek())  # bad validation labels fail now, not after epoch 1
         pipeline.check_one_pass(
-            val, sum(callbacks_lib.should_validate(epoch, validation_freq)
-                     for epoch in epoch_range),
-            "validation_data",
+            val, callbacks_lib.validations(epoch_range, validation_freq), "validation_data",
             f"epochs={epoch_range.stop}, validation_freq={validation_freq!r}")
         return val
 
