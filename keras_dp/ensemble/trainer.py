@@ -87,10 +87,15 @@ class EnsembleTrainer:
             ValueError: a member cannot be built on `x`, the labels do
                 not fit its output, or its output has fewer than 2 classes.
         """
+        labelled = pipeline.unpack(batch)[1] is not None
+        self._build(batch, for_training=labelled)  # no labels: enough to predict
+
+    def _build(self, batch, for_training, data="the data"):
+        """Build every member, for training (labels needed, if a loss reads them) or not."""
         mesh_lib.check_keras_distribution()  # one set since the trainer was made too
         batch = pipeline.unpack(batch)
-        for model in self.members:  # without labels: enough to predict
-            build_lib.build(model, batch, for_training=batch[1] is not None)
+        for model in self.members:
+            build_lib.build(model, batch, for_training=for_training, data=data)
         members_lib.check_class_output(self.members[0], batch[0])
         self._x_example = batch[0]
 
@@ -193,7 +198,7 @@ class EnsembleTrainer:
         if steps_per_epoch is not None:
             sources = [pipeline.StepsPerEpoch(source, steps_per_epoch) for source in sources]
         pipeline.check_ends(sources[0], "x", "steps_per_epoch")
-        self.build(sources[0].peek())
+        self._build(sources[0].peek(), True, "the training data")
         ensemble_loop.resolve_monitors(callbacks, self.members[0])
         epoch_range = range(initial_epoch, epochs)
         val = self._validation(validation_data, batch_size, validation_batch_size,
@@ -358,7 +363,9 @@ class EnsembleTrainer:
         val = self._batches(validation_data, None, None, val_batch_size, False, self.seed,
                             steps=validation_steps)
         pipeline.check_ends(val, "validation_data", "validation_steps")
-        self.build(val.peek())  # bad validation labels fail now, not after epoch 1
+        # Missing or bad validation labels fail now, not after epoch 1.
+        ensemble_inference.check_labels(val, "validation_data")
+        self._build(val.peek(), True, "the validation data")
         pipeline.check_one_pass(
             val, callbacks_lib.validations(epoch_range, validation_freq), "validation_data",
             f"epochs={epoch_range.stop}, validation_freq={validation_freq!r}")
