@@ -156,6 +156,9 @@ def test_a_keras_distribution_set_after_the_trainer_was_made_is_refused_too():
     built.build((x, y))
     state, batch = built.init_state(), built.shard((x, y))
     ensemble = keras_dp.EnsembleTrainer(unbuilt_model, members=2, devices=devices(2))
+    members = keras_dp.EnsembleTrainer(unbuilt_model, members=2, devices=devices(2))
+    members.build((x, y))
+    stacked, replicated = members.init_state(), members.replicate((x, y))
     layout = keras.distribution.LayoutMap(keras.distribution.DeviceMesh((2, 2), ["batch", "model"],
                                                                         devices(4)))
     distribution = keras.distribution.ModelParallel(layout_map=layout, batch_dim_name="batch")
@@ -166,13 +169,14 @@ def test_a_keras_distribution_set_after_the_trainer_was_made_is_refused_too():
                     lambda: trainer.evaluate(x, y, verbose=0),
                     lambda: trainer.predict(x, verbose=0),
                     lambda: built.train_step(state, batch),
-                    lambda: ensemble.build((x, y))):
+                    lambda: ensemble.build((x, y)),
+                    lambda: members.train_step(stacked, replicated)):
             with pytest.raises(ValueError, match=refused):
                 run()
     finally:
         keras.distribution.set_distribution(None)
     assert not unbuilt.built and not ensemble.members[0].optimizer.built
-    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(state))  # refused, not donated
+    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves((state, stacked)))  # refused
 
 
 @pytest.mark.parametrize("name", ["data", "batch"])

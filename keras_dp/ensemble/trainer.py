@@ -136,8 +136,11 @@ class EnsembleTrainer:
         Raises:
             TypeError: `state` is not a `TrainState`, or `batch` is not on
                 the devices.
-            ValueError: `state` was donated to an earlier step.
+            ValueError: `state` was donated to an earlier step, or a Keras
+                distribution other than `DataParallel` is active
+                (`keras_dp.mesh.check_keras_distribution`).
         """
+        mesh_lib.check_keras_distribution()  # one set since the trainer was made too
         state_lib.check_usable(state, "trainer.train_step")
         _check_placed(batch)
         state, logs, _ = self._step(per_member, 1)(state, batch)
