@@ -297,6 +297,7 @@ class ShardedTrainer:
 
     def compiled_train_step(self, state, batch):
         """The train step compiled for these arguments (`.as_text()` is HLO)."""
+        mesh_lib.check_keras_distribution()
         steps_lib.check_device_batch(batch, "trainer.compiled_train_step")
         return self._train_step.lower(state, batch).compile()
 

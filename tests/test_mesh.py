@@ -169,8 +169,10 @@ def test_a_keras_distribution_set_after_the_trainer_was_made_is_refused_too():
                     lambda: trainer.evaluate(x, y, verbose=0),
                     lambda: trainer.predict(x, verbose=0),
                     lambda: built.train_step(state, batch),
+                    lambda: built.compiled_train_step(state, batch),
                     lambda: ensemble.build((x, y)),
-                    lambda: members.train_step(stacked, replicated)):
+                    lambda: members.train_step(stacked, replicated),
+                    lambda: members.compiled_train_step(stacked, replicated)):
             with pytest.raises(ValueError, match=refused):
                 run()
     finally:

@@ -148,6 +148,7 @@ class EnsembleTrainer:
 
     def compiled_train_step(self, state, batch, *, per_member=False):
         """The train step compiled for these arguments (`.as_text()` is HLO)."""
+        mesh_lib.check_keras_distribution()
         return self._step(per_member, 1).lower(state, batch).compile()
 
     def write_back(self, state):
