@@ -256,6 +256,8 @@ def test_members_must_fit_the_devices():
     for bad in (0, -2, 2.0, True):
         with pytest.raises(ValueError, match="positive integer"):
             keras_dp.EnsembleTrainer(build_mlp, bad, devices=devices(4))
+    # A numpy integer is an integer (it was refused as not one).
+    assert len(keras_dp.EnsembleTrainer(build_mlp, np.int64(2), devices=devices(4)).members) == 2
 
 
 def test_members_must_share_one_architecture(mnist):
