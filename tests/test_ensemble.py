@@ -256,6 +256,8 @@ def test_members_must_fit_the_devices():
     for bad in (0, -2, 2.0, True):
         with pytest.raises(ValueError, match="positive integer"):
             keras_dp.EnsembleTrainer(build_mlp, bad, devices=devices(4))
+    # A numpy integer is an integer (it was refused as not one).
+    assert len(keras_dp.EnsembleTrainer(build_mlp, np.int64(2), devices=devices(4)).members) == 2
 
 
 def test_members_must_share_one_architecture(mnist):
@@ -287,6 +289,23 @@ def test_member_shuffle_needs_shuffled_arrays_and_scoring_needs_labels(mnist):
         trainer.fit(x[:64], y[:64], shuffle=False, member_shuffle=True, verbose=0)
     with pytest.raises(ValueError, match="Scoring needs labels"):
         trainer.evaluate(x[:64])
+
+
+def test_data_without_labels_is_refused_before_any_step():
+    # Was: validation_data without labels trained a whole epoch, then raised
+    # "Scoring needs labels"; x without y raised "None is not a valid value
+    # for jnp.array". fit_sharded refuses both before any step.
+    x, y = small_data(16)
+    trainer = keras_dp.EnsembleTrainer(build_small, 2, devices=devices(2))
+    with pytest.raises(ValueError, match=r"the training data has no labels: pass y"):
+        trainer.fit(x, batch_size=4, verbose=0)
+    for val in (x, (x,), iter([x[:8], x[8:]])):
+        with pytest.raises(ValueError, match=r"^Scoring needs labels, and `validation_data` has "
+                                             r"none. Pass validation_data=\(x_val, y_val\), or "):
+            trainer.fit(x, y, batch_size=4, verbose=0, validation_data=val)
+    assert [int(m.optimizer.iterations.numpy()) for m in trainer.members] == [0, 0]
+    with pytest.raises(ValueError, match=r"^Scoring needs labels, and `x` has none. Pass y"):
+        trainer.evaluate(x, verbose=0)
 
 
 @pytest.mark.slow
