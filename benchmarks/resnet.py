@@ -102,7 +102,7 @@ def main(argv=None):
                     "python": platform.python_version(), "jax": jax.__version__,
                     "keras": keras.__version__, "keras_dp": keras_dp.__version__},
         "command": shlex.join([sys.executable, *sys.argv]),
-        "args": vars(args), "flops_per_training_image": flops_per_image,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""), "args": vars(args), "flops_per_training_image": flops_per_image,
         "matmul_flops_per_s": peaks, "rows": rows,
     }
     pathlib.Path(args.out).write_text(json.dumps(report, indent=1) + "\n")

@@ -1,9 +1,10 @@
-"""Every private Keras and JAX hook keras_dp uses, one small function each.
+"""Every private Keras, JAX and Grain hook keras_dp uses, one small function each.
 
 keras_dp uses public APIs wherever one exists. What is left here has no
 public equivalent; each function names the private attribute it reads, and
-`tests/test_compat.py` checks each one against the installed Keras and JAX,
-so that a release that changes one fails there, loudly, not deep in a run.
+`tests/test_compat.py` checks each one against the installed Keras, JAX
+and Grain, so that a release that changes one fails there, loudly, not
+deep in a run.
 """
 
 import inspect
@@ -168,6 +169,27 @@ def shut_down_callback_pool(callbacks):
         callbacks._in_begin_end_block_count = 0
 
 
+def unsettled_monitor(callback):
+    """Whether `callback` is a Keras monitoring callback whose direction is not set yet.
+
+    Keras's private `MonitorCallback` (`EarlyStopping`, `ModelCheckpoint`,
+    `ReduceLROnPlateau`, ...) leaves `monitor_op` None under `mode="auto"`
+    until its first `on_epoch_end`; `settle_monitor` sets it.
+    """
+    return (hasattr(callback, "_set_monitor_op") and callback.monitor_op is None
+            and callback.mode == "auto")
+
+
+def settle_monitor(callback, model):
+    """Set `callback.monitor_op` from `model`'s compiled metrics (`_set_monitor_op`).
+
+    Keras infers whether the monitored log should fall or rise from the
+    metrics of the model the callback holds; `callback.set_model(model)` first.
+    """
+    callback.set_model(model)
+    callback._set_monitor_op()
+
+
 def jax_backend_started():
     """Whether JAX has started a backend (then devices can no longer change).
 
@@ -206,3 +228,25 @@ def distributed_client():
     from jax._src import distributed
 
     return distributed.global_state.client
+
+
+def grain_inner_iterator(iterator):
+    """The dataset iterator a `grain.DataLoader`'s iterator wraps (`_iterator`), or None.
+
+    A `DataLoader`'s iterator has no `close`; the iterator it wraps does,
+    and closing it stops Grain's prefetch threads and worker processes.
+    """
+    return getattr(iterator, "_iterator", None)
+
+
+def grain_loader_epochs(loader):
+    """`num_epochs` of a `grain.DataLoader`'s sampler (`_sampler._num_epochs`): None is endless.
+
+    1 where the loader has no such sampler.
+    """
+    return getattr(getattr(loader, "_sampler", None), "_num_epochs", 1)
+
+
+def grain_repeat_epochs(dataset):
+    """`num_epochs` of a Grain `RepeatIterDataset` (`_num_epochs`): None repeats forever."""
+    return getattr(dataset, "_num_epochs", 1)

@@ -209,9 +209,15 @@ def _changed_shapes(first, steps, device_batch):
 
 
 def first_line(error, limit=300):
-    """The first line of `error`'s message, cut to `limit` characters."""
-    lines = str(error).splitlines() or [""]
-    line = lines[0]
+    """The first line of `error` that says something, cut to `limit` characters.
+
+    Without Keras's wrapping: its colour codes, and the "Exception
+    encountered when calling ..." line it puts before a layer's own error.
+    """
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    lines = [line for line in lines if not line.startswith("Exception encountered")]
+    line = lines[0] if lines else type(error).__name__
     return line if len(line) <= limit else line[:limit] + " ..."
 
 
@@ -317,7 +323,7 @@ def check_labels(model, x, y, y_pred, sample_weight):
                 "or per row and timestep, (rows, steps), for a per-timestep loss. "
                 "class_weight gives one weight per row, as in Keras's model.fit; for "
                 "per-timestep labels pass sample_weight=np.vectorize(lambda c: "
-                f"class_weight.get(c, 1.0))(y) instead. Keras reported: {_first_line(error)}"
+                f"class_weight.get(c, 1.0))(y) instead. Keras reported: {first_line(error)}"
             ) from None
         # Keras's traceback and error wrapping add nothing to this message.
         raise ValueError(
@@ -326,7 +332,7 @@ def check_labels(model, x, y, y_pred, sample_weight):
             f"the loss is {_loss_name(model.loss)}. Give labels in the form the loss "
             "expects: integer class ids of shape (batch,) for "
             "sparse_categorical_crossentropy, one-hot rows of shape (batch, "
-            f"classes) for categorical_crossentropy. Keras reported: {_first_line(error)}"
+            f"classes) for categorical_crossentropy. Keras reported: {first_line(error)}"
         ) from None
 
 
@@ -347,14 +353,6 @@ def _loss_name(loss):
         return [_loss_name(value) for value in loss]
     return loss if isinstance(loss, str) else getattr(loss, "name", None) or getattr(
         loss, "__name__", type(loss).__name__)
-
-
-def _first_line(error):
-    """The first line of `error` that says something, without Keras's wrapping."""
-    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    lines = [line for line in lines if not line.startswith("Exception encountered")]
-    return lines[0] if lines else type(error).__name__
 
 
 def signature(batch):

@@ -262,3 +262,8 @@ def should_validate(epoch, validation_freq):
     if isinstance(validation_freq, int):
         return (epoch + 1) % validation_freq == 0
     return epoch + 1 in validation_freq
+
+
+def validations(epochs, validation_freq):
+    """How many of `epochs` (epoch indices) validate under `validation_freq`."""
+    return sum(should_validate(epoch, validation_freq) for epoch in epochs)

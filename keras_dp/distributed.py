@@ -2,14 +2,15 @@
 
 With one process per host (`initialize` first, then the same program on
 every host), JAX sees every host's devices, and keras_dp's mesh spans them
-all. Nothing else in the training changes: the state is replicated on every
-device of every host, each global batch is split along `"batch"`, and XLA's
-gradient all-reduce now crosses hosts.
+all. Nothing else in the training changes: the state lies on every host's
+devices as on one host's (replicated, or split as `state_sharding` says),
+each global batch is split along `"batch"`, and XLA's gradient all-reduce
+now crosses hosts.
 
 What does change is the input. Each process reads only its own share of the
 data (`process_share`) and passes it to keras_dp as it would on one host,
 with the global `batch_size` (`local_batch_size` is each process's part);
-`keras_dp.placement.MultiProcessPlacement` assembles the global batches.
+`keras_dp.global_batches.MultiProcessPlacement` assembles the global batches.
 This module holds the runtime and the processes' shares; nothing here runs
 inside a step.
 """

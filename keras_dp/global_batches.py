@@ -175,7 +175,7 @@ def to_global(batches, mesh, blocks, template):
     else:
         local = jax.tree.map(lambda *arrays: np.stack(arrays), *local)
         sharding = mesh_lib.stacked_batch_sharded(mesh)
-    axis = len(batches) > 1  # the rows' axis: after the stack's
+    axis = 1 if len(batches) > 1 else 0  # the rows' axis: after the stack's
     global_data = jax.tree.map(
         lambda array: jax.make_array_from_process_local_data(
             sharding, array,

@@ -26,7 +26,6 @@ from keras_dp import callbacks as callbacks_lib
 from keras_dp import checkpoint as checkpoint_lib
 from keras_dp import inference
 from keras_dp import inflight
-from keras_dp import labels as labels_lib
 from keras_dp import model_checks
 from keras_dp import placement as placement_lib
 from keras_dp import preemption as preemption_lib
@@ -120,7 +119,6 @@ def fit(trainer, batches, val, callbacks, *, epochs, resume, validation_freq,
     """
     model = trainer.model
     model.stop_training = False
-    labels_lib.check_data(model, (batches, "the training data"), (val, "the validation data"))
     last = resume.epoch if resume.stopped else epochs  # a stopped run trains nothing
     validation = _validation_programs(trainer, val, range(resume.epoch, last), validation_freq)
     feed = programs_lib.CompilingFeed(feed or HostFeed(trainer, batches), trainer, batches,
@@ -202,8 +200,7 @@ def _profile(profile_dir):
 
 def _validation_programs(trainer, val, epochs, validation_freq):
     """The `programs.EvalPrograms` of `val` if one of `epochs` validates, else None."""
-    if val is None or not any(callbacks_lib.should_validate(epoch, validation_freq)
-                              for epoch in epochs):
+    if val is None or not callbacks_lib.validations(epochs, validation_freq):
         return None
     return programs_lib.EvalPrograms(trainer, val)
 

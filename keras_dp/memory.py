@@ -103,8 +103,8 @@ def plan(trainer, batch):
             variable.shape, variable.dtype, sharding=sharding),
         variables, shardings, is_leaf=lambda leaf: hasattr(leaf, "shape"))
     per_group = state_bytes(trainer)
-    analysis = trainer._train_step.lower(state, _abstract_batch(batch, trainer.mesh)) \
-        .compile().memory_analysis()
+    like = placement.abstract_batch(batch, pipeline.batch_rows(batch), trainer.mesh)
+    analysis = trainer._train_step.lower(state, like).compile().memory_analysis()
     peak = (analysis.argument_size_in_bytes + analysis.output_size_in_bytes
             - analysis.alias_size_in_bytes + analysis.temp_size_in_bytes)
     return MemoryPlan(
@@ -133,7 +133,8 @@ def memory_plan(model, x, y=None, *, batch_size=32, sample_weight=None, devices=
         model: a `keras.Model`, compiled or given `optimizer`/`loss`.
         x, y, sample_weight: a few rows of the data, for their shapes.
         batch_size: the global batch to plan for.
-        devices, mesh, state_sharding: as for `ShardedTrainer`.
+        devices, mesh, state_sharding, optimizer, loss, metrics: as for
+            `ShardedTrainer`.
 
     Returns:
         A `MemoryPlan`: per device, the bytes of weights, optimizer and
@@ -169,16 +170,6 @@ def batch_of(batch, batch_size):
         return jax.tree.map(np.asarray, batch)
     return jax.tree.map(
         lambda a: np.resize(np.asarray(a), (batch_size,) + np.shape(a)[1:]), batch)
-
-
-def _abstract_batch(batch, mesh):
-    """The `DeviceBatch` `placement.to_device` would make, as abstract arrays."""
-    rows = pipeline.batch_rows(batch)
-    padded = rows + -rows % mesh_lib.num_devices(mesh)
-    sharding = mesh_lib.batch_sharded(mesh)
-    data = jax.tree.map(lambda array: jax.ShapeDtypeStruct(
-        (padded,) + np.shape(array)[1:], np.asarray(array).dtype, sharding=sharding), batch)
-    return placement.DeviceBatch(data, rows)
 
 
 def check_fits(memory_plan):

@@ -1,8 +1,9 @@
 """Devices and shardings: the 1-D `"batch"` mesh and where arrays live on it.
 
 Every placement keras_dp makes goes through this module: model state is
-*replicated* (`PartitionSpec()`, a full copy on every device) and each batch
-is *sharded* along its leading axis over the mesh axis `"batch"`.
+*replicated* (`PartitionSpec()`, a full copy on every device) unless
+`state_sharding` splits it (`keras_dp.layout` gives those shardings), and
+each batch is *sharded* along its leading axis over the mesh axis `"batch"`.
 """
 
 import jax
@@ -93,10 +94,11 @@ def _users_mesh(mesh):
 def check_keras_distribution():
     """Refuse a Keras distribution whose layout keras_dp would ignore.
 
-    keras_dp replicates every variable and splits each batch over its own
-    mesh. Under `keras.distribution.DataParallel` that is what Keras would do
-    too; any other distribution (`ModelParallel`'s sharded variables) would
-    be silently replaced by full copies, so it is refused: when a trainer
+    keras_dp lays out every variable itself (replicated, or split as
+    `state_sharding` says) and splits each batch over its own mesh. Under
+    `keras.distribution.DataParallel` that is what Keras would do too; any
+    other distribution (`ModelParallel`'s sharded variables) would be
+    silently replaced by keras_dp's layout, so it is refused: when a trainer
     is made, and again when it builds the model (first in `fit`, `evaluate`
     and `predict`) or runs a step by hand, since a distribution set after
     the trainer was made would lay out the variables the build creates and
@@ -110,14 +112,16 @@ def check_keras_distribution():
     current = keras.distribution.distribution()
     if current is not None and not isinstance(current, keras.distribution.DataParallel):
         raise ValueError(
-            "keras_dp trains with data parallelism only: it keeps a full copy "
-            "of every variable on every device and ignores Keras layouts. "
+            "keras_dp trains with data parallelism only: it lays out every "
+            "variable itself (a full copy on every device, or split over them "
+            "by state_sharding) and ignores Keras layouts. "
             f"Received: a {type(current).__name__} distribution, set with "
             "keras.distribution.set_distribution() or entered with "
             "`with distribution.scope():`. Call keras_dp outside that scope, "
             "after keras.distribution.set_distribution(None) (a model created "
-            "under it trains as well: keras_dp copies its variables whole), or "
-            "train a model-parallel layout with Keras's own model.fit."
+            "under it trains as well), with state_sharding='full' if its "
+            "variables must be split over the devices to fit; or train a "
+            "model-parallel layout with Keras's own model.fit."
         )
 
 
@@ -134,11 +138,6 @@ def batch_sharded(mesh):
 def stacked_batch_sharded(mesh):
     """For `[steps, batch, ...]` stacks: steps whole, rows split over `"batch"`."""
     return NamedSharding(mesh, PartitionSpec(None, BATCH_AXIS))
-
-
-def replicate(tree, mesh):
-    """Copy every array of `tree` to every device of `mesh` (see `place`)."""
-    return place(tree, mesh, replicated(mesh))
 
 
 def place(tree, mesh, shardings, same_on_every_process=False):
@@ -201,18 +200,6 @@ def _fresh_copy(value):
     if isinstance(value, jax.Array):
         return jnp.copy(value)  # a new buffer on the value's own device
     return np.array(value, copy=True)
-
-
-def to_host(array):
-    """Return a numpy copy of a replicated array, read from a local shard.
-
-    Reading one addressable shard works for arrays that span several
-    processes, where `np.asarray(array)` would raise. A numpy array (a
-    restored checkpoint) is copied as it is.
-    """
-    if isinstance(array, np.ndarray):
-        return array.copy()
-    return np.array(array.addressable_data(0), copy=True)
 
 
 def local_copy(array, like=None):

@@ -157,7 +157,34 @@ def to_device_stacked(batches, mesh):
 
 
 def _pad(batch, rows, mesh):
-    return pad_rows(batch, rows + -rows % mesh_lib.num_devices(mesh))
+    return pad_rows(batch, padded_rows(rows, mesh))
+
+
+def padded_rows(rows, mesh):
+    """The length of a placed batch of `rows` real rows: the next multiple of the device count."""
+    return rows + -rows % mesh_lib.num_devices(mesh)
+
+
+def abstract_batch(data, rows, mesh, steps=1, drop=1):
+    """The `DeviceBatch` of a call of `steps` batches of `rows` rows, as abstract arrays.
+
+    What `to_device` (`steps` 1) or `to_device_stacked` would make of
+    batches like `data`, whose first `drop` axes (its rows, after its
+    steps if stacked) are replaced by the call's: padded and split over
+    the mesh, in JAX's dtypes (int64 becomes int32 unless x64 is on), for
+    `jitted.lower` without placing anything.
+    """
+    lead = (padded_rows(rows, mesh),)
+    sharding = mesh_lib.batch_sharded(mesh)
+    if steps > 1:
+        lead, sharding = (steps,) + lead, mesh_lib.stacked_batch_sharded(mesh)
+
+    def like(array):
+        return jax.ShapeDtypeStruct(
+            lead + tuple(array.shape[drop:]), jax.dtypes.canonicalize_dtype(array.dtype),
+            sharding=sharding, weak_type=getattr(array, "weak_type", False))
+
+    return DeviceBatch(jax.tree.map(like, data), rows)
 
 
 def pad_rows(batch, size):

@@ -199,7 +199,7 @@ class EvalPrograms:
         plan, self._plan = self._plan or [], None
         entries = []
         for steps, rows in plan:
-            like = like_host_batch(self._template, steps, rows, self._trainer.mesh)
+            like = placement.abstract_batch(self._template, rows, self._trainer.mesh, steps)
             key = call_key(steps, like)
             if key not in self.programs:
                 entries.append((self.programs, key,
@@ -262,32 +262,8 @@ def like_batch(batch, steps, new_steps, rows, mesh):
         start = jax.ShapeDtypeStruct(() if new_steps == 1 else (new_steps,), "int32",
                                      sharding=mesh_lib.replicated(mesh))
         return resident.Rows(batch.order, start, rows)
-    return _placed_like(batch.data, 1 if steps == 1 else 2, new_steps, rows, mesh)
-
-
-def like_host_batch(batch, new_steps, rows, mesh):
-    """An abstract `DeviceBatch` of `new_steps` host batches like `batch`, of `rows` rows.
-
-    As `placement.Placement.steps` places them: padded and split over the
-    mesh (stacked for `new_steps` > 1), in JAX's dtypes (int64 becomes
-    int32 unless x64 is on), never weakly typed (they come from numpy).
-    """
-    return _placed_like(batch, 1, new_steps, rows, mesh)
-
-
-def _placed_like(data, drop, new_steps, rows, mesh):
-    """`data`'s arrays as a placed call's: `drop` leading axes replaced by its own."""
-    padded = rows + -rows % mesh_lib.num_devices(mesh)
-    lead = (padded,) if new_steps == 1 else (new_steps, padded)
-    sharding = (mesh_lib.batch_sharded(mesh) if new_steps == 1
-                else mesh_lib.stacked_batch_sharded(mesh))
-
-    def like(array):
-        return jax.ShapeDtypeStruct(
-            lead + tuple(array.shape[drop:]), jax.dtypes.canonicalize_dtype(array.dtype),
-            sharding=sharding, weak_type=getattr(array, "weak_type", False))
-
-    return placement.DeviceBatch(jax.tree.map(like, data), rows)
+    return placement.abstract_batch(batch.data, rows, mesh, new_steps,
+                                    drop=1 if steps == 1 else 2)
 
 
 def compile_ahead(entries):

@@ -254,7 +254,7 @@ def gather(arrays, order, start, rows, mesh):
     as `placement.to_device` pads a host batch, and split over `"batch"`:
     each device gathers its share from its full copy of `arrays`.
     """
-    padded = rows + -rows % mesh_lib.num_devices(mesh)
+    padded = placement.padded_rows(rows, mesh)
     sharding = mesh_lib.batch_sharded(mesh)
     positions = start + jnp.minimum(jnp.arange(padded), rows - 1)
     ids = jax.lax.with_sharding_constraint(jnp.take(order, positions, mode="clip"), sharding)

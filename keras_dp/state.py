@@ -1,12 +1,13 @@
 """The training state and its boundaries with the Keras model.
 
 `TrainState` is the one definition of what a train step reads and replaces.
-`TrainState.from_model` reads a built, compiled Keras model into replicated
-device arrays; `write_back` is the only code in keras_dp that assigns to
-Keras variables. In between, the state lives only in the compiled steps,
-which take it and return its successor. During `fit`, `LiveModel` holds the
-state of the epoch in progress and keeps the Keras model in step with it
-whenever a callback looks.
+`TrainState.from_model` reads a built, compiled Keras model into device
+arrays (replicated, or split as `keras_dp.layout` says); `write_back` is
+the only code in keras_dp that assigns to Keras variables. In between, the
+state lives only in the compiled steps, which take it and return its
+successor. During `fit`, `LiveModel` holds the state of the epoch in
+progress and keeps the Keras model in step with it whenever a callback
+looks.
 """
 
 import contextlib

@@ -1,16 +1,18 @@
 """The compiled steps: pure functions of (state, batch), jitted over the mesh.
 
-Each step sees the *global* batch as one sharded array and the model state as
-replicated arrays. The batch arrives as a `DeviceBatch` padded to split
-evenly; the step first cuts it back to its real rows (`placement.real_rows`), so
-that whatever the batch size, the step computes exactly what one device
-would on those rows, BatchNorm statistics, loss mean and metrics included. The loss is the mean over the global batch, so its
-gradient with respect to the replicated weights is a sum over every device's
-rows: XLA's SPMD partitioner computes each device's partial gradient on its
-own shard and inserts one all-reduce to combine them. Every device then
-applies the same averaged gradient to the same weights, which is why the
-replicas never drift apart, and why a step on N devices equals the same step
-on one device over the same rows (up to float summation order).
+Each step sees the *global* batch as one sharded array, and the model state
+as replicated arrays or split as `state_sharding` says (`keras_dp.layout`).
+The batch arrives as a `DeviceBatch` padded to split evenly; the step first
+cuts it back to its real rows (`placement.real_rows`), so that whatever the
+batch size, the step computes exactly what one device would on those rows,
+BatchNorm statistics, loss mean and metrics included. The loss is the mean
+over the global batch, so its gradient with respect to the replicated
+weights is a sum over every device's rows: XLA's SPMD partitioner computes
+each device's partial gradient on its own shard and inserts one all-reduce
+to combine them. Every device then applies the same averaged gradient to
+the same weights, which is why the replicas never drift apart, and why a
+step on N devices equals the same step on one device over the same rows
+(up to float summation order).
 """
 
 import inspect

@@ -297,6 +297,7 @@ class ShardedTrainer:
 
     def compiled_train_step(self, state, batch):
         """The train step compiled for these arguments (`.as_text()` is HLO)."""
+        mesh_lib.check_keras_distribution()
         steps_lib.check_device_batch(batch, "trainer.compiled_train_step")
         return self._train_step.lower(state, batch).compile()
 
@@ -440,8 +441,8 @@ class ShardedTrainer:
             pipeline.check_one_pass(batches, epochs - initial_epoch, "x",
                                     f"epochs={epochs}, initial_epoch={initial_epoch}")
             if val is not None:
-                validations = sum(callbacks_lib.should_validate(epoch, validation_freq)
-                                  for epoch in range(initial_epoch, epochs))
+                validations = callbacks_lib.validations(range(initial_epoch, epochs),
+                                                        validation_freq)
                 pipeline.check_one_pass(val, validations, "validation_data",
                                         f"epochs={epochs}, validation_freq={validation_freq!r}")
             labels_lib.check_data(self.model, (batches, "the training data"),

@@ -108,3 +108,48 @@ def test_targets_takes_each_ratio_within_a_run_then_the_median():
     assert "| keras_dp best / Keras merged scan best | 64 | 1.25 | 1.11-1.50 | 3 | 1.20 | yes |" \
         in table
     assert ("keras_dp best / compute bound", 64) not in found  # no bound rows, no ratio
+
+
+@pytest.mark.slow
+def test_evaluate_steps_times_every_k_and_every_k_gives_the_same_numbers(tmp_path):
+    out = tmp_path / "evaluate.json"
+    subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "evaluate_steps.py"), "--devices", "2",
+         "--samples", "300", "--batch-sizes", "64", "--ks", "1,4", "--reps", "2",
+         "--out", str(out)],
+        check=True, timeout=240, cwd=ROOT, capture_output=True,
+    )
+    rows = json.loads(out.read_text())["rows"]
+    assert {(row["system"], row["k"]) for row in rows} == {
+        ("keras_dp evaluate", 1), ("keras_dp evaluate", 4),
+        ("keras_dp predict", 1), ("keras_dp predict", 4)}
+    assert all(row["median"] > 0 for row in rows)
+    by_k = {(row["system"], row["k"]): row["loss"] for row in rows}
+    # 300 rows: 4 full batches and one of 44, so K=4 runs one 4-step call
+    # and a single step; the loss of an untrained 10-class model is near ln 10.
+    assert by_k[("keras_dp evaluate", 4)] == by_k[("keras_dp evaluate", 1)]
+    assert abs(by_k[("keras_dp evaluate", 1)] - np.log(10)) < 0.1
+    assert by_k[("keras_dp predict", 4)] == by_k[("keras_dp predict", 1)]
+
+
+def test_gpu_plan_runs_the_benchmarks_with_arguments_they_accept():
+    """benchmarks/gpu.sh is only run on a lent GPU: check here that each of
+    its commands names a script that exists and arguments that script parses."""
+    import re
+    import shlex
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench
+    import evaluate_steps
+    import resnet
+
+    parsers = {"bench.py": bench.parse_args, "evaluate_steps.py": evaluate_steps.parse_args,
+               "resnet.py": resnet.parse_args}
+    text = (ROOT / "benchmarks" / "gpu.sh").read_text().replace("\\\n", " ")
+    commands = re.findall(r"python3 benchmarks/(\S+\.py)([^|\n]*)", text)
+    assert sorted({script for script, _ in commands}) == sorted(parsers)
+    assert len(commands) == 4
+    for script, arguments in commands:
+        arguments = shlex.split(arguments.split("2>&1")[0].replace('"$out/', '"/tmp/'))
+        args = parsers[script](arguments)
+        assert args.platform == "gpu", script

@@ -503,3 +503,30 @@ def test_swap_ema_weights_validates_with_the_moving_averages_as_under_keras(data
         np.testing.assert_allclose(history[name], keras_history[name], rtol=1e-5)
     for mine, theirs in zip(history["weights"], keras_history["weights"], strict=True):
         assert_close_to_scale(mine, theirs)
+
+
+@pytest.mark.parametrize("make_callback", [
+    lambda: keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.05 * 0.5**epoch),
+    # min_delta larger than any improvement: the rate halves after every epoch.
+    lambda: keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0,
+                                              min_delta=100.0, min_lr=0.0),
+], ids=["scheduler", "plateau"])
+def test_rate_callbacks_equal_keras_and_the_step_compiles_once(data, make_callback):
+    # README: ReduceLROnPlateau and LearningRateScheduler equal Keras, and a
+    # new rate reaches the compiled step with no recompile.
+    x, y, val = data
+    results = []
+    for fit in ("keras", "sharded"):
+        model = sgd_mlp()
+        runner = model if fit == "keras" else keras_dp.ShardedTrainer(model, devices=devices(2))
+        history = runner.fit(x, y, batch_size=BATCH, epochs=3, verbose=0, shuffle=False,
+                             validation_data=val, callbacks=[make_callback()])
+        results.append((model, history.history, runner))
+    (keras_model, keras_history, _), (model, history, trainer) = results
+    np.testing.assert_allclose(history["learning_rate"], keras_history["learning_rate"])
+    assert float(model.optimizer.learning_rate.numpy()) == pytest.approx(0.0125)
+    for name in ("loss", "val_loss"):
+        np.testing.assert_allclose(history[name], keras_history[name], rtol=1e-5)
+    assert_weights_close(model, keras_model)
+    programs = trainer._resident_step._cache_size() + trainer._train_step._cache_size()
+    assert programs == 1  # 8 full batches per epoch: one program, for every rate

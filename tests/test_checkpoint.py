@@ -655,3 +655,27 @@ def test_a_resume_restores_the_checkpoints_learning_rate_unless_a_callback_sets_
     changed = small(8, keras.optimizers.SGD(0.5))
     keras_dp.fit_sharded(changed, x, y, epochs=3, callbacks=[SetsLearningRate()], **fit_small)
     assert float(changed.optimizer.learning_rate.numpy()) == 0.5
+
+
+@pytest.mark.parametrize("change", [
+    dict(steps_per_execution=3, data_on_device=False), dict(devices=devices(4))],
+    ids=["k_and_feed", "devices"])
+def test_a_mid_epoch_checkpoint_resumes_under_another_k_feed_or_device_count(
+        data, tmp_path, change):
+    # README: another steps_per_execution or data_on_device keeps every
+    # step's rows and resumes bitwise; another device count sums the
+    # gradients in another order, so it resumes to rounding.
+    unbroken = mlp(dropout=0.25)
+    fit(unbroken, data, epochs=2)
+    with pytest.raises(SystemExit):
+        fit(mlp(dropout=0.25), data, epochs=2, checkpoint_dir=tmp_path,
+            callbacks=[SigtermAt(1, 4)])
+    resumed = mlp(seed=7, dropout=0.25)
+    assert fit(resumed, data, epochs=2, checkpoint_dir=tmp_path, **change).epoch == [1]
+    assert int(resumed.optimizer.iterations.numpy()) == 2 * ROWS // BATCH
+    if "devices" not in change:
+        assert_weights_equal(resumed, unbroken)
+        return
+    for mine, reference in zip(weights(resumed), weights(unbroken), strict=True):
+        np.testing.assert_allclose(mine, reference, rtol=0,
+                                   atol=1e-5 * max(np.abs(reference).max(), 1e-6))

@@ -9,6 +9,7 @@ import os
 import jax
 import keras
 import numpy as np
+import pytest
 
 from keras_dp import _compat
 
@@ -186,3 +187,38 @@ def test_a_callback_lists_pool_is_where_shut_down_callback_pool_stops_it():
     _compat.shut_down_callback_pool(callbacks)
     assert executor._shutdown
     assert callbacks._executor is None and callbacks._in_begin_end_block_count == 0
+
+
+def test_settle_monitor_reads_the_direction_from_the_models_compiled_metrics():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    _compat.symbolic_build(model, (np.zeros((2, 3), "float32"), np.zeros((2,), "int32"), None))
+    rising, falling = (keras.callbacks.EarlyStopping("val_accuracy"),
+                       keras.callbacks.EarlyStopping("val_loss"))
+    assert _compat.unsettled_monitor(rising) and _compat.unsettled_monitor(falling)
+    assert not _compat.unsettled_monitor(keras.callbacks.EarlyStopping("val_loss", mode="min"))
+    assert not _compat.unsettled_monitor(keras.callbacks.History())
+    _compat.settle_monitor(rising, model)
+    _compat.settle_monitor(falling, model)
+    assert rising.model is model
+    assert rising.monitor_op is keras.ops.greater and falling.monitor_op is keras.ops.less
+    assert not _compat.unsettled_monitor(rising)
+
+
+def test_grain_hooks_read_a_loaders_epochs_a_repeats_epochs_and_the_closable_iterator():
+    grain = pytest.importorskip("grain")
+
+    def loader(num_epochs):
+        sampler = grain.samplers.IndexSampler(3, num_epochs=num_epochs, shuffle=False, seed=0)
+        return grain.DataLoader(data_source=[1, 2, 3], sampler=sampler)
+
+    assert _compat.grain_loader_epochs(loader(None)) is None
+    assert _compat.grain_loader_epochs(loader(2)) == 2
+    source = grain.MapDataset.source([1, 2, 3]).to_iter_dataset()
+    assert _compat.grain_repeat_epochs(grain.experimental.RepeatIterDataset(source)) is None
+    assert _compat.grain_repeat_epochs(grain.experimental.RepeatIterDataset(source, 2)) == 2
+    iterator = iter(loader(1))
+    inner = _compat.grain_inner_iterator(iterator)
+    assert not hasattr(iterator, "close") and callable(inner.close)
+    assert list(iterator) == [1, 2, 3]
+    inner.close()

@@ -256,6 +256,8 @@ def test_members_must_fit_the_devices():
     for bad in (0, -2, 2.0, True):
         with pytest.raises(ValueError, match="positive integer"):
             keras_dp.EnsembleTrainer(build_mlp, bad, devices=devices(4))
+    # A numpy integer is an integer (it was refused as not one).
+    assert len(keras_dp.EnsembleTrainer(build_mlp, np.int64(2), devices=devices(4)).members) == 2
 
 
 def test_members_must_share_one_architecture(mnist):
@@ -287,6 +289,23 @@ def test_member_shuffle_needs_shuffled_arrays_and_scoring_needs_labels(mnist):
         trainer.fit(x[:64], y[:64], shuffle=False, member_shuffle=True, verbose=0)
     with pytest.raises(ValueError, match="Scoring needs labels"):
         trainer.evaluate(x[:64])
+
+
+def test_data_without_labels_is_refused_before_any_step():
+    # Was: validation_data without labels trained a whole epoch, then raised
+    # "Scoring needs labels"; x without y raised "None is not a valid value
+    # for jnp.array". fit_sharded refuses both before any step.
+    x, y = small_data(16)
+    trainer = keras_dp.EnsembleTrainer(build_small, 2, devices=devices(2))
+    with pytest.raises(ValueError, match=r"the training data has no labels: pass y"):
+        trainer.fit(x, batch_size=4, verbose=0)
+    for val in (x, (x,), iter([x[:8], x[8:]])):
+        with pytest.raises(ValueError, match=r"^Scoring needs labels, and `validation_data` has "
+                                             r"none. Pass validation_data=\(x_val, y_val\), or "):
+            trainer.fit(x, y, batch_size=4, verbose=0, validation_data=val)
+    assert [int(m.optimizer.iterations.numpy()) for m in trainer.members] == [0, 0]
+    with pytest.raises(ValueError, match=r"^Scoring needs labels, and `x` has none. Pass y"):
+        trainer.evaluate(x, verbose=0)
 
 
 @pytest.mark.slow
@@ -951,3 +970,21 @@ def test_after_fit_with_validation_the_members_metrics_hold_its_results_as_keras
         assert float(theirs["loss"]) == pytest.approx(history["val_loss"][0], rel=1e-6)
         for name, value in theirs.items():
             assert float(ours[name]) == pytest.approx(float(value), rel=1e-5), name
+
+
+@pytest.mark.slow  # 9 s: two members and two models compiled
+def test_training_sample_weights_train_each_member_as_its_own_model_fit():
+    # README: each member equals its own model.fit with sample weights; the
+    # other tests weight only the validation data and evaluate.
+    x, y = small_data(40)
+    weights = np.random.default_rng(2).uniform(0.5, 3, 40).astype("float32")
+    options = dict(batch_size=16, epochs=2, shuffle=False, verbose=0, sample_weight=weights)
+    result = keras_dp.fit_ensemble(build_small, x, y, members=2, seed=4, devices=devices(2),
+                                   **options)
+    for i, member in enumerate(result.members):
+        reference = alone(4 + i, build_small)
+        expected = reference.fit(x, y, **options).history
+        for key, values in expected.items():
+            np.testing.assert_allclose([epoch[i] for epoch in result.member_history[key]],
+                                       values, rtol=1e-5, err_msg=key)
+        assert_members_close(member, reference, rtol=1e-5)

@@ -183,6 +183,21 @@ def test_a_batch_whose_shape_changes_mid_stream_is_named(steps_per_execution):
     assert int(model.optimizer.iterations.numpy()) == 3  # the batches before it trained
 
 
+def test_a_shape_change_names_the_layers_own_reason_not_kerass_wrapper():
+    # Was "... cannot take them: ValueError: Exception encountered when calling
+    # Reshape.call()." (the first line of Keras's wrapped error), without the reason.
+    model = keras.Sequential([keras.Input((None,)), keras.layers.Reshape((4, 5)),
+                              keras.layers.Flatten(), keras.layers.Dense(10)])
+    model.compile("sgd", "sparse_categorical_crossentropy")
+    with pytest.raises(ValueError) as raised:
+        keras_dp.fit_sharded(model, dense_batches([(20,)] * 2 + [(18,)]), verbose=0,
+                             devices=devices(2))
+    assert "Exception encountered" not in str(raised.value)
+    assert re.search(r"Batch 2 of epoch 1 .*cannot take them: ValueError: The total size of "
+                     r"the tensor must be unchanged. Received: input_shape=\(18,\), "
+                     r"target_shape=\(4, 5\) Give every batch", str(raised.value))
+
+
 def test_batches_of_several_lengths_train_when_the_model_takes_them():
     # A sequence model with a None length: batches padded per batch, as
     # tf.data's padded_batch gives them, with K=2 (stacks of one shape only).
@@ -318,6 +333,26 @@ def test_trainer_counts_are_checked_when_it_is_made(argument, value, error, mess
     with pytest.raises(error) as raised:
         keras_dp.ShardedTrainer(mlp(), devices=devices(2), **{argument: value})
     assert str(raised.value).startswith(message)
+
+
+@pytest.mark.parametrize("seed, error, message", [
+    ("a", TypeError, "`seed` must be an integer. Received: seed='a' (of type str)."),
+    (-1, ValueError, "`seed` must be at least 0. Received: seed=-1."),
+    (1.5, TypeError, "`seed` must be an integer. Received: seed=1.5 (of type float)."),
+])
+def test_an_ensembles_seed_is_checked_before_any_member_is_built(seed, error, message):
+    # Was: seed="a" failed in `seed + i` ("can only concatenate str"), -1 in
+    # numpy's seeding ("Seed must be between 0 and 2**32 - 1"), 1.5 as a
+    # ValueError of Keras's set_random_seed; ShardedTrainer checked its seed.
+    built = []
+
+    def build():
+        built.append(True)
+        return mlp()
+
+    with pytest.raises(error) as raised:
+        keras_dp.EnsembleTrainer(build, 2, seed=seed, devices=devices(2))
+    assert str(raised.value).startswith(message) and not built
 
 
 def test_a_list_of_strings_as_x_is_named_as_text_with_the_fix():

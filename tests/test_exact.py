@@ -354,3 +354,22 @@ def test_keras_data_parallel_refuses_the_batches_we_train_exactly(mnist):
     keras_dp.fit_sharded(ours, x[:200], y[:200], batch_size=66, shuffle=False, verbose=0,
                          devices=devices(3))
     assert int(ours.optimizer.iterations.numpy()) == 4
+
+
+def test_keras_data_parallel_refuses_a_batch_of_64_on_3_devices_at_the_first_step(mnist):
+    # README's other case: a batch size that never divides fails before
+    # Keras's first step; keras_dp trains it.
+    (x, y), _ = mnist
+    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices(3)))
+    try:
+        model = sgd_mlp()
+        with pytest.raises(Exception, match="should evenly divide") as error:
+            model.fit(x[:200], y[:200], batch_size=64, shuffle=False, verbose=0)
+    finally:
+        keras.distribution.set_distribution(None)
+    assert type(error.value).__name__ == "IndivisibleError"
+    assert int(model.optimizer.iterations.numpy()) == 0
+    ours = sgd_mlp()
+    keras_dp.fit_sharded(ours, x[:200], y[:200], batch_size=64, shuffle=False, verbose=0,
+                         devices=devices(3))
+    assert int(ours.optimizer.iterations.numpy()) == 4

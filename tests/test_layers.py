@@ -268,3 +268,32 @@ def test_lora_or_quantize_after_training_then_compile_equals_keras_fit(change):
     np.testing.assert_allclose(got["loss"], expected["loss"], rtol=1e-5)
     for ours, theirs in zip(model.variables, reference.variables, strict=True):
         assert_scaled_close(ours.value, theirs.value, ours.path)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float16", marks=pytest.mark.slow)])
+def test_a_16_bit_layer_in_a_float32_model_is_bitwise_keras_on_one_device(dtype):
+    # README: such layers train bitwise as Keras's on one device; on 3 the
+    # all-reduce sums their gradients in another order in their own
+    # precision, so they differ by its rounding.
+    rng = np.random.default_rng(0)
+    x, y = rng.random((50, 6), "float32"), rng.integers(0, 3, 50)
+    results = []
+    for count in (None, 1, 3):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((6,)),
+                                  layers.Dense(8, activation="relu", dtype=dtype),
+                                  layers.Dense(3)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        kwargs = dict(batch_size=16, epochs=2, shuffle=False, verbose=0)
+        if count is None:
+            model.fit(x, y, **kwargs)
+        else:
+            keras_dp.fit_sharded(model, x, y, devices=devices(count), **kwargs)
+        results.append([np.asarray(v.value, "float64") for v in model.trainable_variables])
+    keras_fit, one, three = results
+    for theirs, mine in zip(keras_fit, one, strict=True):
+        np.testing.assert_array_equal(mine, theirs)
+    epsilon = float(jnp.finfo(dtype).eps)
+    for theirs, mine in zip(keras_fit, three, strict=True):
+        np.testing.assert_allclose(mine, theirs, rtol=0, atol=epsilon * np.abs(theirs).max())

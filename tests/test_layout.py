@@ -188,3 +188,25 @@ def test_the_cli_refuses_state_sharding_with_an_ensemble(capsys):
     with pytest.raises(SystemExit):
         cli.main(["train", "--ensemble", "2", "--state-sharding", "full"])
     assert "an ensemble already keeps each member" in capsys.readouterr().err
+
+
+def test_a_step_over_the_devices_memory_is_a_memory_error_with_the_numbers_and_fixes(mnist):
+    # README: on an accelerator fit checks the plan before the first step
+    # and raises MemoryError with the numbers and the fixes. XLA:CPU reports
+    # no capacity (the check passes), so the plan's capacity is set here.
+    import dataclasses
+
+    from keras_dp import memory
+
+    (x, y), _ = mnist
+    plan = keras_dp.memory_plan(mlp(), x[:4], y[:4], batch_size=64, devices=devices(2))
+    assert plan.capacity is None and plan.fits()
+    memory.check_fits(plan)  # nothing known to exceed: no error
+    over = dataclasses.replace(plan, capacity=plan.peak - 1)
+    with pytest.raises(MemoryError) as refused:
+        memory.check_fits(over)
+    message = str(refused.value)
+    assert message.startswith(f"One train step needs {plan.peak / 2**30:.2f} GiB per device, "
+                              f"and the device has {(plan.peak - 1) / 2**30:.2f} GiB.")
+    for fix in ("state_sharding='full'", "batch_size", "mixed_bfloat16"):
+        assert fix in message

@@ -28,27 +28,29 @@ def test_a_users_mesh_is_kept_and_devices_pick_a_sub_mesh():
         keras_dp.make_mesh([])
 
 
-def test_replicate_copies_so_donation_never_deletes_the_source():
+def test_place_copies_so_donation_never_deletes_the_source():
     mesh = keras_dp.make_mesh(devices(4))
     source = jax.numpy.arange(6.0)
-    copy = mesh_lib.replicate([source], mesh)[0]
+    copy = mesh_lib.place([source], mesh, mesh_lib.replicated(mesh))[0]
     assert copy.sharding.is_fully_replicated and len(copy.sharding.device_set) == 4
     jax.jit(lambda a: a + 1, donate_argnums=0)(copy)
     assert copy.is_deleted() and not source.is_deleted()
-    np.testing.assert_array_equal(mesh_lib.to_host(mesh_lib.replicate(source, mesh)), np.arange(6.0))
+    np.testing.assert_array_equal(
+        np.asarray(mesh_lib.place(source, mesh, mesh_lib.replicated(mesh))), np.arange(6.0))
 
 
-def test_replicate_copies_a_numpy_source_too():
+def test_place_copies_a_numpy_source_too():
     # XLA:CPU may alias a numpy buffer even with may_alias=False.
     source = np.arange(6.0)
-    copy = mesh_lib.replicate(source, keras_dp.make_mesh(devices(2)))
+    mesh = keras_dp.make_mesh(devices(2))
+    copy = mesh_lib.place(source, mesh, mesh_lib.replicated(mesh))
     source[:] = -1
-    np.testing.assert_array_equal(mesh_lib.to_host(copy), np.arange(6.0))
+    np.testing.assert_array_equal(np.asarray(copy), np.arange(6.0))
 
 
 def test_local_copy_stays_on_the_device_and_outlives_donation():
     mesh = keras_dp.make_mesh(devices(4))
-    state = mesh_lib.replicate(jax.numpy.arange(6.0), mesh)
+    state = mesh_lib.place(jax.numpy.arange(6.0), mesh, mesh_lib.replicated(mesh))
     like = jax.device_put(jax.numpy.zeros(6), devices(2)[1])
     with jax.transfer_guard_device_to_host("disallow"):  # no trip through the host
         copy = mesh_lib.local_copy(state, like=like)
@@ -125,7 +127,7 @@ def test_a_keras_distribution_scope_is_refused_naming_the_scope():
     with distribution.scope():
         model = _tiny_sgd_model()
         with pytest.raises(ValueError, match=r"ModelParallel.*`with distribution.scope\(\):`"
-                                             r".*outside that scope"):
+                                             r".*outside that scope.*state_sharding='full'"):
             keras_dp.ShardedTrainer(model, devices=devices(4))
     # Created under the scope, trained outside it: whole copies on keras_dp's
     # mesh, the same steps as Keras's fit, and the variables keep their layout.
@@ -154,6 +156,9 @@ def test_a_keras_distribution_set_after_the_trainer_was_made_is_refused_too():
     built.build((x, y))
     state, batch = built.init_state(), built.shard((x, y))
     ensemble = keras_dp.EnsembleTrainer(unbuilt_model, members=2, devices=devices(2))
+    members = keras_dp.EnsembleTrainer(unbuilt_model, members=2, devices=devices(2))
+    members.build((x, y))
+    stacked, replicated = members.init_state(), members.replicate((x, y))
     layout = keras.distribution.LayoutMap(keras.distribution.DeviceMesh((2, 2), ["batch", "model"],
                                                                         devices(4)))
     distribution = keras.distribution.ModelParallel(layout_map=layout, batch_dim_name="batch")
@@ -164,13 +169,16 @@ def test_a_keras_distribution_set_after_the_trainer_was_made_is_refused_too():
                     lambda: trainer.evaluate(x, y, verbose=0),
                     lambda: trainer.predict(x, verbose=0),
                     lambda: built.train_step(state, batch),
-                    lambda: ensemble.build((x, y))):
+                    lambda: built.compiled_train_step(state, batch),
+                    lambda: ensemble.build((x, y)),
+                    lambda: members.train_step(stacked, replicated),
+                    lambda: members.compiled_train_step(stacked, replicated)):
             with pytest.raises(ValueError, match=refused):
                 run()
     finally:
         keras.distribution.set_distribution(None)
     assert not unbuilt.built and not ensemble.members[0].optimizer.built
-    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(state))  # refused, not donated
+    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves((state, stacked)))  # refused
 
 
 @pytest.mark.parametrize("name", ["data", "batch"])

@@ -719,3 +719,32 @@ def test_predict_draws_new_random_numbers_each_batch_and_call_as_keras_does(step
     np.testing.assert_array_equal(np.asarray(model.layers[0].seed_generator.state.value), [7, 8])
     np.testing.assert_array_equal(np.asarray(model.layers[0].seed_generator.state.value),
                                   np.asarray(reference.layers[0].seed_generator.state.value))
+
+
+def test_an_overridden_compute_loss_is_used_as_by_model_fit():
+    # README (Models): a model that keeps Keras's own steps is trained with
+    # Keras's compute_loss_and_updates, so its compute_loss override is used.
+    class Penalised(keras.Sequential):
+        def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+            loss = super().compute_loss(x, y, y_pred, sample_weight, training=training)
+            return loss + 0.5 * keras.ops.mean(keras.ops.square(y_pred))
+
+    rng = np.random.default_rng(0)
+    x, y = rng.random((50, 6), "float32"), rng.integers(0, 3, 50)
+    results = []
+    for fit_with in ("keras", "keras_dp", "keras_dp, plain"):
+        keras.utils.set_random_seed(0)
+        kind = keras.Sequential if fit_with.endswith("plain") else Penalised
+        model = kind([keras.Input((6,)), keras.layers.Dense(3)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        kwargs = dict(batch_size=16, epochs=2, shuffle=False, verbose=0)
+        if fit_with == "keras":
+            history = model.fit(x, y, **kwargs)
+        else:
+            history = keras_dp.fit_sharded(model, x, y, devices=devices(3), **kwargs)
+        results.append((history.history["loss"], model))
+    (theirs, reference), (ours, model), (plain, _) = results
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5)
+    assert_weights_close(model, reference)
+    assert not np.allclose(plain, theirs, rtol=1e-3)  # the penalty counts

@@ -121,3 +121,44 @@ def test_a_rolled_k_step_program_under_a_split_state_equals_single_steps_bitwise
     assert float(multi_logs["loss"]) == float(single_logs["loss"])
     for ours, theirs in zip(jax.tree.leaves(multi), jax.tree.leaves(single), strict=True):
         np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+
+
+def test_model_checkpoint_save_freq_counts_k_step_calls_as_readme_says(tmp_path):
+    # README (Several steps per call): the leftover batches of an epoch run
+    # one call each, so a callback counting batches by the hooks' indices
+    # saves at other batches than under Keras, which runs them as one call.
+    x = np.random.default_rng(0).random((7 * 16 + 5, 4), "float32")  # 7 batches of 16, 1 of 5
+    y = np.arange(len(x)) % 3
+    saved = {}
+    for fit in ("keras", "sharded"):
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy",
+                      steps_per_execution=2)
+        directory = tmp_path / fit
+        checkpoint = keras.callbacks.ModelCheckpoint(
+            str(directory / "w{epoch}-{batch}.weights.h5"), save_weights_only=True, save_freq=3)
+        runner = model if fit == "keras" else keras_dp.ShardedTrainer(model, devices=devices(2))
+        runner.fit(x, y, batch_size=16, epochs=3, verbose=0, shuffle=False,
+                   callbacks=[checkpoint])
+        saved[fit] = sorted(path.name.split(".")[0] for path in directory.iterdir())
+    assert saved["sharded"] == ["w1-4", "w1-7", "w2-2", "w2-6", "w3-2", "w3-6"]
+    assert saved["keras"] == ["w1-4", "w1-8", "w2-4", "w2-8", "w3-4", "w3-8"]
+
+
+def test_a_leftover_validation_batch_is_its_own_call_where_keras_reports_a_short_call_once():
+    # README (Several steps per call): 3 validation batches at K=2 end with
+    # batch indices 1, then 2 here; Keras runs the last as a short call
+    # that it reports as 1, then 3.
+    x = np.random.default_rng(0).random((40, 4), "float32")
+    y = np.arange(len(x)) % 3
+    ends = {}
+    for fit in ("keras", "sharded"):
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy",
+                      steps_per_execution=2)
+        runner = model if fit == "keras" else keras_dp.ShardedTrainer(model, devices=devices(2))
+        record = EvaluateAndPredictEnds()
+        runner.fit(x, y, batch_size=16, verbose=0, validation_data=(x[:24], y[:24]),
+                   validation_batch_size=8, callbacks=[record])
+        ends[fit] = record.test
+    assert ends == {"sharded": [1, 2], "keras": [1, 3]}

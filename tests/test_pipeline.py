@@ -40,7 +40,7 @@ def test_prefetch_keeps_order_raises_in_place_and_stops_when_closed():
 def test_a_dataset_that_yields_nothing_is_refused(data):
     if data == "exhausted generator":
         data = (batch for batch in [])
-    with pytest.raises(ValueError, match="yielded no batches in epoch 0"):
+    with pytest.raises(ValueError, match="yielded no batches in epoch 1"):
         keras_dp.fit_sharded(mlp(), data, verbose=0, devices=devices(2))
 
 
@@ -116,7 +116,7 @@ def test_steps_per_epoch_reads_an_endless_dataset_and_stops_a_short_generator(mn
     assert int(model.optimizer.iterations.numpy()) == 9
     short = ((x[i:i + 32], y[i:i + 32]) for i in range(0, 224, 32))  # 7 batches
     model = mlp()
-    with pytest.warns(UserWarning, match="ran out of data in epoch 1.*steps_per_epoch \\* epochs"):
+    with pytest.warns(UserWarning, match="ran out of data in epoch 2.*steps_per_epoch \\* epochs"):
         history = keras_dp.fit_sharded(model, short, steps_per_epoch=5, epochs=3, verbose=0,
                                        devices=devices(2))
     assert int(model.optimizer.iterations.numpy()) == 7 and history.epoch == [0, 1]
@@ -149,8 +149,8 @@ def test_steps_per_epoch_runs_on_into_the_next_pass_where_model_fit_cuts_the_epo
 
 
 @pytest.mark.parametrize("bad, message", [
-    (lambda x, y: (x[:0], y[:0]), "Batch 1 of epoch 0 has no rows"),
-    (lambda x, y: (x[:32], y[:32], np.ones(32)), "Batch 1 of epoch 0 has a different structure"),
+    (lambda x, y: (x[:0], y[:0]), "Batch 1 of epoch 1 has no rows"),
+    (lambda x, y: (x[:32], y[:32], np.ones(32)), "Batch 1 of epoch 1 has a different structure"),
     (lambda x, y: (x[:32], y[:31]), "same number of rows"),
 ])
 def test_a_bad_batch_in_a_dataset_is_named(mnist, bad, message):
@@ -160,7 +160,7 @@ def test_a_bad_batch_in_a_dataset_is_named(mnist, bad, message):
 
 def test_a_dataset_of_single_samples_is_told_to_batch(mnist):
     (x, y), _ = mnist
-    single = r"Batch 0 of epoch 0 is a single sample, not a batch: its arrays have shapes "
+    single = r"Batch 0 of epoch 1 is a single sample, not a batch: its arrays have shapes "
     with pytest.raises(ValueError, match=single + r"\[\(28, 28, 1\), \(\)\].*dataset.batch\(64\)"):
         keras_dp.fit_sharded(mlp(), tf.data.Dataset.from_tensor_slices((x[:8], y[:8])),
                              verbose=0, devices=devices(2))
@@ -177,7 +177,7 @@ def test_an_unbatched_dataset_of_one_hot_labels_is_told_to_batch(mnist):
     model = mlp()
     model.compile(optimizer="sgd", loss=keras.losses.CategoricalCrossentropy(from_logits=True))
     unbatched = tf.data.Dataset.from_tensor_slices((x[:8], np.eye(10)[y[:8]]))
-    with pytest.raises(ValueError, match=r"Batch 0 of epoch 0 has arrays without the same number "
+    with pytest.raises(ValueError, match=r"Batch 0 of epoch 1 has arrays without the same number "
                        r"of rows .*: shapes \[\(28, 28, 1\), \(10,\)\]\. If each is one sample, the "
                        r"dataset is not batched: batch it, `dataset.batch\(64\)`"):
         keras_dp.fit_sharded(model, unbatched, verbose=0, devices=devices(2))
@@ -431,3 +431,20 @@ def test_a_reshuffled_tf_data_epoch_reads_the_order_of_an_unbroken_run_when_resu
     resumed.peek()
     assert rows(resumed.epoch(1, skip=2)) == epochs[1][2:]
     assert rows(resumed.epoch(2)) == epochs[2]
+
+
+def test_a_dataset_batch_is_named_with_the_same_epoch_number_by_every_check(mnist):
+    # Epochs are counted from 1 in messages, as Keras's progress bar shows
+    # them ("Epoch 1/2") and the label and shape checks name them. The
+    # structure, row and empty-dataset checks said "epoch 0" for the same
+    # first epoch, so one batch could be "batch 1 of epoch 0" in one
+    # message and "batch 1 of epoch 1" in another.
+    (x, y), _ = mnist
+    first = (x[:32], y[:32])
+    fit = dict(verbose=0, devices=devices(2))
+    with pytest.raises(ValueError, match=r"^Batch 1 of epoch 1 has no rows"):
+        keras_dp.fit_sharded(mlp(), [first, (x[:0], y[:0])], **fit)
+    with pytest.raises(ValueError, match=r"^A label of batch 1 of epoch 1 of the training data"):
+        keras_dp.fit_sharded(mlp(), [first, (x[:32], np.full(32, 10))], **fit)
+    with pytest.raises(ValueError, match=r"^The dataset yielded no batches in epoch 1\."):
+        keras_dp.fit_sharded(mlp(), [], **fit)

@@ -281,7 +281,7 @@ def test_a_datasets_plan_is_its_first_batchs_calls():
             return batch[:2]
 
     assert programs.eval_plan(pipeline.make_batches(Two()), 4) == [(1, 64)]
-    like = programs.like_host_batch(dataset.peek(), 4, 64, keras_dp.make_mesh(devices(2)))
+    like = placement.abstract_batch(dataset.peek(), 64, keras_dp.make_mesh(devices(2)), 4)
     assert [(leaf.shape, str(leaf.dtype)) for leaf in jax.tree.leaves(like)] == [
         ((4, 64, 28, 28, 1), "uint8"), ((4, 64), "int32")]  # as JAX places them
 

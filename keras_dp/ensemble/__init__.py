@@ -78,9 +78,10 @@ def fit_ensemble(build_model, x=None, y=None, *, members=None, batch_size=None,
             datasets).
         validation_split: hold out this last fraction of array data (taken
             before shuffling) as the validation data, as in `model.fit`.
-        validation_data: `(x, y[, sample_weight])` or a dataset, scored after each epoch
-            (every `validation_freq`, as in `model.fit`) for every member
-            and for the ensemble.
+        validation_data: `(x, y[, sample_weight])` or a dataset, scored
+            after each epoch for every member and for the ensemble.
+        validation_freq: validate every this many epochs (an int), or
+            after the listed epochs (1-based), as in `model.fit`.
         validation_steps, validation_batch_size: as in `model.fit`: score
             the first this many validation batches; the batch size of
             validation arrays (default `batch_size`).
@@ -89,7 +90,8 @@ def fit_ensemble(build_model, x=None, y=None, *, members=None, batch_size=None,
         member_shuffle: give each member its own shuffle order.
         from_logits: whether the models output logits (a softmax comes
             before averaging); `None` reads it from the compiled loss.
-        seed: seed of the members' initialisations and of the data order.
+        seed: seed of the members' initialisations and of the data order,
+            an int of at least 0.
         mesh, devices: where to train (default: all of JAX's devices).
 
     Returns:

@@ -37,8 +37,7 @@ def evaluate(trainer, weights, batches, callbacks):
     Raises:
         ValueError: the batches have no labels.
     """
-    if pipeline.unpack(batches.peek())[1] is None:
-        raise ValueError("Scoring needs labels. Pass y, or (x, y) batches.")
+    check_labels(batches)
     for member in trainer.members:  # as model.evaluate starts
         member.reset_metrics()
     metrics = members_lib.stack_state(trainer.members, trainer.mesh, groups=("metrics",)).metrics
@@ -59,6 +58,19 @@ def evaluate(trainer, weights, batches, callbacks):
                                    sample_weights))
     callbacks.on_test_end(logs_lib.mean_logs(scores))
     return scores, non_trainable, metrics
+
+
+def check_labels(batches, name="x"):
+    """Refuse data without labels, which the ensemble cannot be scored on, before any step.
+
+    Raises:
+        ValueError: `batches` (the argument `name`) have no labels.
+    """
+    if pipeline.unpack(batches.peek())[1] is None:
+        fix = "validation_data=(x_val, y_val)" if name == "validation_data" else "y"
+        raise ValueError(
+            f"Scoring needs labels, and `{name}` has none. Pass {fix}, or (x, y) batches."
+        )
 
 
 def predict(trainer, weights, batches, callbacks):

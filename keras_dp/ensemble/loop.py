@@ -95,15 +95,12 @@ def resolve_monitors(callbacks, member):
     comes before any step for a name neither knows.
     """
     for callback in callbacks or ():
-        # Keras's private MonitorCallback (EarlyStopping, ModelCheckpoint, ...).
-        if not hasattr(callback, "_set_monitor_op") or (
-                callback.monitor_op is not None or callback.mode != "auto"):
+        if not _compat.unsettled_monitor(callback):
             continue
         name = callback.monitor.removeprefix("val_")
         if name in ("ensemble_loss", "ensemble_accuracy"):
             callback.mode = "min" if name == "ensemble_loss" else "max"
-        callback.set_model(member)  # Keras reads the member's compiled metrics
-        callback._set_monitor_op()
+        _compat.settle_monitor(callback, member)  # from the member's compiled metrics
 
 
 def fit(trainer, sources, val, callbacks, *, epochs, validation_freq):
@@ -181,8 +178,7 @@ def train_epoch(trainer, live, sources, epoch, callbacks):
         failed = [(member, index + int(count)) for member, count in enumerate(finite)
                   if count < steps]
         index += steps
-        callbacks.on_train_batch_end(
-            index - 1, {name: float(np.mean(v)) for name, v in member_logs.items()})
+        callbacks.on_train_batch_end(index - 1, logs_lib.mean_logs(member_logs))
         if failed and not callbacks.model.stop_training:
             raise FloatingPointError(failure_message(epoch, failed, member_logs["loss"]))
         if callbacks.model.stop_training:

@@ -7,6 +7,8 @@ arrays with a leading member axis, and that axis is split over the mesh axis
 holds members `d*M/D` to `(d+1)*M/D - 1`.
 """
 
+import numbers
+
 import jax
 import keras
 import numpy as np
@@ -45,12 +47,12 @@ def member_mesh(members=None, mesh=None, devices=None):
     available = list(base.devices.flat)
     n = len(available)
     count = n if members is None else members
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+    if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 1:
         raise ValueError(
             f"`members` must be a positive integer. Received: members={members!r}."
         )
     if count < n:
-        return count, mesh_lib.make_mesh(available[:count])
+        return int(count), mesh_lib.make_mesh(available[:count])
     if count % n:
         raise ValueError(
             f"{count} ensemble members do not fit {n} devices: every device "
@@ -59,7 +61,7 @@ def member_mesh(members=None, mesh=None, devices=None):
             f"{count - count % n} or {count + n - count % n}, or pass devices= "
             "with a device count that divides the member count."
         )
-    return count, base
+    return int(count), base
 
 
 def member_sharded(mesh):

@@ -44,19 +44,21 @@ class EnsembleTrainer:
 
     Raises:
         TypeError: `build_model` is neither callable nor a `keras.Model`, or
-            returned something that is not a `keras.Model`.
-        ValueError: the members do not fit the devices, `build_model`
-            returned an uncompiled model, one model twice or a keras_hub
-            task with a preprocessor (`model_checks.check_no_preprocessor`), or the
-            loss does not tell whether the outputs are logits or is a Keras
-            loss that is not a multi-class one (`members.check_classifier`).
+            returned something that is not a `keras.Model`; or `seed` is
+            not an integer.
+        ValueError: `seed` is negative, the members do not fit the devices,
+            `build_model` returned an uncompiled model, one model twice or a
+            keras_hub task with a preprocessor
+            (`model_checks.check_no_preprocessor`), or the loss does not tell
+            whether the outputs are logits or is a Keras loss that is not a
+            multi-class one (`members.check_classifier`).
     """
 
     def __init__(self, build_model, members=None, *, seed=0, mesh=None,
                  devices=None, from_logits=None, steps_per_execution=None):
+        self.seed = pipeline.check_count("seed", seed, 0)  # before any member is built
         count, self.mesh = members_lib.member_mesh(members, mesh, devices)
-        self.seed = seed
-        self.members = members_lib.make_members(build_model, count, seed)
+        self.members = members_lib.make_members(build_model, count, self.seed)
         model_checks.check_no_preprocessor(self.members[0])
         members_lib.check_classifier(self.members[0])
         self.from_logits = members_lib.read_from_logits(self.members[0], from_logits)
@@ -85,10 +87,15 @@ class EnsembleTrainer:
             ValueError: a member cannot be built on `x`, the labels do
                 not fit its output, or its output has fewer than 2 classes.
         """
+        labelled = pipeline.unpack(batch)[1] is not None
+        self._build(batch, for_training=labelled)  # no labels: enough to predict
+
+    def _build(self, batch, for_training, data="the data"):
+        """Build every member, for training (labels needed, if a loss reads them) or not."""
         mesh_lib.check_keras_distribution()  # one set since the trainer was made too
         batch = pipeline.unpack(batch)
-        for model in self.members:  # without labels: enough to predict
-            build_lib.build(model, batch, for_training=batch[1] is not None)
+        for model in self.members:
+            build_lib.build(model, batch, for_training=for_training, data=data)
         members_lib.check_class_output(self.members[0], batch[0])
         self._x_example = batch[0]
 
@@ -129,8 +136,11 @@ class EnsembleTrainer:
         Raises:
             TypeError: `state` is not a `TrainState`, or `batch` is not on
                 the devices.
-            ValueError: `state` was donated to an earlier step.
+            ValueError: `state` was donated to an earlier step, or a Keras
+                distribution other than `DataParallel` is active
+                (`keras_dp.mesh.check_keras_distribution`).
         """
+        mesh_lib.check_keras_distribution()  # one set since the trainer was made too
         state_lib.check_usable(state, "trainer.train_step")
         _check_placed(batch)
         state, logs, _ = self._step(per_member, 1)(state, batch)
@@ -138,6 +148,7 @@ class EnsembleTrainer:
 
     def compiled_train_step(self, state, batch, *, per_member=False):
         """The train step compiled for these arguments (`.as_text()` is HLO)."""
+        mesh_lib.check_keras_distribution()
         return self._step(per_member, 1).lower(state, batch).compile()
 
     def write_back(self, state):
@@ -191,7 +202,7 @@ class EnsembleTrainer:
         if steps_per_epoch is not None:
             sources = [pipeline.StepsPerEpoch(source, steps_per_epoch) for source in sources]
         pipeline.check_ends(sources[0], "x", "steps_per_epoch")
-        self.build(sources[0].peek())
+        self._build(sources[0].peek(), True, "the training data")
         ensemble_loop.resolve_monitors(callbacks, self.members[0])
         epoch_range = range(initial_epoch, epochs)
         val = self._validation(validation_data, batch_size, validation_batch_size,
@@ -356,11 +367,11 @@ class EnsembleTrainer:
         val = self._batches(validation_data, None, None, val_batch_size, False, self.seed,
                             steps=validation_steps)
         pipeline.check_ends(val, "validation_data", "validation_steps")
-        self.build(val.peek())  # bad validation labels fail now, not after epoch 1
+        # Missing or bad validation labels fail now, not after epoch 1.
+        ensemble_inference.check_labels(val, "validation_data")
+        self._build(val.peek(), True, "the validation data")
         pipeline.check_one_pass(
-            val, sum(callbacks_lib.should_validate(epoch, validation_freq)
-                     for epoch in epoch_range),
-            "validation_data",
+            val, callbacks_lib.validations(epoch_range, validation_freq), "validation_data",
             f"epochs={epoch_range.stop}, validation_freq={validation_freq!r}")
         return val
 

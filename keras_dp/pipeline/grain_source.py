@@ -32,6 +32,8 @@ import sys
 import jax
 import numpy as np
 
+from keras_dp import _compat
+
 # Bytes kept per process for its iterator state as JSON (a DataLoader's, the largest, is under 1 KiB).
 STATE_BYTES = 16384
 # States kept behind the newest read: more than the look-ahead can hold.
@@ -138,7 +140,7 @@ def _close(iterator):
     traceback keeps it alive. A `DataLoader`'s iterator has no `close`: the
     dataset iterator it wraps does.
     """
-    for each in (iterator, getattr(iterator, "_iterator", None)):
+    for each in (iterator, _compat.grain_inner_iterator(iterator)):
         close = getattr(each, "close", None)
         if close is not None:
             close()
@@ -165,8 +167,7 @@ def _endless(dataset):
     import grain
 
     if isinstance(dataset, grain.DataLoader):
-        sampler = getattr(dataset, "_sampler", None)
-        if getattr(sampler, "_num_epochs", 1) is None:
+        if _compat.grain_loader_epochs(dataset) is None:
             return "a grain.DataLoader whose sampler has num_epochs=None"
         return None
     if _repeats_forever(dataset):
@@ -190,7 +191,7 @@ def _repeats_forever(node):
     name = type(node).__name__
     if name.startswith(_MAY_END):
         return False
-    if name == "RepeatIterDataset" and getattr(node, "_num_epochs", 1) is None:
+    if name == "RepeatIterDataset" and _compat.grain_repeat_epochs(node) is None:
         return True
     return any(_repeats_forever(parent) for parent in getattr(node, "parents", ()))
 

@@ -107,7 +107,7 @@ class IterableBatches:
 
     def _host_batch(self, batch, index, epoch):
         batch = jax.tree.map(np.asarray, unpack(batch))
-        where = f"Batch {index} of epoch {epoch}"
+        where = f"Batch {index} of epoch {epoch + 1}"
         structure = jax.tree.structure(batch)
         if self._structure is None:
             self._structure = structure
@@ -352,7 +352,7 @@ def hide_gpus_from_tensorflow():
 
 def _empty_message(epoch):
     return (
-        f"The dataset yielded no batches in epoch {epoch}. If it is a "
+        f"The dataset yielded no batches in epoch {epoch + 1}. If it is a "
         "generator or iterator, it is used up after one pass: pass a "
         "re-iterable (a list of batches, a tf.data.Dataset) or arrays instead."
     )

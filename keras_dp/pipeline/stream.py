@@ -92,7 +92,7 @@ class StepsPerEpoch(FixedSteps):
             if batch is None:
                 self.exhausted = True
                 warnings.warn(
-                    f"The input ran out of data in epoch {epoch}; training "
+                    f"The input ran out of data in epoch {epoch + 1}; training "
                     "stops here. Make sure the data can give at least "
                     "`steps_per_epoch * epochs` batches: pass a re-iterable "
                     "(a tf.data.Dataset, a list) or `.repeat()` the dataset.",
