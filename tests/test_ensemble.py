@@ -362,6 +362,13 @@ def build_small():
     return model
 
 
+def assert_member_history(member_history, i, expected, rtol=1e-5):
+    """Member `i`'s per-epoch logs in `member_history` equal `expected` (a Keras History's dict)."""
+    for key, values in expected.items():
+        np.testing.assert_allclose([epoch[i] for epoch in member_history[key]], values,
+                                   rtol=rtol, err_msg=key)
+
+
 def assert_members_close(ours, theirs, rtol):
     # Scaled to each variable: float32 rounding of batched and scanned kernels.
     for a, b in zip(ours.get_weights(), theirs.get_weights()):
@@ -600,9 +607,8 @@ def test_validation_carries_the_random_state_into_the_next_epoch_as_model_fit_do
                                    **options)
     for i, member in enumerate(result.members):
         history = alone(4 + i, build_noisy).fit(x, y, **options).history
-        for key in ("loss", "val_loss"):
-            np.testing.assert_allclose([epoch[i] for epoch in result.member_history[key]],
-                                       history[key], rtol=1e-5, err_msg=key)
+        assert_member_history(result.member_history, i,
+                              {key: history[key] for key in ("loss", "val_loss")})
 
 
 class BatchLossLogged(keras.Model):
@@ -685,9 +691,7 @@ def test_validation_and_evaluate_score_each_member_as_keras_does():
     for i, member in enumerate(trainer.members):
         reference = alone(6 + i, build_regularized)
         expected = reference.fit(x, y, **options).history
-        for key, values in expected.items():
-            np.testing.assert_allclose([epoch[i] for epoch in trainer.member_history[key]],
-                                       values, rtol=1e-5, err_msg=key)
+        assert_member_history(trainer.member_history, i, expected)
         keras_scores = reference.evaluate(x, y, batch_size=16, sample_weight=weights,
                                           verbose=0, return_dict=True)
         for key, value in keras_scores.items():
@@ -707,9 +711,7 @@ def test_class_weight_validation_split_and_initial_epoch_train_as_model_fit_does
         reference = alone(8 + i, build_small)
         expected = reference.fit(x, y, **options)
         assert expected.params == result.history.params
-        for key, values in expected.history.items():
-            np.testing.assert_allclose([epoch[i] for epoch in result.member_history[key]],
-                                       values, rtol=1e-5, err_msg=key)
+        assert_member_history(result.member_history, i, expected.history)
         assert_members_close(member, reference, rtol=1e-5)
 
 
@@ -984,7 +986,5 @@ def test_training_sample_weights_train_each_member_as_its_own_model_fit():
     for i, member in enumerate(result.members):
         reference = alone(4 + i, build_small)
         expected = reference.fit(x, y, **options).history
-        for key, values in expected.items():
-            np.testing.assert_allclose([epoch[i] for epoch in result.member_history[key]],
-                                       values, rtol=1e-5, err_msg=key)
+        assert_member_history(result.member_history, i, expected)
         assert_members_close(member, reference, rtol=1e-5)
