@@ -123,6 +123,15 @@ def test_a_rolled_k_step_program_under_a_split_state_equals_single_steps_bitwise
         np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
 
 
+def keras_and_sharded_at_k2():
+    """`("keras", model)` then `("sharded", trainer)`: a fresh Dense(3) at steps_per_execution=2 each."""
+    for fit in ("keras", "sharded"):
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy",
+                      steps_per_execution=2)
+        yield fit, model if fit == "keras" else keras_dp.ShardedTrainer(model, devices=devices(2))
+
+
 def test_model_checkpoint_save_freq_counts_k_step_calls_as_readme_says(tmp_path):
     # README (Several steps per call): the leftover batches of an epoch run
     # one call each, so a callback counting batches by the hooks' indices
@@ -130,14 +139,10 @@ def test_model_checkpoint_save_freq_counts_k_step_calls_as_readme_says(tmp_path)
     x = np.random.default_rng(0).random((7 * 16 + 5, 4), "float32")  # 7 batches of 16, 1 of 5
     y = np.arange(len(x)) % 3
     saved = {}
-    for fit in ("keras", "sharded"):
-        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
-        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy",
-                      steps_per_execution=2)
+    for fit, runner in keras_and_sharded_at_k2():
         directory = tmp_path / fit
         checkpoint = keras.callbacks.ModelCheckpoint(
             str(directory / "w{epoch}-{batch}.weights.h5"), save_weights_only=True, save_freq=3)
-        runner = model if fit == "keras" else keras_dp.ShardedTrainer(model, devices=devices(2))
         runner.fit(x, y, batch_size=16, epochs=3, verbose=0, shuffle=False,
                    callbacks=[checkpoint])
         saved[fit] = sorted(path.name.split(".")[0] for path in directory.iterdir())
@@ -152,11 +157,7 @@ def test_a_leftover_validation_batch_is_its_own_call_where_keras_reports_a_short
     x = np.random.default_rng(0).random((40, 4), "float32")
     y = np.arange(len(x)) % 3
     ends = {}
-    for fit in ("keras", "sharded"):
-        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
-        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy",
-                      steps_per_execution=2)
-        runner = model if fit == "keras" else keras_dp.ShardedTrainer(model, devices=devices(2))
+    for fit, runner in keras_and_sharded_at_k2():
         record = EvaluateAndPredictEnds()
         runner.fit(x, y, batch_size=16, verbose=0, validation_data=(x[:24], y[:24]),
                    validation_batch_size=8, callbacks=[record])
