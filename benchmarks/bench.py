@@ -153,13 +153,14 @@ def main(argv=None):
     print(f"wrote {args.out} ({report['wall_s']:.0f} s)")
 
 
-def load_data(path):
-    """MNIST's training set as float32 `(n, 28, 28, 1)` images and uint8 labels."""
+def load_data(path, split="train"):
+    """MNIST's training (or `split="test"`) set as float32 `(n, 28, 28, 1)` images and uint8 labels."""
     import keras_dp  # noqa: PLC0415
 
     if path is None and "KERAS_DP_DATA_DIR" not in os.environ and SHARED_DATA.is_dir():
         path = SHARED_DATA
-    (x, y), _ = keras_dp.datasets.load_mnist(path)
+    train, test = keras_dp.datasets.load_mnist(path)
+    x, y = train if split == "train" else test
     return x[..., None].astype("float32"), y
 
 
@@ -264,21 +265,8 @@ def build_systems(args, batch, devices, notes):
 
 def make_report(args, runs, notes, wall_s):
     """Everything the JSON file holds: machine, command, raw and summary data."""
-    import jax  # noqa: PLC0415
-    import keras  # noqa: PLC0415
-
-    import keras_dp  # noqa: PLC0415
-
     return {
-        "machine": {
-            "processor": platform.processor(), "cpu_model": _cpu_model(),
-            "platform": platform.platform(),
-            "cpu_count": os.cpu_count(), "device_kind": jax.devices()[0].device_kind,
-            "devices": args.devices, "python": platform.python_version(),
-            "jax": jax.__version__, "keras": keras.__version__,
-            "keras_dp": keras_dp.__version__, "load_average_at_start": args.load_average,
-            "load_average_at_end": os.getloadavg(),
-        },
+        "machine": machine(args.devices, args.load_average),
         "command": shlex.join([sys.executable, *sys.argv]),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "args": vars(args),
@@ -286,6 +274,24 @@ def make_report(args, runs, notes, wall_s):
         "wall_s": wall_s,
         "runs": runs,
         "rows": summarize(runs),
+    }
+
+
+def machine(devices, load_average):
+    """The machine and versions a run's JSON records; `load_average` as at its start."""
+    import jax  # noqa: PLC0415
+    import keras  # noqa: PLC0415
+
+    import keras_dp  # noqa: PLC0415
+
+    return {
+        "processor": platform.processor(), "cpu_model": _cpu_model(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(), "device_kind": jax.devices()[0].device_kind,
+        "devices": devices, "python": platform.python_version(),
+        "jax": jax.__version__, "keras": keras.__version__,
+        "keras_dp": keras_dp.__version__, "load_average_at_start": load_average,
+        "load_average_at_end": os.getloadavg(),
     }
 
 

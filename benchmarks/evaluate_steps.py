@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import pathlib
-import platform
 import shlex
 import statistics
 import sys
@@ -84,11 +83,8 @@ def main(argv=None):
     import keras_dp  # noqa: PLC0415
 
     devices = jax.devices()[: args.devices]
-    path = args.data
-    if path is None and "KERAS_DP_DATA_DIR" not in os.environ and bench.SHARED_DATA.is_dir():
-        path = bench.SHARED_DATA
-    _, (x, y) = keras_dp.datasets.load_mnist(path)
-    x, y = x[: args.samples, ..., None].astype("float32"), y[: args.samples]
+    x, y = bench.load_data(args.data, "test")
+    x, y = x[: args.samples], y[: args.samples]
     print(f"{len(devices)} x {devices[0].device_kind}; {len(x)} test rows", flush=True)
     keras.utils.set_random_seed(0)
     weights = keras_dp.models.convnet().get_weights()
@@ -115,12 +111,7 @@ def main(argv=None):
     rows = summarize(runs)
     print(markdown_table(rows))
     report = {
-        "machine": {"device_kind": devices[0].device_kind, "devices": len(devices),
-                    "cpu_model": bench._cpu_model(), "platform": platform.platform(),
-                    "cpu_count": os.cpu_count(), "python": platform.python_version(),
-                    "jax": jax.__version__, "keras": keras.__version__,
-                    "keras_dp": keras_dp.__version__, "load_average_at_start": load_average,
-                    "load_average_at_end": os.getloadavg()},
+        "machine": bench.machine(len(devices), load_average),
         "command": shlex.join([sys.executable, *sys.argv]),
         "xla_flags": os.environ.get("XLA_FLAGS", ""), "args": vars(args),
         "runs": runs, "rows": rows,
