@@ -21,6 +21,7 @@ import pytest
 
 import keras_dp
 import parity_models
+from conftest import assert_close_to_scale
 from conftest import devices
 
 SCRIPT = pathlib.Path(__file__).parent / "scripts" / "custom_steps.py"
@@ -42,7 +43,7 @@ def _assert_variables_close(reference, ours, scale_tolerance):
     for a, b in zip(reference.variables, ours.variables, strict=True):
         a, b = np.asarray(a.value, np.float64), np.asarray(b.value, np.float64)
         if a.size:
-            np.testing.assert_allclose(b, a, rtol=0, atol=scale_tolerance * max(np.abs(a).max(), 1e-6))
+            assert_close_to_scale(b, a, scale=scale_tolerance)
 
 
 # float32 here on 2 or 3 devices; all three on 3 devices in float64 below.

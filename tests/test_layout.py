@@ -48,7 +48,7 @@ def test_each_mode_trains_the_same_steps_as_replicated_in_float32(mnist):
             if a.path.endswith(NO_GRADIENT.split("/")[0] + "/bias"):
                 continue  # rounding noise on any device count (see conftest)
             a, b = np.asarray(a.value, np.float64), np.asarray(b.value, np.float64)
-            np.testing.assert_allclose(b, a, rtol=0, atol=1e-4 * max(np.abs(a).max(), 1e-6))
+            assert_close_to_scale(b, a, scale=1e-4)
 
 
 @pytest.mark.slow  # 20 s: moved out of CI to keep the default run under 10 minutes
