@@ -2,6 +2,7 @@
 
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -135,7 +136,6 @@ def test_evaluate_steps_times_every_k_and_every_k_gives_the_same_numbers(tmp_pat
 def test_gpu_plan_runs_the_benchmarks_with_arguments_they_accept():
     """benchmarks/gpu.sh is only run on a lent GPU: check here that each of
     its commands names a script that exists and arguments that script parses."""
-    import re
     import shlex
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -153,3 +153,40 @@ def test_gpu_plan_runs_the_benchmarks_with_arguments_they_accept():
         arguments = shlex.split(arguments.split("2>&1")[0].replace('"$out/', '"/tmp/'))
         args = parsers[script](arguments)
         assert args.platform == "gpu", script
+
+
+def run_script(name, *arguments):
+    """Run `benchmarks/<name>` as its own process; return what it printed."""
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / name), *arguments],
+                          check=True, timeout=240, cwd=ROOT, capture_output=True,
+                          text=True).stdout
+
+
+@pytest.mark.slow  # a fresh JAX process and 3 epochs with checkpoints: about 15 s
+def test_checkpoint_size_prints_the_state_and_the_directorys_bytes():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import checkpoint_size
+
+    defaults = checkpoint_size.parse_args([])
+    assert (defaults.epochs, defaults.keep, defaults.devices) == (10, 2, 1)
+    output = run_script("checkpoint_size.py", "--epochs", "3", "--keep", "1", "--rows", "64",
+                        "--batch-size", "32")
+    # The MLP's float32 weights and Adam's two slots (3 x 25,450 x 4 bytes),
+    # Adam's step count and rate, and the metrics' totals: exact.
+    assert "model: 25,450 parameters; training state 305,424 bytes (305 KB" in output
+    size = re.search(r"after 3 epochs \(checkpoints_to_keep=1\): checkpoints 2; "
+                     r"directory ([\d,]+) bytes \((\d+) KB, du -sb\)", output)
+    assert size, output
+    nbytes = int(size[1].replace(",", ""))
+    assert 100_000 < nbytes < 2_000_000 and round(nbytes / 1000) == int(size[2])
+    assert re.search(r"machine: .+, \d+ cores, 1 simulated device\(s\); keras 3\.", output)
+
+
+def test_cli_startup_times_help_with_and_without_importing_keras_first():
+    output = run_script("cli_startup.py", "--runs", "1")
+    help_s = re.search(r"python -m keras_dp --help: median (\d+\.\d\d) s "
+                       r"\(range [\d.]+-[\d.]+ s, 1 runs\)", output)
+    imports_s = re.search(r"the same after import jax, keras: median (\d+\.\d\d) s", output)
+    assert help_s and imports_s, output
+    assert 0 < float(help_s[1]) < float(imports_s[1])  # --help imports neither
+    assert re.search(r"ratio: \d+\.\dx\nmachine: .+, \d+ cores, Python 3\.", output)
