@@ -140,9 +140,10 @@ def test_two_processes_each_write_their_own_shards_and_one_process_restores_them
         if owner is not None and path.is_file():
             written[owner] = written.get(owner, 0) + path.stat().st_size
     split_bytes = 3 * 64 * 128 * 4  # the kernel and Adam's two slots, split in 4
-    # Each process wrote the half its 2 devices hold (measured 50.6 and 47.1
-    # KB); process 0 also the small replicated arrays. Gathered, process 1
-    # would write nothing.
+    # Each process wrote the half its 2 devices hold; process 0 also the
+    # small replicated arrays. Gathered, process 1 would write nothing.
+    print(f"orbax files written per process: {written} bytes, "
+          f"for {split_bytes} bytes of split arrays")  # README quotes these (-s)
     assert set(written) == {"ocdbt.process_0", "ocdbt.process_1"}, written
     for nbytes in written.values():
         assert 0.4 * split_bytes < nbytes < 0.6 * split_bytes, written
