@@ -190,3 +190,23 @@ def test_cli_startup_times_help_with_and_without_importing_keras_first():
     assert help_s and imports_s, output
     assert 0 < float(help_s[1]) < float(imports_s[1])  # --help imports neither
     assert re.search(r"ratio: \d+\.\dx\nmachine: .+, \d+ cores, Python 3\.", output)
+
+
+def test_install_size_counts_the_installed_closure_of_keras_dp_and_its_extras():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import install_size
+
+    core = install_size.closure("keras_dp")
+    with_tf = install_size.closure("keras_dp", ["tf"])
+    assert {"keras", "jax", "jaxlib", "numpy", "orbax-checkpoint"} <= set(core)
+    assert "tensorflow-cpu" not in core and "tensorflow-cpu" in with_tf
+    assert set(core) < set(with_tf)
+    output = subprocess.run([sys.executable, str(ROOT / "scripts" / "install_size.py"), "tf",
+                             "--top", "1"], check=True, timeout=60, capture_output=True,
+                            text=True).stdout
+    found = re.search(r"^keras_dp\[tf\]: (\d+) packages \(keras_dp included\), "
+                      r"([\d,]+) MB installed\n  tensorflow-cpu [\d.]+: ([\d,]+) MB\n"
+                      r"machine: .+, \d+ cores, \w+, Python 3\.", output)
+    assert found, output
+    assert int(found[1]) == len(with_tf)
+    assert int(found[3].replace(",", "")) > 500  # TensorFlow is the largest: about 1.3 GB
