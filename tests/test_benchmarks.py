@@ -162,13 +162,19 @@ def run_script(name, *arguments):
                           text=True).stdout
 
 
-@pytest.mark.slow  # a fresh JAX process and 3 epochs with checkpoints: about 15 s
-def test_checkpoint_size_prints_the_state_and_the_directorys_bytes():
+def test_checkpoint_size_and_cli_startup_parse_their_arguments():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import checkpoint_size
+    import cli_startup
 
-    defaults = checkpoint_size.parse_args([])
-    assert (defaults.epochs, defaults.keep, defaults.devices) == (10, 2, 1)
+    defaults = checkpoint_size.parse_args([])  # README's run: 10 epochs, 2 kept, 1 device
+    assert (defaults.epochs, defaults.keep, defaults.devices, defaults.rows) == (10, 2, 1, 256)
+    assert checkpoint_size.parse_args(["--keep", "1", "--epochs", "3"]).keep == 1
+    assert cli_startup.parse_args([]).runs == 5 and cli_startup.parse_args(["--runs", "2"]).runs == 2
+
+
+@pytest.mark.slow  # a fresh JAX process and 3 epochs with checkpoints: about 15 s
+def test_checkpoint_size_prints_the_state_and_the_directorys_bytes():
     output = run_script("checkpoint_size.py", "--epochs", "3", "--keep", "1", "--rows", "64",
                         "--batch-size", "32")
     # The MLP's float32 weights and Adam's two slots (3 x 25,450 x 4 bytes),
@@ -182,6 +188,7 @@ def test_checkpoint_size_prints_the_state_and_the_directorys_bytes():
     assert re.search(r"machine: .+, \d+ cores, 1 simulated device\(s\); keras 3\.", output)
 
 
+@pytest.mark.slow  # a fresh process importing Keras and JAX: 4 to 6 s
 def test_cli_startup_times_help_with_and_without_importing_keras_first():
     output = run_script("cli_startup.py", "--runs", "1")
     help_s = re.search(r"python -m keras_dp --help: median (\d+\.\d\d) s "
