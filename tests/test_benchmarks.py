@@ -217,3 +217,27 @@ def test_install_size_counts_the_installed_closure_of_keras_dp_and_its_extras():
     assert found, output
     assert int(found[1]) == len(with_tf)
     assert int(found[3].replace(",", "")) > 500  # TensorFlow is the largest: about 1.3 GB
+
+
+def test_fresh_clone_takes_both_set_up_commands_from_readme_and_splits_install_from_job():
+    script = ROOT / "scripts" / "fresh_clone.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True, timeout=30)
+    # The script's own extraction, run on README, gives README's two commands.
+    text = script.read_text()
+    commands = {}
+    for name in ("main_command", "test_command"):
+        awk = re.search(name + r"=\$\(awk '([^']+)'", text).group(1)
+        commands[name] = subprocess.run(["awk", awk, str(ROOT / "README.md")], check=True,
+                                        capture_output=True, text=True).stdout.strip()
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)\n```", readme)
+    assert commands["main_command"] == blocks[0]
+    assert commands["main_command"].endswith(' && pip install -e ".[plot]" && keras-dp train')
+    assert commands["test_command"] == blocks[1]
+    assert commands["test_command"].endswith(' && pip install -e ".[test]" && python -m pytest')
+    # Its split at the last "&&" (bash's ${command% && *} and ${command##* && }).
+    split = subprocess.run(
+        ["bash", "-c", 'c=$1; echo "${c% && *}"; echo "${c##* && }"', "_",
+         commands["main_command"]], check=True, capture_output=True, text=True).stdout.splitlines()
+    assert split == ['python3 -m venv .venv && . .venv/bin/activate && pip install -e ".[plot]"',
+                     "keras-dp train"]
