@@ -4,7 +4,7 @@ One process per device count (JAX fixes the number of simulated CPU devices
 when it starts):
 
     python benchmarks/bench.py --devices 2
-    python benchmarks/bench.py --devices 1 --quick   # smoke run, well under a minute
+    python benchmarks/bench.py --devices 1 --quick   # smoke run, about a minute (56 s on the 2-core VM, loaded)
     python benchmarks/bench.py --platform gpu        # every local GPU
 
 For each batch size it builds every system (see `systems.py`), warms each up
