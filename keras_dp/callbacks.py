@@ -225,8 +225,20 @@ def to_python(logs, model, metrics=None, step="train_step"):
     names = order if set(order) == set(host) and len(order) == len(host) else sorted(host)
     if names is order and metrics is not None and _compat.custom_step(model, step):
         host = _metric_results(model, metrics)
-    return {name: host[name].item() if np.ndim(host[name]) == 0 else np.asarray(host[name])
-            for name in names}
+    return dict(entry for name in names for entry in _flat_logs(name, host[name]))
+
+
+def _flat_logs(name, value):
+    """`(name, value)` pairs of one log, as Keras's `pythonify_logs` flattens it.
+
+    A metric whose `result()` is a dict logs each entry under the entry's
+    own name (sorted), not under the metric's, as `model.fit` reports it.
+    """
+    if isinstance(value, dict):
+        for key in sorted(value):
+            yield from _flat_logs(key, value[key])
+    else:
+        yield name, value.item() if np.ndim(value) == 0 else np.asarray(value)
 
 
 def _metric_results(model, metrics):

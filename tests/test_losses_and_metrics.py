@@ -1,0 +1,234 @@
+"""Losses, metrics and layer state users bring, against Keras's `model.fit` on one device.
+
+Each case trains 34 rows in batches of 16 for 2 epochs with `shuffle=False`
+on 3 devices (6, 5 and 5 rows per device, then a last batch of 2: fewer rows
+than devices), validating on 18 rows (16 and 2), from the same initial weights as
+Keras's own `fit`: every log (loss, each metric, `val_*`) within 1e-5 of its
+own largest entry, every weight within 1e-5 of its variable's largest entry,
+and `evaluate` likewise. A metric's state is updated on the whole global
+batch inside the compiled step, so a metric that is not a mean (AUC's
+confusion counts, F1, MeanIoU's confusion matrix, a user's own counters)
+ends each epoch with Keras's value, not an average of per-device values.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_dp
+from conftest import assert_close_to_scale
+from conftest import assert_weights_close
+from conftest import devices
+
+ROWS = 34
+VAL = 18  # validation rows: batches of 16 and 2, shapes the training steps have too
+OPTIONS = dict(batch_size=16, epochs=2, shuffle=False, verbose=0)
+M = keras.metrics
+
+
+def tabular(outputs):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(ROWS, 8)).astype("float32")
+    labels = {
+        "counts": (x[:, :1] + 0.5 * rng.normal(size=(ROWS, 1)) > 0).astype("float32"),
+        "binary": (x[:, :1] + 0.5 * rng.normal(size=(ROWS, 1)) > 0).astype("float32"),
+        "classes": rng.integers(0, 3, ROWS),
+        "multi_label": (rng.uniform(size=(ROWS, 3)) > 0.5).astype("float32"),
+        "regression": rng.normal(size=(ROWS, 2)).astype("float32"),
+    }[outputs]
+    return x, labels, rng.uniform(0.1, 2.0, ROWS).astype("float32")
+
+
+def dense_model(units, loss, metrics=None, **compile_options):
+    """`build()` of a small MLP compiled fresh each call (new metric objects too)."""
+    def build():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(12, activation="relu"),
+                                  keras.layers.Dense(units)])
+        model.compile(keras.optimizers.SGD(0.05), loss(),
+                      metrics=metrics() if metrics else None, **compile_options)
+        return model
+    return build
+
+
+def assert_logs_close(ours, theirs):
+    """Same names; each value within 1e-5 of its own largest entry."""
+    assert sorted(ours) == sorted(theirs)
+    for name, values in theirs.items():
+        for got, expected in zip(np.broadcast_to(ours[name], np.shape(values)), values,
+                                 strict=True):
+            assert_close_to_scale(got, expected, err_msg=name)
+
+
+def assert_fit_equals_keras(build, x, y, n_devices=3, **options):
+    """Train `build()` with keras_dp and with Keras; compare logs, weights and evaluate."""
+    options = dict(OPTIONS, **options)
+    keras.utils.set_random_seed(0)
+    reference = build()
+    expected = reference.fit(x, y, **options).history
+    keras.utils.set_random_seed(0)
+    model = build()
+    history = keras_dp.fit_sharded(model, x, y, devices=devices(n_devices), **options)
+    assert_logs_close(history.history, expected)
+    assert_weights_close(model, reference)
+    weights = {key: options[key] for key in ("sample_weight",) if key in options}
+    scores = keras_dp.ShardedTrainer(model, devices=devices(n_devices)).evaluate(
+        x, y, batch_size=16, verbose=0, return_dict=True, **weights)
+    expected = reference.evaluate(x, y, batch_size=16, verbose=0, return_dict=True, **weights)
+    assert_logs_close({name: [value] for name, value in scores.items()},
+                      {name: [value] for name, value in expected.items()})
+    return history.history
+
+
+class PositiveRate(keras.metrics.Metric):
+    """A user's metric with its own counters and a running maximum: not a mean."""
+
+    def __init__(self, name="positive_rate", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.positive = self.add_variable((), initializer="zeros", name="positive")
+        self.rows = self.add_variable((), initializer="zeros", name="rows", dtype="int32")
+        self.largest = self.add_variable((), initializer="zeros", name="largest")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.positive.assign(self.positive + keras.ops.sum(keras.ops.cast(y_pred > 0, "float32")))
+        self.rows.assign(self.rows + keras.ops.shape(y_pred)[0])
+        self.largest.assign(keras.ops.maximum(self.largest, keras.ops.max(y_pred)))
+
+    def result(self):
+        return self.positive / keras.ops.cast(self.rows, "float32") + self.largest
+
+
+METRIC_CASES = {
+    "counts": (1, lambda: keras.losses.BinaryCrossentropy(from_logits=True), lambda: [
+        M.AUC(num_thresholds=20, from_logits=True, name="auc"),
+        M.Precision(thresholds=[0.3, 0.5, 0.7], name="precision"),
+        PositiveRate()]),
+    "binary": (1, lambda: keras.losses.BinaryCrossentropy(from_logits=True), lambda: [
+        M.AUC(from_logits=True, name="auc"),
+        M.AUC(curve="PR", from_logits=True, name="pr_auc"),
+        M.Precision(thresholds=[0.3, 0.5, 0.7], name="precision"),
+        M.Recall(thresholds=[0.2, 0.6], name="recall"),
+        M.F1Score(threshold=0.5, name="f1"),
+        PositiveRate()]),
+    "multi_label": (3, lambda: keras.losses.BinaryCrossentropy(from_logits=True), lambda: [
+        M.AUC(curve="PR", multi_label=True, num_labels=3, from_logits=True, name="auc"),
+        M.F1Score(average="macro", threshold=0.5, name="f1"),
+        M.F1Score(average=None, threshold=0.5, name="f1_per_label")]),
+    "classes": (3, lambda: keras.losses.SparseCategoricalCrossentropy(from_logits=True), lambda: [
+        M.SparseTopKCategoricalAccuracy(k=2, name="top_2"),
+        M.MeanIoU(num_classes=3, sparse_y_pred=False, name="mean_iou"),
+        M.IoU(num_classes=3, target_class_ids=[0, 2], sparse_y_pred=False, name="iou")]),
+}
+
+
+@pytest.mark.parametrize("case", [
+    "counts",
+    pytest.param("binary", marks=pytest.mark.slow),
+    pytest.param("multi_label", marks=pytest.mark.slow),
+    pytest.param("classes", marks=pytest.mark.slow),
+])
+def test_metrics_that_are_not_means_equal_kerass_over_the_global_batch(case):
+    units, loss, metrics = METRIC_CASES[case]
+    x, y, _ = tabular(case)
+    history = assert_fit_equals_keras(dense_model(units, loss, metrics), x, y,
+                                      validation_data=(x[:VAL], y[:VAL]))
+    assert len(history) == 2 * (len(metrics()) + 1)
+
+
+@pytest.mark.slow  # 4 s: top-k on one-hot labels and weighted AUC and Precision
+def test_one_hot_top_k_and_weighted_ranking_metrics_equal_kerass():
+    x, classes, weights = tabular("classes")
+    one_hot = np.eye(3, dtype="float32")[classes]
+    assert_fit_equals_keras(dense_model(
+        3, lambda: keras.losses.CategoricalCrossentropy(from_logits=True),
+        lambda: [M.TopKCategoricalAccuracy(k=2, name="top_2"),
+                 M.OneHotMeanIoU(num_classes=3, name="iou")]),
+        x, one_hot, n_devices=2, validation_data=(x[:VAL], one_hot[:VAL]))
+    x, y, weights = tabular("binary")
+    assert_fit_equals_keras(dense_model(
+        1, lambda: keras.losses.BinaryCrossentropy(from_logits=True),
+        weighted_metrics=[M.AUC(from_logits=True, name="auc"),
+                          M.Precision(thresholds=[0.3, 0.5], name="precision")]),
+        x, y, sample_weight=weights, validation_data=(x[:VAL], y[:VAL], weights[:VAL]))
+
+
+class RowsAndMeans(keras.metrics.Metric):
+    """A metric whose `result()` is a dict: Keras logs each entry by its own name."""
+
+    def __init__(self, name="rows_and_means", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.rows = self.add_variable((), initializer="zeros", name="rows", dtype="int32")
+        self.total = self.add_variable((), initializer="zeros", name="total")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.rows.assign(self.rows + keras.ops.shape(y_pred)[0])
+        self.total.assign(self.total + keras.ops.sum(y_pred))
+
+    def result(self):
+        rows = keras.ops.cast(self.rows, "float32")
+        return {"rows": rows, "mean_output": self.total / keras.ops.maximum(rows, 1.0)}
+
+
+def test_a_metric_whose_result_is_a_dict_logs_each_entry_as_model_fit_does():
+    # Before, fit failed after its first epoch: "'dict' object has no attribute 'item'".
+    x, y, _ = tabular("regression")
+    history = assert_fit_equals_keras(
+        dense_model(2, lambda: "mse", lambda: [RowsAndMeans(), M.MeanAbsoluteError(name="mae")]),
+        x, y, validation_data=(x[:11], y[:11]))
+    assert history["rows"] == [ROWS, ROWS] and history["val_rows"] == [11, 11]
+    assert "rows_and_means" not in history
+    keras.utils.set_random_seed(0)
+    model = dense_model(2, lambda: "mse", lambda: [RowsAndMeans(), M.MeanAbsoluteError(
+        name="mae")])()
+    # evaluate's list: the model's metrics in order, then the dict's entries by name.
+    scores = keras_dp.ShardedTrainer(model, devices=devices(3)).evaluate(x, y, verbose=0)
+    np.testing.assert_allclose(scores, model.evaluate(x, y, verbose=0), rtol=1e-5)
+    assert scores[-1] == ROWS
+
+
+class Seen(keras.layers.Layer):
+    """Counts the rows it sees and keeps a running maximum, in its own `call`."""
+
+    def build(self, shape):
+        self.rows = self.add_weight(shape=(), initializer="zeros", trainable=False,
+                                    name="rows")
+        self.calls = self.add_weight(shape=(), initializer="zeros", trainable=False,
+                                     name="calls", dtype="int32")
+        self.largest = self.add_weight(shape=(shape[-1],), initializer="zeros",
+                                       trainable=False, name="largest")
+        self.inference_rows = self.add_weight(shape=(), initializer="zeros", trainable=False,
+                                              name="inference_rows")
+
+    def call(self, x, training=False):
+        rows = keras.ops.cast(keras.ops.shape(x)[0], "float32")
+        if training:
+            self.rows.assign(self.rows + rows)
+            self.calls.assign(self.calls + 1)
+            self.largest.assign(keras.ops.maximum(self.largest, keras.ops.max(x, axis=0)))
+        else:
+            self.inference_rows.assign(self.inference_rows + rows)
+        return x
+
+
+def test_a_layer_counting_in_call_counts_the_global_batch_as_keras_does():
+    x, y, _ = tabular("regression")
+    models = []
+    for fit in ("keras", "sharded"):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((8,)), Seen(), keras.layers.Dense(2)])
+        model.compile(keras.optimizers.SGD(0.05), "mse", steps_per_execution=2)
+        options = dict(OPTIONS, validation_data=(x[:11], y[:11]))
+        if fit == "keras":
+            model.fit(x, y, **options)
+            model.predict(x, batch_size=8, verbose=0)
+        else:
+            keras_dp.fit_sharded(model, x, y, devices=devices(3), **options)
+            keras_dp.ShardedTrainer(model, devices=devices(3)).predict(x, batch_size=8, verbose=0)
+        models.append(model)
+    seen = models[1].layers[0]
+    # 2 epochs of 34 rows in 3 steps each; 2 validations of 11 rows, then 34 predicted.
+    assert float(seen.rows) == 2 * ROWS and int(seen.calls) == 6
+    assert float(seen.inference_rows) == 2 * 11 + ROWS
+    np.testing.assert_array_equal(seen.largest, np.max(x, axis=0))
+    for ours, theirs in zip(models[1].layers[0].weights, models[0].layers[0].weights,
+                            strict=True):
+        np.testing.assert_array_equal(ours, theirs)
