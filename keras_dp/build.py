@@ -316,14 +316,22 @@ def check_labels(model, x, y, y_pred, sample_weight):
     except Exception as error:
         shapes = lambda tree: jax.tree.map(lambda s: tuple(s.shape), tree)  # noqa: E731
         if sample_weight is not None and _fits(loss_spec, None):
+            per_entry = _per_entry_loss(model, y, y_pred, sample_weight)
+            fix = (
+                f"Its loss, {_loss_name(model.loss)}, returns one value per entry of y "
+                f"(shape {per_entry}), and Keras weights one value per row (or per row "
+                "and timestep): reduce it over the last axis in the loss, as Keras's own "
+                "losses do, for example return keras.ops.mean(values, axis=-1)."
+                if per_entry else
+                "Give one weight per row, or per row and timestep, (rows, steps), for a "
+                "per-timestep loss. class_weight gives one weight per row, as in Keras's "
+                "model.fit; for per-timestep labels pass sample_weight=np.vectorize("
+                "lambda c: class_weight.get(c, 1.0))(y) instead.")
             raise ValueError(
                 f"The labels fit the model's output, but the sample weights (shape "
                 f"{shapes(sample_weight)}) do not fit its loss (y has shape {shapes(y)}, "
-                f"the model outputs shape {shapes(y_pred)}). Give one weight per row, "
-                "or per row and timestep, (rows, steps), for a per-timestep loss. "
-                "class_weight gives one weight per row, as in Keras's model.fit; for "
-                "per-timestep labels pass sample_weight=np.vectorize(lambda c: "
-                f"class_weight.get(c, 1.0))(y) instead. Keras reported: {first_line(error)}"
+                f"the model outputs shape {shapes(y_pred)}). {fix} Keras reported: "
+                f"{first_line(error)}"
             ) from None
         # Keras's traceback and error wrapping add nothing to this message.
         raise ValueError(
@@ -334,6 +342,29 @@ def check_labels(model, x, y, y_pred, sample_weight):
             "sparse_categorical_crossentropy, one-hot rows of shape (batch, "
             f"classes) for categorical_crossentropy. Keras reported: {first_line(error)}"
         ) from None
+
+
+def _per_entry_loss(model, y, y_pred, sample_weight):
+    """The shape of the unreduced loss, if one loss returns a value per entry of y; else None.
+
+    Keras's losses reduce over the last axis, to one value per row (or per
+    row and timestep), which a weight of that shape scales. A user's
+    `keras.losses.Loss` or function that returns `y`'s own shape cannot take
+    such a weight (Keras's fit fails on it too, on a broadcast).
+    """
+    loss = model.loss
+    if isinstance(loss, (str, dict, list, tuple)) or not callable(loss):
+        return None
+    if not all(isinstance(tree, keras.KerasTensor) for tree in (y, y_pred, sample_weight)):
+        return None
+    try:
+        values = _compat.compute_output_spec(
+            loss.call if isinstance(loss, keras.losses.Loss) else loss, y, y_pred)
+    except Exception:
+        return None
+    shape = tuple(getattr(values, "shape", ()))
+    per_entry = len(shape) == len(y_pred.shape) and len(sample_weight.shape) < len(shape)
+    return shape if per_entry else None
 
 
 def _fits(loss_spec, sample_weight):
