@@ -748,3 +748,36 @@ def test_an_overridden_compute_loss_is_used_as_by_model_fit():
     np.testing.assert_allclose(ours, theirs, rtol=1e-5)
     assert_weights_close(model, reference)
     assert not np.allclose(plain, theirs, rtol=1e-3)  # the penalty counts
+
+
+def test_steps_per_epoch_beyond_a_finite_dataset_warns_that_epochs_run_on_into_the_next_pass():
+    # 34 rows in batches of 16 are 3 batches a pass. With steps_per_epoch=5,
+    # Keras's fit warns "Your input ran out of data" and ends each epoch after
+    # the pass's 3 steps; keras_dp runs 5 steps an epoch, into the next pass
+    # (README, "Any batch size, exactly"), and said nothing. It now says so.
+    import warnings
+
+    import tensorflow as tf
+
+    from conftest import BatchEnds
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(34, 4)).astype("float32"), rng.integers(0, 3, 34)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    model.compile(optimizer="sgd",
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    ours, theirs = BatchEnds(), BatchEnds()
+    options = dict(steps_per_epoch=5, epochs=2, verbose=0)
+    with pytest.warns(UserWarning, match=r"holds 3 batches a pass, which steps_per_epoch=5 "
+                      r"does not divide.*drop steps_per_epoch \(or pass a divisor of 3\)"):
+        keras_dp.fit_sharded(model, dataset, devices=devices(3), callbacks=[ours], **options)
+    with pytest.warns(UserWarning, match="ran out of data"):
+        model.fit(dataset, callbacks=[theirs], **options)
+    assert ours.ends == [0, 1, 2, 3, 4] * 2 and theirs.ends == [0, 1, 2] * 2
+    quiet = [dict(x=dataset, steps_per_epoch=3, epochs=2),  # one pass an epoch
+             dict(x=x, y=y, batch_size=16, steps_per_epoch=2, epochs=1)]  # within a pass
+    for data in quiet:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            keras_dp.fit_sharded(model, verbose=0, devices=devices(3), **data)
