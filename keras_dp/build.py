@@ -8,6 +8,7 @@ a mistake fails with a message instead of deep inside a traced step.
 
 import contextlib
 import re
+import traceback
 
 import jax
 import keras
@@ -136,7 +137,57 @@ def build(model, batch, for_training=True, data="the data"):
     else:
         _mark_built(model)
     if for_training:
-        _compat.symbolic_build(model, batch)
+        try:
+            _compat.symbolic_build(model, batch)
+        except Exception as error:
+            untraceable = untraceable_error(error, "The model's compiled loss or metrics")
+            if untraceable is None:
+                raise
+            raise untraceable from None
+
+
+def _error_chain(error):
+    """`error` and the errors it was raised from (`__cause__`, else `__context__`), outermost first."""
+    chain = []
+    while error is not None and all(error is not link for link in chain):
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    return chain
+
+
+# Modules whose frames are not the user's code, when naming where a trace failed.
+_LIBRARIES = ("keras.", "keras_dp.", "jax.", "jaxlib.", "numpy.", "optree.")
+
+
+def untraceable_error(error, what):
+    """A `ValueError` for a JAX trace error in user code, naming where; None for other errors.
+
+    A loss, metric or layer that reads a tensor's value in Python (numpy on
+    a tensor, `float()`, an `if` on a value) fails JAX's trace with a
+    `jax.errors.JAXTypeError` (`TracerArrayConversionError`,
+    `ConcretizationTypeError`, ...). Keras's `model.fit` on JAX traces
+    them too, even with `run_eagerly=True`, and fails on them alike.
+
+    Args:
+        error: the exception raised while tracing.
+        what: the subject of the message (`"The loss, my_loss,"`).
+    """
+    chain = _error_chain(error)
+    reported = [link for link in chain if isinstance(link, jax.errors.JAXTypeError)]
+    if not reported:
+        return None
+    # Innermost last: Keras re-raises a layer's error with its own frames cut.
+    frames = [frame for link in chain for frame, _ in traceback.walk_tb(link.__traceback__)
+              if not frame.f_globals.get("__name__", "").startswith(_LIBRARIES)]
+    where = (f" ({frames[-1].f_code.co_qualname}, line {frames[-1].f_lineno} of "
+             f"{frames[-1].f_code.co_filename})" if frames else "")
+    return ValueError(
+        f"{what} cannot be compiled: user code{where} reads a tensor's value in "
+        "Python (numpy on a tensor, float() or int(), or an `if` on a value), "
+        "which JAX cannot trace. keras_dp compiles its steps, as Keras's model.fit "
+        "on JAX does even with run_eagerly=True (it fails on this too). Write it "
+        "with keras.ops: keras.ops.mean for np.mean, keras.ops.where for a branch "
+        f"on values. JAX reported: {first_line(reported[-1])}")
 
 
 @contextlib.contextmanager
@@ -260,6 +311,9 @@ def _trace(model, x, training=False):
     try:
         return _compat.compute_output_spec(model, x, training=training)
     except Exception as error:
+        untraceable = untraceable_error(error, "The model")
+        if untraceable is not None:
+            raise untraceable from None
         mode = " in training mode (training=True)" if training else ""
         raise ValueError(
             f"The model could not be built on the data's x{mode} (shapes "
@@ -314,6 +368,9 @@ def check_labels(model, x, y, y_pred, sample_weight):
     try:
         return loss_spec(sample_weight)
     except Exception as error:
+        untraceable = untraceable_error(error, f"The loss, {_loss_name(model.loss)},")
+        if untraceable is not None:
+            raise untraceable from None
         shapes = lambda tree: jax.tree.map(lambda s: tuple(s.shape), tree)  # noqa: E731
         if sample_weight is not None and _fits(loss_spec, None):
             per_entry = _per_entry_loss(model, y, y_pred, sample_weight)

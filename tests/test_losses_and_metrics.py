@@ -335,3 +335,52 @@ def test_a_multi_output_model_with_a_loss_left_out_and_metrics_per_output_equals
 def first_rows(tree, rows):
     return {key: value[:rows] for key, value in tree.items()} if isinstance(tree, dict) else [
         value[:rows] for value in tree]
+
+
+def numpy_loss(y_true, y_pred):
+    return np.mean(np.square(np.asarray(y_true) - np.asarray(y_pred)), axis=-1)
+
+
+class NumpyTotal(keras.metrics.Metric):
+    """A metric written with numpy, as for eager TensorFlow: JAX cannot trace it."""
+
+    def __init__(self, name="numpy_total", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.total = self.add_variable((), initializer="zeros", name="total")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.total.assign(self.total + float(np.sum(np.asarray(y_pred))))
+
+    def result(self):
+        return self.total
+
+
+class NumpyLayer(keras.layers.Layer):
+    def call(self, x):
+        return x if float(keras.ops.max(x)) > 0 else -x
+
+
+@pytest.mark.parametrize("part, where", [
+    ("loss", r"The loss, numpy_loss, cannot be compiled: user code \(numpy_loss, line"),
+    ("metric", r"compiled loss or metrics cannot be compiled: user code "
+               r"\(NumpyTotal\.update_state, line"),
+    ("layer", r"The model cannot be compiled: user code \(NumpyLayer\.call, line"),
+])
+def test_a_loss_metric_or_layer_written_with_numpy_is_named_with_the_fix(part, where):
+    # Keras's fit on JAX traces them even with run_eagerly=True, and fails with
+    # JAX's TracerArrayConversionError or ConcretizationTypeError. keras_dp
+    # said "The labels do not fit the model's output" for the loss, "Check
+    # that x matches the model's inputs" for the layer, and raised JAX's error
+    # from inside Keras's build for the metric.
+    x, y, _ = tabular("regression")
+    # Unbuilt, so that keras_dp builds it from the data: with a keras.Input,
+    # Keras's Sequential already fails when made.
+    model = keras.Sequential([keras.layers.Dense(2), NumpyLayer()] if part == "layer" else
+                             [keras.Input((8,)), keras.layers.Dense(2)])
+    model.compile("sgd", numpy_loss if part == "loss" else "mse",
+                  metrics=[NumpyTotal()] if part == "metric" else None, run_eagerly=True)
+    with pytest.raises(ValueError, match=where + r".* reads a tensor's value in Python.*"
+                       r"Write it with keras\.ops") as raised:
+        with pytest.warns(UserWarning, match="run_eagerly"):
+            keras_dp.fit_sharded(model, x, y, devices=devices(2), **OPTIONS)
+    assert raised.value.__cause__ is None and raised.value.__suppress_context__
