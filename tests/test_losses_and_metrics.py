@@ -384,3 +384,21 @@ def test_a_loss_metric_or_layer_written_with_numpy_is_named_with_the_fix(part, w
         with pytest.warns(UserWarning, match="run_eagerly"):
             keras_dp.fit_sharded(model, x, y, devices=devices(2), **OPTIONS)
     assert raised.value.__cause__ is None and raised.value.__suppress_context__
+
+
+@pytest.mark.slow  # 5 s: an ensemble's compilation
+def test_an_ensemble_of_members_with_a_dict_metric_logs_its_entries():
+    # Before, fit_ensemble failed at its first validation batch ("unsupported
+    # operand type(s) for /: 'dict' and 'int").
+    x, labels, _ = tabular("classes")
+
+    def member():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)])
+        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=[RowsAndMeans()])
+        return model
+
+    history = keras_dp.fit_ensemble(member, x, labels, members=2, validation_data=(
+        x[:7], labels[:7]), devices=devices(2), **OPTIONS).history.history
+    assert history["rows"] == [ROWS, ROWS] and history["val_rows"] == [7, 7]
+    assert "rows_and_means" not in history and len(history["mean_output"]) == 2
