@@ -781,3 +781,28 @@ def test_steps_per_epoch_beyond_a_finite_dataset_warns_that_epochs_run_on_into_t
         with warnings.catch_warnings():
             warnings.simplefilter("error", UserWarning)
             keras_dp.fit_sharded(model, verbose=0, devices=devices(3), **data)
+
+
+def test_callbacks_see_a_tf_data_datasets_length_as_their_steps_as_in_model_fit():
+    # Keras's fit passes the dataset's cardinality as params["steps"] (the
+    # progress bar's total, a warm-up schedule's length); keras_dp passed None.
+    import tensorflow as tf
+
+    class Params(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            self.seen = dict(self.params)
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(34, 4)).astype("float32"), rng.integers(0, 3, 34)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    model.compile(optimizer="sgd",
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    ours, theirs = Params(), Params()
+    keras_dp.fit_sharded(model, dataset, verbose=0, devices=devices(3), callbacks=[ours])
+    model.fit(dataset, verbose=0, callbacks=[theirs])
+    assert ours.seen == theirs.seen == {"verbose": 0, "epochs": 1, "steps": 3}
+    unknown = dataset.filter(lambda features, label: True)  # tf.data cannot count it
+    keras_dp.fit_sharded(model, unknown, verbose=0, devices=devices(3), callbacks=[ours])
+    model.fit(unknown, verbose=0, callbacks=[theirs])
+    assert ours.seen["steps"] is None and theirs.seen["steps"] is None
