@@ -805,3 +805,31 @@ def test_callbacks_see_a_tf_data_datasets_length_as_their_steps_as_in_model_fit(
     unknown = dataset.filter(lambda features, label: True)  # tf.data cannot count it
     keras_dp.fit_sharded(model, unknown, verbose=0, devices=devices(3), callbacks=[ours])
     assert ours.seen["steps"] is None  # as Keras's: checked by hand
+
+
+@pytest.mark.parametrize("key", ["cat", 1.5, True])
+def test_a_class_weight_key_that_is_not_a_class_id_is_refused_before_any_step(key):
+    # Keras's fit looks each label up as class_weight.get(int(label)): a key
+    # "cat" or 1.5 never matches and is dropped silently. keras_dp failed with
+    # "invalid literal for int() with base 10: 'cat'", and cut 1.5 to class 1.
+    import re
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(12, 4)).astype("float32"), rng.integers(0, 3, 12)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    model.compile(optimizer="sgd",
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.raises(ValueError, match=r"`class_weight` maps integer class ids to weights.*"
+                       rf"Received the key {re.escape(repr(key))} \(of type "
+                       rf"{type(key).__name__}\).*StringLookup") as raised:
+        keras_dp.fit_sharded(model, x, y, class_weight={0: 1.0, key: 2.0}, verbose=0,
+                             devices=devices(2))
+    assert raised.value.__context__ is None and int(model.optimizer.iterations) == 0
+
+
+def test_class_weight_keyed_by_integral_floats_weights_those_classes():
+    # np.unique of float labels gives float keys: 1.0 is class 1, as in Keras.
+    y = np.array([0, 1, 2, 1])
+    _, _, weights = keras_dp.pipeline.batch.apply_class_weight(
+        (None, y, None), {0.0: 1.0, np.float64(1.0): 3.0})
+    np.testing.assert_array_equal(weights, [1.0, 3.0, 1.0, 3.0])
