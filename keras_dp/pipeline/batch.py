@@ -236,12 +236,12 @@ def _check_class_ids(class_weight):
 
     Labels are class ids by the time they reach a step; a key such as
     `"cat"` matches none (`int("cat")` failed with "invalid literal for
-    int()"), and a key such as 1.5 was cut to 1; 1.0 is class 1.
+    int()"), and a key such as 1.5 was cut to 1; 1.0 and True are class 1.
     """
     for key in class_weight:
-        # Integral floats pass: np.unique of float labels gives such keys.
-        integral = (isinstance(key, numbers.Real) and not isinstance(key, bool)
-                    and float(key).is_integer())
+        # Integral floats and bools pass, as in Keras's lookup: np.unique of
+        # float or bool labels gives such keys (1.0 and True are class 1).
+        integral = isinstance(key, (numbers.Real, np.bool_)) and float(key).is_integer()
         if not integral:
             raise ValueError(
                 "`class_weight` maps integer class ids to weights, as in model.fit: "
