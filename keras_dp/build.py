@@ -140,7 +140,7 @@ def build(model, batch, for_training=True, data="the data"):
         try:
             _compat.symbolic_build(model, batch)
         except Exception as error:
-            untraceable = untraceable_error(error, "The model's compiled loss or metrics")
+            untraceable = _untraceable_error(error, "The model's compiled loss or metrics")
             if untraceable is None:
                 raise
             raise untraceable from None
@@ -159,7 +159,7 @@ def _error_chain(error):
 _LIBRARIES = ("keras.", "keras_dp.", "jax.", "jaxlib.", "numpy.", "optree.")
 
 
-def untraceable_error(error, what):
+def _untraceable_error(error, what):
     """A `ValueError` for a JAX trace error in user code, naming where; None for other errors.
 
     A loss, metric or layer that reads a tensor's value in Python (numpy on
@@ -311,7 +311,7 @@ def _trace(model, x, training=False):
     try:
         return _compat.compute_output_spec(model, x, training=training)
     except Exception as error:
-        untraceable = untraceable_error(error, "The model")
+        untraceable = _untraceable_error(error, "The model")
         if untraceable is not None:
             raise untraceable from None
         mode = " in training mode (training=True)" if training else ""
@@ -368,7 +368,7 @@ def check_labels(model, x, y, y_pred, sample_weight):
     try:
         return loss_spec(sample_weight)
     except Exception as error:
-        untraceable = untraceable_error(error, f"The loss, {_loss_name(model.loss)},")
+        untraceable = _untraceable_error(error, f"The loss, {_loss_name(model.loss)},")
         if untraceable is not None:
             raise untraceable from None
         shapes = lambda tree: jax.tree.map(lambda s: tuple(s.shape), tree)  # noqa: E731
