@@ -160,7 +160,7 @@ _LIBRARIES = ("keras.", "keras_dp.", "jax.", "jaxlib.", "numpy.", "optree.")
 
 
 def _untraceable_error(error, what):
-    """A `ValueError` for a JAX trace error in user code, naming where; None for other errors.
+    """A `ValueError` for a JAX trace error in user code, naming where; else None.
 
     A loss, metric or layer that reads a tensor's value in Python (numpy on
     a tensor, `float()`, an `if` on a value) fails JAX's trace with a
@@ -179,10 +179,12 @@ def _untraceable_error(error, what):
     # Innermost last: Keras re-raises a layer's error with its own frames cut.
     frames = [frame for link in chain for frame, _ in traceback.walk_tb(link.__traceback__)
               if not frame.f_globals.get("__name__", "").startswith(_LIBRARIES)]
-    where = (f" ({frames[-1].f_code.co_qualname}, line {frames[-1].f_lineno} of "
-             f"{frames[-1].f_code.co_filename})" if frames else "")
+    if not frames:  # Keras's or JAX's own code: not this mistake
+        return None
+    where = (f"{frames[-1].f_code.co_qualname}, line {frames[-1].f_lineno} of "
+             f"{frames[-1].f_code.co_filename}")
     return ValueError(
-        f"{what} cannot be compiled: user code{where} reads a tensor's value in "
+        f"{what} cannot be compiled: user code ({where}) reads a tensor's value in "
         "Python (numpy on a tensor, float() or int(), or an `if` on a value), "
         "which JAX cannot trace. keras_dp compiles its steps, as Keras's model.fit "
         "on JAX does even with run_eagerly=True (it fails on this too). Write it "
