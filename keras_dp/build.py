@@ -147,7 +147,7 @@ def build(model, batch, for_training=True, data="the data"):
 
 
 def _error_chain(error):
-    """`error` and the errors it was raised from (`__cause__`, else `__context__`), outermost first."""
+    """`error` and the errors it was raised from (`__cause__`, else `__context__`)."""
     chain = []
     while error is not None and all(error is not link for link in chain):
         chain.append(error)

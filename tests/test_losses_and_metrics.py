@@ -2,13 +2,14 @@
 
 Each case trains 34 rows in batches of 16 for 2 epochs with `shuffle=False`
 on 3 devices (6, 5 and 5 rows per device, then a last batch of 2: fewer rows
-than devices), validating on 18 rows (16 and 2), from the same initial weights as
-Keras's own `fit`: every log (loss, each metric, `val_*`) within 1e-5 of its
-own largest entry, every weight within 1e-5 of its variable's largest entry,
-and `evaluate` likewise where nothing is validated. A metric's state is updated on the whole global
-batch inside the compiled step, so a metric that is not a mean (AUC's
-confusion counts, F1, MeanIoU's confusion matrix, a user's own counters)
-ends each epoch with Keras's value, not an average of per-device values.
+than devices), validating on 18 rows (16 and 2), from the same initial
+weights as Keras's own `fit`: every log (loss, each metric, `val_*`) within
+1e-5 of its own largest entry, every weight within 1e-5 of its variable's
+largest entry, and `evaluate` likewise where nothing is validated. A
+metric's state is updated on the whole global batch inside the compiled
+step, so a metric that is not a mean (AUC's confusion counts, F1, MeanIoU's
+confusion matrix, a user's own counters) ends each epoch with Keras's value,
+not an average of per-device values.
 """
 
 import keras
@@ -54,8 +55,7 @@ def assert_logs_close(ours, theirs):
     """Same names; each value within 1e-5 of its own largest entry."""
     assert sorted(ours) == sorted(theirs)
     for name, values in theirs.items():
-        for got, expected in zip(np.broadcast_to(ours[name], np.shape(values)), values,
-                                 strict=True):
+        for got, expected in zip(ours[name], values, strict=True):
             assert_close_to_scale(got, expected, err_msg=name)
 
 
