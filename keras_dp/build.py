@@ -8,6 +8,7 @@ a mistake fails with a message instead of deep inside a traced step.
 
 import contextlib
 import re
+import traceback
 
 import jax
 import keras
@@ -136,7 +137,59 @@ def build(model, batch, for_training=True, data="the data"):
     else:
         _mark_built(model)
     if for_training:
-        _compat.symbolic_build(model, batch)
+        try:
+            _compat.symbolic_build(model, batch)
+        except Exception as error:
+            untraceable = _untraceable_error(error, "The model's compiled loss or metrics")
+            if untraceable is None:
+                raise
+            raise untraceable from None
+
+
+def _error_chain(error):
+    """`error` and the errors it was raised from (`__cause__`, else `__context__`)."""
+    chain = []
+    while error is not None and all(error is not link for link in chain):
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    return chain
+
+
+# Modules whose frames are not the user's code, when naming where a trace failed.
+_LIBRARIES = ("keras.", "keras_dp.", "jax.", "jaxlib.", "numpy.", "optree.")
+
+
+def _untraceable_error(error, what):
+    """A `ValueError` for a JAX trace error in user code, naming where; else None.
+
+    A loss, metric or layer that reads a tensor's value in Python (numpy on
+    a tensor, `float()`, an `if` on a value) fails JAX's trace with a
+    `jax.errors.JAXTypeError` (`TracerArrayConversionError`,
+    `ConcretizationTypeError`, ...). Keras's `model.fit` on JAX traces
+    them too, even with `run_eagerly=True`, and fails on them alike.
+
+    Args:
+        error: the exception raised while tracing.
+        what: the subject of the message (`"The loss, my_loss,"`).
+    """
+    chain = _error_chain(error)
+    reported = [link for link in chain if isinstance(link, jax.errors.JAXTypeError)]
+    if not reported:
+        return None
+    # Innermost last: Keras re-raises a layer's error with its own frames cut.
+    frames = [frame for link in chain for frame, _ in traceback.walk_tb(link.__traceback__)
+              if not frame.f_globals.get("__name__", "").startswith(_LIBRARIES)]
+    if not frames:  # Keras's or JAX's own code: not this mistake
+        return None
+    where = (f"{frames[-1].f_code.co_qualname}, line {frames[-1].f_lineno} of "
+             f"{frames[-1].f_code.co_filename}")
+    return ValueError(
+        f"{what} cannot be compiled: user code ({where}) reads a tensor's value in "
+        "Python (numpy on a tensor, float() or int(), or an `if` on a value), "
+        "which JAX cannot trace. keras_dp compiles its steps, as Keras's model.fit "
+        "on JAX does even with run_eagerly=True (it fails on this too). Write it "
+        "with keras.ops: keras.ops.mean for np.mean, keras.ops.where for a branch "
+        f"on values. JAX reported: {first_line(reported[-1])}")
 
 
 @contextlib.contextmanager
@@ -260,6 +313,9 @@ def _trace(model, x, training=False):
     try:
         return _compat.compute_output_spec(model, x, training=training)
     except Exception as error:
+        untraceable = _untraceable_error(error, "The model")
+        if untraceable is not None:
+            raise untraceable from None
         mode = " in training mode (training=True)" if training else ""
         raise ValueError(
             f"The model could not be built on the data's x{mode} (shapes "
@@ -314,16 +370,27 @@ def check_labels(model, x, y, y_pred, sample_weight):
     try:
         return loss_spec(sample_weight)
     except Exception as error:
+        untraceable = _untraceable_error(error, f"The loss, {_loss_name(model.loss)},")
+        if untraceable is not None:
+            raise untraceable from None
         shapes = lambda tree: jax.tree.map(lambda s: tuple(s.shape), tree)  # noqa: E731
         if sample_weight is not None and _fits(loss_spec, None):
+            per_entry = _per_entry_loss(model, y, y_pred, sample_weight)
+            fix = (
+                f"Its loss, {_loss_name(model.loss)}, returns one value per entry of y "
+                f"(shape {per_entry}), and Keras weights one value per row (or per row "
+                "and timestep): reduce it over the last axis in the loss, as Keras's own "
+                "losses do, for example return keras.ops.mean(values, axis=-1)."
+                if per_entry else
+                "Give one weight per row, or per row and timestep, (rows, steps), for a "
+                "per-timestep loss. class_weight gives one weight per row, as in Keras's "
+                "model.fit; for per-timestep labels pass sample_weight=np.vectorize("
+                "lambda c: class_weight.get(c, 1.0))(y) instead.")
             raise ValueError(
                 f"The labels fit the model's output, but the sample weights (shape "
                 f"{shapes(sample_weight)}) do not fit its loss (y has shape {shapes(y)}, "
-                f"the model outputs shape {shapes(y_pred)}). Give one weight per row, "
-                "or per row and timestep, (rows, steps), for a per-timestep loss. "
-                "class_weight gives one weight per row, as in Keras's model.fit; for "
-                "per-timestep labels pass sample_weight=np.vectorize(lambda c: "
-                f"class_weight.get(c, 1.0))(y) instead. Keras reported: {first_line(error)}"
+                f"the model outputs shape {shapes(y_pred)}). {fix} Keras reported: "
+                f"{first_line(error)}"
             ) from None
         # Keras's traceback and error wrapping add nothing to this message.
         raise ValueError(
@@ -334,6 +401,29 @@ def check_labels(model, x, y, y_pred, sample_weight):
             "sparse_categorical_crossentropy, one-hot rows of shape (batch, "
             f"classes) for categorical_crossentropy. Keras reported: {first_line(error)}"
         ) from None
+
+
+def _per_entry_loss(model, y, y_pred, sample_weight):
+    """The shape of the unreduced loss, if one loss returns a value per entry of y; else None.
+
+    Keras's losses reduce over the last axis, to one value per row (or per
+    row and timestep), which a weight of that shape scales. A user's
+    `keras.losses.Loss` or function that returns `y`'s own shape cannot take
+    such a weight (Keras's fit fails on it too, on a broadcast).
+    """
+    loss = model.loss
+    if isinstance(loss, (str, dict, list, tuple)) or not callable(loss):
+        return None
+    if not all(isinstance(tree, keras.KerasTensor) for tree in (y, y_pred, sample_weight)):
+        return None
+    try:
+        values = _compat.compute_output_spec(
+            loss.call if isinstance(loss, keras.losses.Loss) else loss, y, y_pred)
+    except Exception:
+        return None
+    shape = tuple(getattr(values, "shape", ()))
+    per_entry = len(shape) == len(y_pred.shape) and len(sample_weight.shape) < len(shape)
+    return shape if per_entry else None
 
 
 def _fits(loss_spec, sample_weight):

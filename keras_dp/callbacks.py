@@ -225,8 +225,24 @@ def to_python(logs, model, metrics=None, step="train_step"):
     names = order if set(order) == set(host) and len(order) == len(host) else sorted(host)
     if names is order and metrics is not None and _compat.custom_step(model, step):
         host = _metric_results(model, metrics)
-    return {name: host[name].item() if np.ndim(host[name]) == 0 else np.asarray(host[name])
-            for name in names}
+    return {name: value.item() if np.ndim(value) == 0 else np.asarray(value)
+            for name, value in flatten_logs({name: host[name] for name in names}).items()}
+
+
+def flatten_logs(logs):
+    """`logs` with each dict entry replaced by its entries, as Keras's `pythonify_logs` does.
+
+    A metric whose `result()` is a dict logs each of its entries under the
+    entry's own name (sorted), not under the metric's, as `model.fit`
+    reports it. Other entries keep their place and value.
+    """
+    flat = {}
+    for name, value in logs.items():
+        if isinstance(value, dict):
+            flat.update(flatten_logs({key: value[key] for key in sorted(value)}))
+        else:
+            flat[name] = value
+    return flat
 
 
 def _metric_results(model, metrics):

@@ -419,7 +419,8 @@ class ShardedTrainer:
             model_checks.require_compiled(self.model, "fit")
             batches = self._batches(x, y, sample_weight, batch_size, shuffle, class_weight)
             if steps_per_epoch is not None:
-                batches = pipeline.StepsPerEpoch(batches, steps_per_epoch)
+                batches = pipeline.StepsPerEpoch(batches, steps_per_epoch,
+                                                 epochs - initial_epoch)
             pipeline.check_ends(batches, "x", "steps_per_epoch")
             self.build(batches.peek())
             model_checks.check_trainable_unchanged(self.model)

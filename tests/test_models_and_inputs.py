@@ -748,3 +748,89 @@ def test_an_overridden_compute_loss_is_used_as_by_model_fit():
     np.testing.assert_allclose(ours, theirs, rtol=1e-5)
     assert_weights_close(model, reference)
     assert not np.allclose(plain, theirs, rtol=1e-3)  # the penalty counts
+
+
+def test_steps_per_epoch_beyond_a_finite_dataset_warns_that_epochs_run_on_into_the_next_pass():
+    # 34 rows in batches of 16 are 3 batches a pass. With steps_per_epoch=5,
+    # Keras's fit warns "Your input ran out of data" and ends each epoch after
+    # the pass's 3 steps; keras_dp runs 5 steps an epoch, into the next pass
+    # (README, "Any batch size, exactly"), and said nothing. It now says so.
+    import warnings
+
+    import tensorflow as tf
+
+    from conftest import BatchEnds
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(34, 4)).astype("float32"), rng.integers(0, 3, 34)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    model.compile(optimizer="sgd",
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    ours, theirs = BatchEnds(), BatchEnds()
+    options = dict(steps_per_epoch=5, epochs=2, verbose=0)
+    with pytest.warns(UserWarning, match=r"holds 3 batches a pass, which steps_per_epoch=5 "
+                      r"does not divide.*drop steps_per_epoch \(or pass a divisor of 3\)"):
+        keras_dp.fit_sharded(model, dataset, devices=devices(3), callbacks=[ours], **options)
+    with pytest.warns(UserWarning, match="ran out of data"):
+        model.fit(dataset, callbacks=[theirs], **options)
+    assert ours.ends == [0, 1, 2, 3, 4] * 2 and theirs.ends == [0, 1, 2] * 2
+    quiet = [dict(x=dataset, steps_per_epoch=3, epochs=2),  # one pass an epoch
+             dict(x=x, y=y, batch_size=16, steps_per_epoch=2, epochs=1)]  # within a pass
+    for data in quiet:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            keras_dp.fit_sharded(model, verbose=0, devices=devices(3), **data)
+
+
+def test_callbacks_see_a_tf_data_datasets_length_as_their_steps_as_in_model_fit():
+    # Keras's fit passes the dataset's cardinality as params["steps"] (the
+    # progress bar's total, a warm-up schedule's length); keras_dp passed None.
+    import tensorflow as tf
+
+    class Params(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            self.seen = dict(self.params)
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(34, 4)).astype("float32"), rng.integers(0, 3, 34)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    model.compile(optimizer="sgd",
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    ours, theirs = Params(), Params()
+    keras_dp.fit_sharded(model, dataset, verbose=0, devices=devices(3), callbacks=[ours])
+    model.fit(dataset, verbose=0, callbacks=[theirs])
+    assert ours.seen == theirs.seen == {"verbose": 0, "epochs": 1, "steps": 3}
+    unknown = dataset.filter(lambda features, label: True)  # tf.data cannot count it
+    keras_dp.fit_sharded(model, unknown, verbose=0, devices=devices(3), callbacks=[ours])
+    assert ours.seen["steps"] is None  # as Keras's: checked by hand
+
+
+@pytest.mark.parametrize("key", ["cat", 1.5])
+def test_a_class_weight_key_that_is_not_a_class_id_is_refused_before_any_step(key):
+    # Keras's fit looks each label up as class_weight.get(int(label)): a key
+    # "cat" or 1.5 never matches and is dropped silently. keras_dp failed with
+    # "invalid literal for int() with base 10: 'cat'", and cut 1.5 to class 1.
+    import re
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(12, 4)).astype("float32"), rng.integers(0, 3, 12)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    model.compile(optimizer="sgd",
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.raises(ValueError, match=r"`class_weight` maps integer class ids to weights.*"
+                       rf"Received the key {re.escape(repr(key))} \(of type "
+                       rf"{type(key).__name__}\).*StringLookup") as raised:
+        keras_dp.fit_sharded(model, x, y, class_weight={0: 1.0, key: 2.0}, verbose=0,
+                             devices=devices(2))
+    assert raised.value.__context__ is None and int(model.optimizer.iterations) == 0
+
+
+def test_class_weight_keyed_by_integral_floats_weights_those_classes():
+    # np.unique of float or bool labels gives such keys: 1.0 and True are
+    # class 1, as in Keras's class_weight.get(int(label)).
+    y = np.array([0, 1, 2, 1])
+    for class_weight in ({0.0: 1.0, np.float64(1.0): 3.0}, {False: 1.0, np.True_: 3.0}):
+        _, _, weights = keras_dp.pipeline.batch.apply_class_weight((None, y, None), class_weight)
+        np.testing.assert_array_equal(weights, [1.0, 3.0, 1.0, 3.0])

@@ -40,4 +40,5 @@ def mean_logs(per_member):
 
 def batch_means(logs):
     """A call's logs, `{name: (M,) array}`, as the members' means (what callbacks get)."""
-    return {name: float(np.mean(values)) for name, values in jax.device_get(logs).items()}
+    flat = callbacks_lib.flatten_logs(jax.device_get(logs))  # a dict metric's entries
+    return {name: float(np.mean(values)) for name, values in flat.items()}

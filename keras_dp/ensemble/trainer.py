@@ -200,7 +200,8 @@ class EnsembleTrainer:
         sources = self._sources(x, y, sample_weight, batch_size, shuffle, member_shuffle,
                                 class_weight)
         if steps_per_epoch is not None:
-            sources = [pipeline.StepsPerEpoch(source, steps_per_epoch) for source in sources]
+            sources = [pipeline.StepsPerEpoch(source, steps_per_epoch, epochs - initial_epoch)
+                       for source in sources]
         pipeline.check_ends(sources[0], "x", "steps_per_epoch")
         self._build(sources[0].peek(), True, "the training data")
         ensemble_loop.resolve_monitors(callbacks, self.members[0])

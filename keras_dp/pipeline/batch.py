@@ -1,5 +1,6 @@
 """What a host batch is: `(x, y, sample_weight)` of numpy arrays, and its checks."""
 
+import numbers
 import operator
 
 import jax
@@ -226,7 +227,28 @@ def apply_class_weight(batch, class_weight):
             "single output), as in model.fit. For several outputs, pass "
             "per-output `sample_weight` instead."
         )
+    _check_class_ids(class_weight)
     return x, y, class_weight_to_sample_weight(y, class_weight)
+
+
+def _check_class_ids(class_weight):
+    """Raise a `ValueError` naming a key of `class_weight` that is not an integer class id.
+
+    Labels are class ids by the time they reach a step; a key such as
+    `"cat"` matches none (`int("cat")` failed with "invalid literal for
+    int()"), and a key such as 1.5 was cut to 1; 1.0 and True are class 1.
+    """
+    for key in class_weight:
+        # Integral floats and bools pass, as in Keras's lookup: np.unique of
+        # float or bool labels gives such keys (1.0 and True are class 1).
+        integral = isinstance(key, (numbers.Real, np.bool_)) and float(key).is_integer()
+        if not integral:
+            raise ValueError(
+                "`class_weight` maps integer class ids to weights, as in model.fit: "
+                f"{{0: 1.0, 1: 5.0}}. Received the key {key!r} (of type "
+                f"{type(key).__name__}). Labels that are names are turned into ids "
+                "before training (keras.layers.StringLookup, or a dict of your own); "
+                "key class_weight by those ids.")
 
 
 def check_dtypes(batch, where="The data"):

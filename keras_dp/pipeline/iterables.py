@@ -40,8 +40,11 @@ class IterableBatches:
         self._first = None
         self._replay = None
         self._structure = None
-        # Known for a PyDataset (its len), so the progress bar has a total.
+        # Known for a PyDataset (its len) and a tf.data.Dataset (its
+        # cardinality, where known), so the progress bar has a total and
+        # callbacks' `params["steps"]` is Keras's.
         self.steps = getattr(self._source, "num_batches", None)
+        self.batches_per_pass = self.steps  # `pipeline.StepsPerEpoch` warns with it
         # An endless PyDataset, whose epochs `StepsPerEpoch` or `FirstSteps` mark.
         self.epoch_hooks = getattr(self._source, "epoch_hooks", None)
         # What never ends without `steps_per_epoch` (see `pipeline.check_ends`), or None.
@@ -190,8 +193,12 @@ class _TFEpochs:
         import tensorflow as tf
 
         self._dataset = _ragged_to_dense(dataset)
-        infinite = int(dataset.cardinality()) == tf.data.INFINITE_CARDINALITY
+        cardinality = int(dataset.cardinality())
+        infinite = cardinality == tf.data.INFINITE_CARDINALITY
         self.endless = "a tf.data.Dataset that repeats forever" if infinite else None
+        # Batches per pass where tf.data knows them (not after `filter`), else
+        # None: as Keras's adapter, for the progress bar and callbacks' `params`.
+        self.num_batches = cardinality if cardinality >= 0 else None
         self._made = 0  # iterators made so far
 
     def __iter__(self):

@@ -53,11 +53,14 @@ class StepsPerEpoch(FixedSteps):
     re-iterable source (arrays, a `tf.data.Dataset`, a list) starts a new
     pass, reshuffled for arrays, so an epoch may span two passes. A one-shot
     iterator that runs out ends the epoch early and sets `exhausted`, and
-    the trainer stops, as `model.fit` does.
+    the trainer stops, as `model.fit` does. An epoch that would span the end
+    of a pass over data of known length, within the `epochs` this fit runs,
+    is warned of when made: `model.fit` ends such an epoch early instead.
     """
 
-    def __init__(self, batches, steps):
+    def __init__(self, batches, steps, epochs=None):
         self.steps = check_count("steps_per_epoch", steps, 1)
+        _warn_if_epochs_span_passes(batches, self.steps, epochs)
         self.exhausted = False
         self._batches = batches
         self._stream = None  # started by the first `epoch`
@@ -115,6 +118,32 @@ class StepsPerEpoch(FixedSteps):
             if not self._batches.reiterable:
                 return
             yield from self._batches.epoch(data_pass)
+
+
+def _warn_if_epochs_span_passes(batches, steps, epochs):
+    """Warn when an epoch of `steps` steps would span the end of a pass over `batches`.
+
+    That happens when `steps` does not divide the data's known batches per
+    pass and the `epochs` to run read past the first pass (`epochs` None:
+    assume they do). Such an epoch runs on into the next pass, where
+    `model.fit` ends an epoch at the end of the data ("Your input ran out of
+    data") and starts the next one on a new pass, so the steps differ from
+    Keras's from there on.
+    """
+    per_pass = getattr(batches, "batches_per_pass", None)
+    if not per_pass or per_pass % steps == 0:
+        return
+    if epochs is not None and epochs * steps <= per_pass:
+        return
+    warnings.warn(
+        f"The data holds {per_pass} batches a pass, which steps_per_epoch={steps} "
+        f"does not divide: each epoch here takes {steps} steps, running on into the "
+        "next pass, where Keras's model.fit ends an epoch when the pass ends (\"Your "
+        "input ran out of data\") and so trains other steps. For one pass per epoch, "
+        f"drop steps_per_epoch (or pass a divisor of {per_pass}); for a stream of "
+        "batches, .repeat() the dataset.",
+        stacklevel=4,
+    )
 
 
 class FirstSteps(FixedSteps):
