@@ -16,9 +16,9 @@ Prints the per-(system, batch, K) medians over runs, then the ratios, each
 with its verdict, as markdown.
 """
 
+import argparse
 import json
 import statistics
-import sys
 
 KERAS_DP = "keras_dp"
 SCAN = "keras merged scan (emulated)"
@@ -95,6 +95,9 @@ def main(paths):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2:
-        sys.exit("usage: python benchmarks/targets.py RESULTS.json [MORE.json ...]")
-    main(sys.argv[1:])
+    parser = argparse.ArgumentParser(
+        description="Issue 19's CPU throughput targets over bench.py's JSON files: each "
+                    "ratio within a run, then the median over runs.")
+    parser.add_argument("results", nargs="+", metavar="RESULTS.json",
+                        help="bench.py output files, one per run")
+    main(parser.parse_args().results)
