@@ -750,16 +750,9 @@ def test_an_overridden_compute_loss_is_used_as_by_model_fit():
     assert not np.allclose(plain, theirs, rtol=1e-3)  # the penalty counts
 
 
-def test_steps_per_epoch_beyond_a_finite_dataset_warns_that_epochs_run_on_into_the_next_pass():
-    # 34 rows in batches of 16 are 3 batches a pass. With steps_per_epoch=5,
-    # Keras's fit warns "Your input ran out of data" and ends each epoch after
-    # the pass's 3 steps; keras_dp runs 5 steps an epoch, into the next pass
-    # (README, "Any batch size, exactly"), and said nothing. It now says so.
-    import warnings
-
+def three_batch_dataset_and_model():
+    """34 rows in a tf.data dataset of 3 batches of 16, and a compiled 4 -> 3 Dense model."""
     import tensorflow as tf
-
-    from conftest import BatchEnds
 
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(34, 4)).astype("float32"), rng.integers(0, 3, 34)
@@ -767,6 +760,19 @@ def test_steps_per_epoch_beyond_a_finite_dataset_warns_that_epochs_run_on_into_t
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
     model.compile(optimizer="sgd",
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return x, y, dataset, model
+
+
+def test_steps_per_epoch_beyond_a_finite_dataset_warns_that_epochs_run_on_into_the_next_pass():
+    # 34 rows in batches of 16 are 3 batches a pass. With steps_per_epoch=5,
+    # Keras's fit warns "Your input ran out of data" and ends each epoch after
+    # the pass's 3 steps; keras_dp runs 5 steps an epoch, into the next pass
+    # (README, "Any batch size, exactly"), and said nothing. It now says so.
+    import warnings
+
+    from conftest import BatchEnds
+
+    x, y, dataset, model = three_batch_dataset_and_model()
     ours, theirs = BatchEnds(), BatchEnds()
     options = dict(steps_per_epoch=5, epochs=2, verbose=0)
     with pytest.warns(UserWarning, match=r"holds 3 batches a pass, which steps_per_epoch=5 "
@@ -786,18 +792,11 @@ def test_steps_per_epoch_beyond_a_finite_dataset_warns_that_epochs_run_on_into_t
 def test_callbacks_see_a_tf_data_datasets_length_as_their_steps_as_in_model_fit():
     # Keras's fit passes the dataset's cardinality as params["steps"] (the
     # progress bar's total, a warm-up schedule's length); keras_dp passed None.
-    import tensorflow as tf
-
     class Params(keras.callbacks.Callback):
         def on_train_begin(self, logs=None):
             self.seen = dict(self.params)
 
-    rng = np.random.default_rng(0)
-    x, y = rng.normal(size=(34, 4)).astype("float32"), rng.integers(0, 3, 34)
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
-    model.compile(optimizer="sgd",
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y, dataset, model = three_batch_dataset_and_model()
     ours, theirs = Params(), Params()
     keras_dp.fit_sharded(model, dataset, verbose=0, devices=devices(3), callbacks=[ours])
     model.fit(dataset, verbose=0, callbacks=[theirs])
