@@ -342,40 +342,34 @@ def test_no_collective_gathers_the_uneven_batch(mnist):
     assert "all-gather" not in text and "all-to-all" not in text
 
 
-def test_keras_data_parallel_refuses_the_batches_we_train_exactly(mnist):
-    # The peer: model.fit under keras.distribution.DataParallel needs every
-    # global batch to divide by the device count, and finds out only when
-    # it reaches one that does not (here the last, 2 rows, after 3 steps).
+def keras_refuses_and_keras_dp_trains(mnist, batch_size):
+    """`(Keras's steps, keras_dp's steps)` on 200 rows at `batch_size` over 3 devices.
+
+    Keras's `model.fit` under `DataParallel` must fail with its `IndivisibleError`.
+    """
     (x, y), _ = mnist
     keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices(3)))
     try:
         model = sgd_mlp()  # created under the distribution, as Keras requires
         with pytest.raises(Exception, match="should evenly divide") as error:
-            model.fit(x[:200], y[:200], batch_size=66, shuffle=False, verbose=0)
+            model.fit(x[:200], y[:200], batch_size=batch_size, shuffle=False, verbose=0)
     finally:
         keras.distribution.set_distribution(None)
     assert type(error.value).__name__ == "IndivisibleError"
-    assert int(model.optimizer.iterations.numpy()) == 3
     ours = sgd_mlp()
-    keras_dp.fit_sharded(ours, x[:200], y[:200], batch_size=66, shuffle=False, verbose=0,
-                         devices=devices(3))
-    assert int(ours.optimizer.iterations.numpy()) == 4
+    keras_dp.fit_sharded(ours, x[:200], y[:200], batch_size=batch_size, shuffle=False,
+                         verbose=0, devices=devices(3))
+    return int(model.optimizer.iterations.numpy()), int(ours.optimizer.iterations.numpy())
+
+
+def test_keras_data_parallel_refuses_the_batches_we_train_exactly(mnist):
+    # The peer: model.fit under keras.distribution.DataParallel needs every
+    # global batch to divide by the device count, and finds out only when
+    # it reaches one that does not (here the last, 2 rows, after 3 steps).
+    assert keras_refuses_and_keras_dp_trains(mnist, 66) == (3, 4)
 
 
 def test_keras_data_parallel_refuses_a_batch_of_64_on_3_devices_at_the_first_step(mnist):
     # README's other case: a batch size that never divides fails before
     # Keras's first step; keras_dp trains it.
-    (x, y), _ = mnist
-    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices(3)))
-    try:
-        model = sgd_mlp()
-        with pytest.raises(Exception, match="should evenly divide") as error:
-            model.fit(x[:200], y[:200], batch_size=64, shuffle=False, verbose=0)
-    finally:
-        keras.distribution.set_distribution(None)
-    assert type(error.value).__name__ == "IndivisibleError"
-    assert int(model.optimizer.iterations.numpy()) == 0
-    ours = sgd_mlp()
-    keras_dp.fit_sharded(ours, x[:200], y[:200], batch_size=64, shuffle=False, verbose=0,
-                         devices=devices(3))
-    assert int(ours.optimizer.iterations.numpy()) == 4
+    assert keras_refuses_and_keras_dp_trains(mnist, 64) == (0, 4)
