@@ -824,6 +824,13 @@ def test_a_class_weight_key_that_is_not_a_class_id_is_refused_before_any_step(ke
         keras_dp.fit_sharded(model, x, y, class_weight={0: 1.0, key: 2.0}, verbose=0,
                              devices=devices(2))
     assert raised.value.__context__ is None and int(model.optimizer.iterations) == 0
+    # A dataset's keys are checked once, when it is wrapped, before any batch is read.
+    read = []
+    batches = (read.append(index) or (x, y) for index in range(2))
+    with pytest.raises(ValueError, match="Received the key"):
+        keras_dp.fit_sharded(model, batches, class_weight={key: 2.0}, verbose=0,
+                             devices=devices(2))
+    assert read == [] and int(model.optimizer.iterations) == 0
 
 
 def test_class_weight_keyed_by_integral_floats_weights_those_classes():

@@ -16,6 +16,7 @@ import numpy as np
 
 from keras_dp.pipeline.arrays import ArrayBatches
 from keras_dp.pipeline.batch import batch_rows
+from keras_dp.pipeline.batch import check_class_ids
 from keras_dp.pipeline.batch import check_count
 from keras_dp.pipeline.batch import check_frames
 from keras_dp.pipeline.batch import check_not_scalars
@@ -77,10 +78,13 @@ def make_batches(x, y=None, sample_weight=None, *, batch_size=None, shuffle=Fals
     Raises:
         ValueError: arrays of different lengths or of a non-numeric dtype,
             no rows, a `batch_size` below 1 or given with a dataset, or
-            `class_weight` with `sample_weight` or with several outputs.
+            `class_weight` with a key that is not a class id, with
+            `sample_weight` or with several outputs.
     """
     if x is None:
         raise ValueError("No training data: pass x (and y), or a dataset.")
+    if class_weight is not None:  # once here, not at every dataset batch
+        check_class_ids(class_weight)
     if is_array_data(x, y):
         if isinstance(x, tuple) and y is None:
             x, y, sample_weight = unpack(x)

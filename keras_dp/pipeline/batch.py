@@ -227,11 +227,10 @@ def apply_class_weight(batch, class_weight):
             "single output), as in model.fit. For several outputs, pass "
             "per-output `sample_weight` instead."
         )
-    _check_class_ids(class_weight)
     return x, y, class_weight_to_sample_weight(y, class_weight)
 
 
-def _check_class_ids(class_weight):
+def check_class_ids(class_weight):
     """Raise a `ValueError` naming a key of `class_weight` that is not an integer class id.
 
     Labels are class ids by the time they reach a step; a key such as
