@@ -37,11 +37,6 @@ class ArrayBatches:
         """Batches per epoch, the partial last one included."""
         return -(-self.num_samples // self.batch_size)
 
-    @property
-    def batches_per_pass(self):
-        """Batches per pass over the data: `steps` (see `pipeline.StepsPerEpoch`)."""
-        return self.steps
-
     def peek(self):
         """The first batch, without consuming anything."""
         return next(iter(self.epoch(0)))

@@ -40,11 +40,11 @@ class IterableBatches:
         self._first = None
         self._replay = None
         self._structure = None
-        # Known for a PyDataset (its len) and a tf.data.Dataset (its
-        # cardinality, where known), so the progress bar has a total and
-        # callbacks' `params["steps"]` is Keras's.
+        # Batches per pass, known for a PyDataset (its len) and a
+        # tf.data.Dataset (its cardinality, where known), so the progress bar
+        # has a total, callbacks' `params["steps"]` is Keras's, and
+        # `pipeline.StepsPerEpoch` can warn of epochs that span passes.
         self.steps = getattr(self._source, "num_batches", None)
-        self.batches_per_pass = self.steps  # `pipeline.StepsPerEpoch` warns with it
         # An endless PyDataset, whose epochs `StepsPerEpoch` or `FirstSteps` mark.
         self.epoch_hooks = getattr(self._source, "epoch_hooks", None)
         # What never ends without `steps_per_epoch` (see `pipeline.check_ends`), or None.

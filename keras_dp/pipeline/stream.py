@@ -130,7 +130,7 @@ def _warn_if_epochs_span_passes(batches, steps, epochs):
     data") and starts the next one on a new pass, so the steps differ from
     Keras's from there on.
     """
-    per_pass = getattr(batches, "batches_per_pass", None)
+    per_pass = batches.steps  # None where the data's length is unknown
     if not per_pass or per_pass % steps == 0:
         return
     if epochs is not None and epochs * steps <= per_pass:
