@@ -40,5 +40,4 @@ def mean_logs(per_member):
 
 def batch_means(logs):
     """A call's logs, `{name: (M,) array}`, as the members' means (what callbacks get)."""
-    flat = callbacks_lib.flatten_logs(jax.device_get(logs))  # a dict metric's entries
-    return {name: float(np.mean(values)) for name, values in flat.items()}
+    return mean_logs(callbacks_lib.flatten_logs(jax.device_get(logs)))  # a dict metric's entries
