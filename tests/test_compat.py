@@ -222,3 +222,41 @@ def test_grain_hooks_read_a_loaders_epochs_a_repeats_epochs_and_the_closable_ite
     assert not hasattr(iterator, "close") and callable(inner.close)
     assert list(iterator) == [1, 2, 3]
     inner.close()
+
+
+_SEED_DRAWS = r"""
+import json, random, sys
+import keras
+import numpy as np
+from keras_dp import _compat
+
+
+def draws():
+    layer = keras.layers.Dense(3)
+    layer.build((None, 2))
+    return [random.random(), float(np.random.rand()),
+            keras.ops.convert_to_numpy(keras.random.normal((4,))).tolist(),
+            keras.ops.convert_to_numpy(layer.kernel).tolist()]
+
+
+random.random(), np.random.rand(), keras.random.normal((2,))  # state to reset
+_compat.set_random_seed(7)
+ours = draws()
+imported = "tensorflow" in sys.modules
+sys.modules["tensorflow"] = None  # Keras's own function, without TensorFlow to seed
+keras.utils.set_random_seed(7)
+print(json.dumps({"equal": ours == draws(), "tensorflow_imported": imported}))
+"""
+
+
+def test_set_random_seed_is_kerass_without_importing_tensorflow():
+    import json
+    import subprocess
+    import sys
+
+    env = dict(os.environ, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu")
+    result = subprocess.run([sys.executable, "-c", _SEED_DRAWS], capture_output=True,
+                            text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout.splitlines()[-1]) == {
+        "equal": True, "tensorflow_imported": False}

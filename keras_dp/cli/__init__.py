@@ -147,10 +147,10 @@ def main(argv=None):
 
         launched = args.launched[1:] if args.launched[:1] == ["--"] else args.launched
         raise SystemExit(launch(launched, args.processes, args.cpu_devices, args.port))
-    # Where TensorFlow is installed, keras.utils.set_random_seed imports it
-    # (to seed it too), and it prints C++ start-up notes into the report;
-    # the oneDNN one only goes with its option, which affects TensorFlow's
-    # own ops, and the command runs none.
+    # The command itself never imports TensorFlow (it seeds with
+    # `_compat.set_random_seed`); should anything else, its C++ start-up
+    # notes would clutter the report. The oneDNN one only goes with its
+    # option, which affects TensorFlow's own ops, and the command runs none.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
     from keras_dp import distributed

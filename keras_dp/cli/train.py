@@ -23,12 +23,13 @@ def train(args):
 
     import keras_dp
     import keras_dp.compilation_cache
+    from keras_dp import _compat
     from keras_dp import distributed
 
     # Before the model exists, so a rerun loads its initializers' programs
     # from the cache too (`benchmarks/compile_cache.py`).
     keras_dp.compilation_cache.enable(min_compile_time_s=0.1)
-    keras.utils.set_random_seed(args.seed)
+    _compat.set_random_seed(args.seed)  # Keras's, without importing TensorFlow
     data = load_mnist(args.data_dir, args.train_samples)
     epochs = epochs_for(args, data)
     print = builtins.print if distributed.is_primary() else _silent  # noqa: A001

@@ -13,6 +13,7 @@ import jax
 import keras
 import numpy as np
 
+from keras_dp import _compat
 from keras_dp import mesh as mesh_lib
 from keras_dp.state import TrainState
 from keras_dp.state import write_back
@@ -280,7 +281,7 @@ def check_class_output(model, x):
 
 
 def _make_member(build_model, seed, index):
-    keras.utils.set_random_seed(seed)
+    _compat.set_random_seed(seed)  # Keras's, without importing TensorFlow
     if isinstance(build_model, keras.Model):
         model = keras.models.clone_model(build_model)
         if build_model.compiled:
