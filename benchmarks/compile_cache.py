@@ -9,6 +9,12 @@ what a user waits for when rerunning a script. Cold runs get a new, empty
 cache directory each; warm runs share one that a first run filled.
 
     python benchmarks/compile_cache.py --devices 2 --runs 3
+    python benchmarks/compile_cache.py --devices 2 --runs 3 --cli
+
+With `--cli` each run is the main job itself, `keras-dp train` (on
+`--data-dir`, else where the command finds MNIST), stopped at the end of its
+first training step; its cache directory is given through
+`KERAS_DP_COMPILATION_CACHE`.
 
 Prints one JSON line per run and a summary with the medians and their ratio,
 and the median split of each kind of run into importing, building the model,
@@ -54,30 +60,72 @@ keras_dp.fit_sharded(model, x, y, batch_size=batch_size, epochs=1, verbose=0,
 """
 
 
-PHASES = ("imports", "build", "to_first_step_end")  # what each stretch of a run ends with
+# `keras-dp train`, its first step marked by a callback added to the
+# trainer's `fit`; the process ends there (os._exit: nothing after it is timed).
+CLI_CHILD = r"""
+import os, sys, time
+import keras
+import keras_dp
+import keras_dp.cli
+print("MARK imported", time.time(), flush=True)
 
 
-def run_once(cache_dir, devices, batch_size, early):
+class FirstStep(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        float(logs["loss"])  # the step has finished
+        print("MARK first_step_end", time.time(), flush=True)
+        os._exit(0)
+
+
+fit = keras_dp.ShardedTrainer.fit
+
+
+def fit_to_first_step(self, *args, callbacks=None, **kwargs):
+    return fit(self, *args, callbacks=list(callbacks or []) + [FirstStep()], **kwargs)
+
+
+keras_dp.ShardedTrainer.fit = fit_to_first_step
+keras_dp.cli.main(sys.argv[1:])
+"""
+
+PHASES = ("imports", "build", "to_first_step_end")
+CLI_PHASES = ("imports", "to_first_step_end")  # what each stretch of a run ends with
+
+
+def run_once(cache_dir, devices, batch_size, early, cli=None):
     """Seconds from starting a process to the end of its first step, and its split.
 
     Returns `(total, {"imports": s, "build": s, "to_first_step_end": s})`:
     interpreter start and importing keras_dp, Keras and JAX; building and
     compiling the model (its initializers run here); then `fit_sharded` up
     to the end of the first step (tracing, compiling or loading, the step).
+    With `cli` (the `keras-dp train` arguments after the batch size), the
+    run is that command and the split is `{"imports": s,
+    "to_first_step_end": s}`.
     """
     env = dict(os.environ, KERAS_BACKEND="jax",
                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    if cli is not None:
+        env["KERAS_DP_COMPILATION_CACHE"] = cache_dir
+        command = [sys.executable, "-c", CLI_CHILD, "train", "--cpu-devices", str(devices),
+                   "--batch-size", str(batch_size), "--verbose", "0", *cli]
+    else:
+        command = [sys.executable, "-c", CHILD, cache_dir, str(batch_size),
+                   "early" if early else "trainer"]
     start = time.time()
-    result = subprocess.run([sys.executable, "-c", CHILD, cache_dir, str(batch_size),
-                             "early" if early else "trainer"],
-                            capture_output=True, text=True, env=env, timeout=600)
+    with tempfile.TemporaryDirectory() as cwd:  # the CLI's output directory
+        result = subprocess.run(command, capture_output=True, text=True, env=env,
+                                timeout=600, cwd=cwd)
     if result.returncode != 0:
         raise RuntimeError(f"the timed process failed:\n{result.stderr[-3000:]}")
     marks = dict(line.split()[1:] for line in result.stdout.splitlines()
                  if line.startswith("MARK "))
-    times = [start] + [float(marks[name]) for name in ("imported", "built", "first_step_end")]
+    names = ("imported", "first_step_end") if cli is not None else (
+        "imported", "built", "first_step_end")
+    times = [start] + [float(marks[name]) for name in names]
     return times[-1] - start, {phase: later - earlier for phase, earlier, later
-                               in zip(PHASES, times, times[1:])}
+                               in zip(CLI_PHASES if cli is not None else PHASES,
+                                      times, times[1:])}
 
 
 def main():
@@ -85,40 +133,50 @@ def main():
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--cli", action="store_true",
+                        help="time `keras-dp train` itself instead of a script")
+    parser.add_argument("--data-dir", help="with --cli: passed to keras-dp train")
     args = parser.parse_args()
+    if args.cli:
+        cli = ["--data-dir", os.path.abspath(args.data_dir)] if args.data_dir else []
+        summarise("keras-dp train", args, *measure(args, True, cli), CLI_PHASES)
+        return
     for early in (False, True):
-        summarise(early, args, *measure(args, early))
+        summarise("before building the model" if early else "by the trainer", args,
+                  *measure(args, early), PHASES)
 
 
-def measure(args, early):
+def measure(args, early, cli=None):
     """`(cache_entries, {"cold": [s], "warm": [s]}, {"cold": [split], "warm": [split]})`
     for one way of enabling the cache, `split` as `run_once` returns it."""
     times = {"cold": [], "warm": []}
     phases = {"cold": [], "warm": []}
     with tempfile.TemporaryDirectory() as root:
         warm_dir = os.path.join(root, "warm")
-        run_once(warm_dir, args.devices, args.batch_size, early)  # fills the warm cache
+        run_once(warm_dir, args.devices, args.batch_size, early, cli)  # fills the warm cache
         entries = len(os.listdir(warm_dir))
         for index in range(args.runs):  # interleaved, so load drifts hit both
             cold_dir = os.path.join(root, f"cold{index}")
             for kind, path in (("cold", cold_dir), ("warm", warm_dir)):
-                seconds, split = run_once(path, args.devices, args.batch_size, early)
+                seconds, split = run_once(path, args.devices, args.batch_size, early, cli)
                 times[kind].append(seconds)
                 phases[kind].append(split)
-                print(json.dumps({"enabled": "early" if early else "by the trainer",
+                enabled = "keras-dp train" if cli is not None else (
+                    "early" if early else "by the trainer")
+                print(json.dumps({"enabled": enabled,
                                   "kind": kind, "run": index, "seconds": round(seconds, 3),
                                   **{phase: round(s, 3) for phase, s in split.items()}}),
                       flush=True)
     return entries, times, phases
 
 
-def summarise(early, args, entries, times, phases):
+def summarise(enabled, args, entries, times, phases, names):
     cold, warm = (statistics.median(times[kind]) for kind in ("cold", "warm"))
     split = {f"{kind}_{phase}_median_s": round(statistics.median(
                  run[phase] for run in phases[kind]), 3)
-             for kind in ("cold", "warm") for phase in PHASES}
+             for kind in ("cold", "warm") for phase in names}
     print(json.dumps({
-        "enabled": "before building the model" if early else "by the trainer",
+        "enabled": enabled,
         "devices": args.devices, "batch_size": args.batch_size, "runs": args.runs,
         "cache_entries": entries, "cold_median_s": round(cold, 3),
         "warm_median_s": round(warm, 3), "cold_over_warm": round(cold / warm, 2),
