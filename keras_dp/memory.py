@@ -89,12 +89,13 @@ def format_bytes(nbytes):
     return f"{nbytes / 2**30:,.2f} GiB"
 
 
-def plan(trainer, batch):
+def plan(trainer, batch, step=None):
     """The `MemoryPlan` of `trainer`'s train step on one global host `batch`.
 
-    Of the step in use: it donates its state unless a fit chose to keep
-    the last completed state (`trainer.keeps_last_good`). The model must be
-    built (`trainer.build(batch)`).
+    Of `step` (one of the trainer's jitted train steps), by default the
+    step in use: it donates its state unless a fit chose to keep the last
+    completed state (`trainer.keeps_last_good`). The model must be built
+    (`trainer.build(batch)`).
     """
     shardings = trainer.state_layout()
     variables = TrainState.variables_of(trainer.model)
@@ -104,7 +105,8 @@ def plan(trainer, batch):
         variables, shardings, is_leaf=lambda leaf: hasattr(leaf, "shape"))
     per_group = state_bytes(trainer)
     like = placement.abstract_batch(batch, pipeline.batch_rows(batch), trainer.mesh)
-    analysis = trainer._train_step.lower(state, like).compile().memory_analysis()
+    step = trainer._train_step if step is None else step
+    analysis = step.lower(state, like).compile().memory_analysis()
     peak = (analysis.argument_size_in_bytes + analysis.output_size_in_bytes
             - analysis.alias_size_in_bytes + analysis.temp_size_in_bytes)
     return MemoryPlan(

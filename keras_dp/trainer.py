@@ -149,16 +149,20 @@ class ShardedTrainer:
         self._predict_steps = steps_lib.make_multi_predict_step(model, self.mesh, unroll, mode)
 
     def _use_train_programs(self, donate):
-        """Train with the programs that donate their state, or keep it; each made once."""
+        """Train with the programs that donate their state, or keep it."""
+        (self._train_step, self._train_steps, self._resident_step,
+         self._resident_steps) = self._train_programs_for(donate)
+        self.keeps_last_good = not donate
+
+    def _train_programs_for(self, donate):
+        """The four train programs that donate their state, or keep it; each made once."""
         if donate not in self._train_programs:
             model, mesh, unroll, mode = self.model, self.mesh, self.unroll, self.state_sharding
             self._train_programs[donate] = (
                 steps_lib.make_train_step(model, mesh, mode, donate=donate),
                 steps_lib.make_multi_train_step(model, mesh, unroll, mode, donate=donate),
                 *resident.make_steps(model, mesh, unroll, mode, donate=donate))
-        (self._train_step, self._train_steps, self._resident_step,
-         self._resident_steps) = self._train_programs[donate]
-        self.keeps_last_good = not donate
+        return self._train_programs[donate]
 
     @property
     def num_devices(self):
@@ -289,11 +293,18 @@ class ShardedTrainer:
             batch_size: the global batch to plan for.
 
         Returns:
-            A `keras_dp.memory.MemoryPlan` (print it for a summary).
+            A `keras_dp.memory.MemoryPlan` (print it for a summary), of the
+            step a fit fed from the host would run. On XLA:CPU that is the
+            one `keep_last_good` picks, and a fit on batches of this size
+            finds it compiled; on accelerators it is the step that donates
+            its state, whose plan a fit reads to choose.
         """
         batch = memory_lib.batch_of(pipeline.unpack((x, y, sample_weight)), batch_size)
         self.build(batch)
-        return memory_lib.plan(self, batch)
+        step = None
+        if self.mesh.devices.flat[0].platform == "cpu":  # the choice needs no plan there
+            step = self._train_programs_for(not memory_lib.keep_last_good(self))[0]
+        return memory_lib.plan(self, batch, step)
 
     def compiled_train_step(self, state, batch):
         """The train step compiled for these arguments (`.as_text()` is HLO)."""

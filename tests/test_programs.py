@@ -315,3 +315,19 @@ def test_compiles_ahead_of_an_ended_fit_are_cancelled_and_python_waits_for_the_r
     assert not thread.is_alive() and compiled == lowered[:1]
     assert isinstance(programs.finished(store, 0), FakeCompiled)
     assert programs.finished(store, 1) is None and programs.finished(store, 2) is None
+
+
+def test_a_fit_after_memory_plan_runs_the_step_the_plan_compiled():
+    # On XLA:CPU the plan is of the step the fit keeps or donates with, so
+    # the fit finds it compiled instead of compiling the same step again.
+    x = np.random.default_rng(0).integers(0, 255, (64, 28, 28, 1), dtype=np.uint8)
+    y = np.arange(64) % 10
+    trainer = keras_dp.ShardedTrainer(mlp(), devices=devices(2), data_on_device=False)
+    count = len(COMPILES.names)
+    plan = trainer.memory_plan(x[:5], y[:5], batch_size=16)
+    assert [name for name, _ in COMPILES.since(count, "jit(train_step)")] == [
+        "jit(train_step)"]
+    assert plan.arguments > 0 and plan.peak >= plan.arguments
+    count = len(COMPILES.names)
+    trainer.fit(x, y, batch_size=16, epochs=1, verbose=0)  # 4 whole batches
+    assert COMPILES.since(count, "jit(train_step)") == []
