@@ -63,17 +63,28 @@ keras_dp.fit_sharded(model, x, y, batch_size=batch_size, epochs=1, verbose=0,
 # `keras-dp train`, its first step marked by a callback added to the
 # trainer's `fit`; the process ends there (os._exit: nothing after it is timed).
 CLI_CHILD = r"""
-import os, sys, time
+import json, logging, os, sys, time
 import keras
 import keras_dp
 import keras_dp.cli
 print("MARK imported", time.time(), flush=True)
+
+# The programs JAX loaded from the persistent cache (hits) or compiled (misses).
+messages = []
+handler = logging.Handler()
+handler.emit = lambda record: messages.append(record.getMessage())
+logging.getLogger("jax._src.compiler").setLevel(logging.DEBUG)
+logging.getLogger("jax._src.compiler").addHandler(handler)
 
 
 class FirstStep(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         float(logs["loss"])  # the step has finished
         print("MARK first_step_end", time.time(), flush=True)
+        named = lambda start: [m.split("'")[1] for m in messages if m.startswith(start)]
+        print("PROGRAMS", json.dumps({"hits": named("Persistent compilation cache hit"),
+                                      "misses": named("PERSISTENT COMPILATION CACHE MISS")}),
+              flush=True)
         os._exit(0)
 
 
@@ -101,9 +112,13 @@ def run_once(cache_dir, devices, batch_size, early, cli=None):
     to the end of the first step (tracing, compiling or loading, the step).
     With `cli` (the `keras-dp train` arguments after the batch size), the
     run is that command and the split is `{"imports": s,
-    "to_first_step_end": s}`.
+    "to_first_step_end": s, "compiled": n, "loaded": n}`, the last two
+    the programs compiled, and loaded from the persistent cache, up to the
+    end of the first step.
     """
-    env = dict(os.environ, KERAS_BACKEND="jax",
+    env = {key: value for key, value in os.environ.items()  # the cache is the run's own
+           if key not in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")}
+    env.update(KERAS_BACKEND="jax",
                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     if cli is not None:
         env["KERAS_DP_COMPILATION_CACHE"] = cache_dir
@@ -123,9 +138,13 @@ def run_once(cache_dir, devices, batch_size, early, cli=None):
     names = ("imported", "first_step_end") if cli is not None else (
         "imported", "built", "first_step_end")
     times = [start] + [float(marks[name]) for name in names]
-    return times[-1] - start, {phase: later - earlier for phase, earlier, later
-                               in zip(CLI_PHASES if cli is not None else PHASES,
-                                      times, times[1:])}
+    split = {phase: later - earlier for phase, earlier, later
+             in zip(CLI_PHASES if cli is not None else PHASES, times, times[1:])}
+    if cli is not None:
+        programs = json.loads(next(line for line in result.stdout.splitlines()
+                                   if line.startswith("PROGRAMS "))[len("PROGRAMS "):])
+        split.update(compiled=len(programs["misses"]), loaded=len(programs["hits"]))
+    return times[-1] - start, split
 
 
 def main():
@@ -139,7 +158,8 @@ def main():
     args = parser.parse_args()
     if args.cli:
         cli = ["--data-dir", os.path.abspath(args.data_dir)] if args.data_dir else []
-        summarise("keras-dp train", args, *measure(args, True, cli), CLI_PHASES)
+        summarise("keras-dp train", args, *measure(args, True, cli),
+                  CLI_PHASES + ("compiled", "loaded"))
         return
     for early in (False, True):
         summarise("before building the model" if early else "by the trainer", args,
@@ -172,7 +192,8 @@ def measure(args, early, cli=None):
 
 def summarise(enabled, args, entries, times, phases, names):
     cold, warm = (statistics.median(times[kind]) for kind in ("cold", "warm"))
-    split = {f"{kind}_{phase}_median_s": round(statistics.median(
+    split = {f"{kind}_{phase}_median" + ("" if phase in ("compiled", "loaded") else "_s"):
+             round(statistics.median(
                  run[phase] for run in phases[kind]), 3)
              for kind in ("cold", "warm") for phase in names}
     print(json.dumps({

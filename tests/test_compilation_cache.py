@@ -121,3 +121,26 @@ def test_a_cache_directory_under_home_is_expanded_not_made_literally(tmp_path):
     assert any(cache.iterdir())
     assert not (tmp_path / "~").exists()
     assert compilation_cache.choose_dir("~/mine", {}, None) == os.path.expanduser("~/mine")
+
+
+@pytest.mark.slow  # two runs of keras-dp train
+def test_a_second_keras_dp_train_loads_what_the_first_compiled(tmp_path):
+    # benchmarks/compile_cache.py --cli, once cold and once warm, on 512 images.
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import compile_cache as bench
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    cache = str(tmp_path / "cache")
+    _, cold = bench.run_once(cache, 2, 64, True, ["--train-samples", "512"])
+    entries = len(os.listdir(cache))
+    _, warm = bench.run_once(cache, 2, 64, True, ["--train-samples", "512"])
+    # The first run cached what took 0.1 s or more to compile (the CLI's
+    # threshold) and loaded nothing; the second loads those and compiles
+    # only the rest. (Counted at the first step's end, while the other
+    # programs compile ahead: either run may not have finished them all.)
+    assert cold["loaded"] == 0 and entries >= 1, (cold, entries)
+    assert 1 <= warm["loaded"] <= entries, (cold, warm, entries)
+    assert warm["compiled"] + warm["loaded"] <= cold["compiled"] + 1, (cold, warm, entries)
+    assert warm["compiled"] < cold["compiled"], (cold, warm, entries)
+    assert all(warm[phase] > 0 for phase in ("imports", "to_first_step_end"))
