@@ -44,6 +44,9 @@ from keras_dp import steps as steps_lib
 # fraction of what is free on every device (the rest is for the model, the
 # optimizer, activations and XLA's scratch space).
 MEMORY_FRACTION = 0.5
+# And where the train step's own peak is known (the fit's `MemoryPlan`, made
+# on accelerators), the data and that peak together at most this fraction.
+WITH_STEP_FRACTION = 0.9
 # XLA:CPU reports no memory limit; its devices are host RAM, and each
 # simulated device holds its own copy, so the copies together may take at
 # most this much.
@@ -77,19 +80,30 @@ def data_bytes(arrays):
     return sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(arrays))
 
 
-def fits(nbytes, mesh):
+def fits(nbytes, mesh, peak=None):
     """Whether `nbytes` of data, replicated, fits on `mesh`: `(fits, why not)`.
 
     On devices that report `memory_stats()["bytes_limit"]`, the data must
-    take at most `MEMORY_FRACTION` of every device's free memory; on those
-    that do not (XLA:CPU), its copies together at most `CPU_CAP_BYTES`.
+    take at most `MEMORY_FRACTION` of every device's free memory, and, when
+    `peak` (the train step's peak bytes per device, `MemoryPlan.peak`) is
+    given, the data and that peak together at most `WITH_STEP_FRACTION` of
+    it; on devices that do not report it (XLA:CPU), its copies together at
+    most `CPU_CAP_BYTES`.
     """
     devices = list(mesh.devices.flat)
     free = memory_lib.least_free(devices)
     if free is not None:
         limit = int(MEMORY_FRACTION * free)
         why = f"{MEMORY_FRACTION:.0%} of the {free:,} bytes free on a device"
-        return nbytes <= limit, f"{nbytes:,} bytes of data exceed {limit:,}, {why}"
+        if nbytes > limit:
+            return False, f"{nbytes:,} bytes of data exceed {limit:,}, {why}"
+        limit = int(WITH_STEP_FRACTION * free)
+        if peak is not None and nbytes + peak > limit:
+            return False, (
+                f"{nbytes:,} bytes of data and the train step's peak of {peak:,} "
+                f"bytes exceed {limit:,}, {WITH_STEP_FRACTION:.0%} of the {free:,} "
+                "bytes free on a device")
+        return True, None
     total = nbytes * len(devices)
     return total <= CPU_CAP_BYTES, (
         f"{len(devices)} copies of {nbytes:,} bytes of data exceed the "
@@ -98,10 +112,11 @@ def fits(nbytes, mesh):
     )
 
 
-def make_feed(trainer, batches):
+def make_feed(trainer, batches, plan=None):
     """The `ResidentFeed` for this fit, or `None` for the host path.
 
-    Decides by `trainer.data_on_device` (see the module doc).
+    Decides by `trainer.data_on_device` (see the module doc) and, where
+    given, the fit's `MemoryPlan` of its train step (`fits`).
 
     Raises:
         ValueError: `data_on_device=True` with data that cannot be resident:
@@ -109,7 +124,7 @@ def make_feed(trainer, batches):
             processes, or arrays that do not fit.
     """
     choice = trainer.data_on_device
-    keep, why_not = decide(trainer, batches)
+    keep, why_not = decide(trainer, batches, plan)
     if keep:
         return ResidentFeed(trainer, batches)
     if choice == "auto" and why_not is not None and _ineligible(trainer, batches) is None:
@@ -126,18 +141,19 @@ def make_feed(trainer, batches):
     return None
 
 
-def decide(trainer, batches):
+def decide(trainer, batches, plan=None):
     """Whether a fit on `batches` keeps them on the devices: `(keep, why not)`.
 
     What `make_feed` does, without placing anything or warning: `why not`
     is None when the data is kept, or when `data_on_device=False` chose
-    the host.
+    the host. `plan`: the fit's `MemoryPlan`, if it made one.
     """
     if trainer.data_on_device is False:
         return False, None
     why_not = _ineligible(trainer, batches)
     if why_not is None:
-        fit, why_not = fits(data_bytes(batches.arrays), trainer.mesh)
+        fit, why_not = fits(data_bytes(batches.arrays), trainer.mesh,
+                            None if plan is None else plan.peak)
         if fit:
             return True, None
     return False, why_not

@@ -481,7 +481,7 @@ class ShardedTrainer:
                 callbacks, self.model, verbose, epochs=epochs, steps=batches.steps,
                 collective_reads=self.multiprocess and self.state_sharding != "replicated",
             )
-            feed = resident.make_feed(self, batches)  # first: its data takes memory
+            feed = resident.make_feed(self, batches, plan)  # first: its data takes memory
             self._use_train_programs(donate=not memory_lib.keep_last_good(self, plan))
             with peers.watch(self.placement):  # an error on one process stops all
                 return loop.fit(

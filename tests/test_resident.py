@@ -100,6 +100,12 @@ def test_fits_compares_against_the_devices_memory_where_reported():
     assert resident.fits(400, Mesh())[0]
     fit, why = resident.fits(401, Mesh())
     assert not fit and "401 bytes of data exceed 400, 50% of the 800 bytes free" in why
+    # With the train step's peak known (a fit's MemoryPlan on accelerators),
+    # the data and that peak together take at most 90% of what is free.
+    assert resident.fits(400, Mesh(), peak=320) == (True, None)
+    fit, why = resident.fits(400, Mesh(), peak=321)
+    assert not fit and ("400 bytes of data and the train step's peak of 321 bytes exceed "
+                        "720, 90% of the 800 bytes free on a device") in why
     Mesh.devices = np.asarray([Device(None), Device(None)])
     assert resident.fits(resident.CPU_CAP_BYTES // 2, Mesh())[0]
     assert not resident.fits(resident.CPU_CAP_BYTES // 2 + 1, Mesh())[0]
