@@ -428,7 +428,8 @@ class ShardedTrainer:
                 (x, y, sample_weight), validation_data = pipeline.split_validation(
                     x, y, sample_weight, validation_split, validation_data)
             model_checks.require_compiled(self.model, "fit")
-            batches = self._batches(x, y, sample_weight, batch_size, shuffle, class_weight)
+            batches = self._batches(x, y, sample_weight, batch_size, shuffle, class_weight,
+                                    what=pipeline.TRAINING)
             if steps_per_epoch is not None:
                 batches = pipeline.StepsPerEpoch(batches, steps_per_epoch,
                                                  epochs - initial_epoch)
@@ -445,7 +446,7 @@ class ShardedTrainer:
                 validation_data, val_batch_size = pipeline.validation_source(
                     validation_data, batch_size, validation_batch_size)
                 val = self._batches(validation_data, None, None, val_batch_size, False,
-                                    steps=validation_steps)
+                                    steps=validation_steps, what=pipeline.VALIDATION)
                 pipeline.check_ends(val, "validation_data", "validation_steps")
                 # Bad validation labels fail now, not after epoch 1.
                 self._builder.build(pipeline.unpack(val.peek()), data="the validation data")
@@ -555,14 +556,14 @@ class ShardedTrainer:
         return outputs
 
     def _batches(self, x, y, sample_weight, batch_size, shuffle, class_weight=None,
-                 steps=None):
+                 steps=None, what="The data"):
         if batch_size is not None:
             # `batch_size` is global; each process slices its part of it.
             batch_size = pipeline.check_count("batch_size", batch_size, 1)
             batch_size = self.placement.local_batch_size(batch_size)
         batches = pipeline.make_batches(
             x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
-            seed=self.seed, class_weight=class_weight,
+            seed=self.seed, class_weight=class_weight, what=what,
         )
         return batches if steps is None else pipeline.FirstSteps(batches, steps)
 

@@ -382,11 +382,12 @@ def test_fits_that_differ_between_processes_fail_on_every_process_and_stops_agre
             "arguments, model and optimizer), each with its own share of the data; otherwise "
             "they would wait for each other's steps for ever or train on batches no process "
             "asked for.")
-    assert cases[1]["no rows"] == "ValueError: The data has no rows. Pass at least one sample."
+    assert cases[1]["no rows"] == (
+        "ValueError: The training data has no rows. Pass at least one sample.")
     assert cases[0]["no rows"] == (
         "Disagreement: Process 1 failed while preparing fit, so this process (process 0) "
-        "stops too instead of waiting for it: ValueError: The data has no rows. Pass at "
-        "least one sample.")
+        "stops too instead of waiting for it: ValueError: The training data has no rows. "
+        "Pass at least one sample.")
     assert cases[1]["predict"] == "ValueError: The data has no rows. Pass at least one sample."
     assert cases[0]["predict"] == (
         "Disagreement: Process 1 failed while preparing predict, so this process (process 0) "

@@ -350,11 +350,11 @@ class EnsembleTrainer:
         return state.trainable, state.non_trainable
 
     def _batches(self, x, y, sample_weight, batch_size, shuffle, seed, class_weight=None,
-                 steps=None):
+                 steps=None, what="The data"):
         # Every member trains on whole batches: no rows are split over devices.
         batches = pipeline.make_batches(
             x, y, sample_weight, batch_size=batch_size, shuffle=shuffle, seed=seed,
-            class_weight=class_weight,
+            class_weight=class_weight, what=what,
         )
         return batches if steps is None else pipeline.FirstSteps(batches, steps)
 
@@ -366,7 +366,7 @@ class EnsembleTrainer:
         validation_data, val_batch_size = pipeline.validation_source(
             validation_data, batch_size, validation_batch_size)
         val = self._batches(validation_data, None, None, val_batch_size, False, self.seed,
-                            steps=validation_steps)
+                            steps=validation_steps, what=pipeline.VALIDATION)
         pipeline.check_ends(val, "validation_data", "validation_steps")
         # Missing or bad validation labels fail now, not after epoch 1.
         ensemble_inference.check_labels(val, "validation_data")
@@ -379,7 +379,7 @@ class EnsembleTrainer:
     def _sources(self, x, y, sample_weight, batch_size, shuffle, member_shuffle,
                  class_weight=None):
         first = self._batches(x, y, sample_weight, batch_size, shuffle, self.seed,
-                              class_weight)
+                              class_weight, what=pipeline.TRAINING)
         if not member_shuffle:
             return [first]
         if not isinstance(first, pipeline.ArrayBatches) or not shuffle:

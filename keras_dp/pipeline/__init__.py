@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from keras_dp.pipeline.arrays import ArrayBatches
+from keras_dp.pipeline.batch import array_rows
 from keras_dp.pipeline.batch import batch_rows
 from keras_dp.pipeline.batch import check_class_ids
 from keras_dp.pipeline.batch import check_count
@@ -38,6 +39,8 @@ __all__ = [
     "FirstSteps",
     "IterableBatches",
     "StepsPerEpoch",
+    "TRAINING",
+    "VALIDATION",
     "batch_rows",
     "check_count",
     "check_ends",
@@ -55,9 +58,13 @@ __all__ = [
     "validation_tuple",
 ]
 
+# Whose data a message names (`make_batches`'s `what`).
+TRAINING = "The training data"
+VALIDATION = "The validation data"
+
 
 def make_batches(x, y=None, sample_weight=None, *, batch_size=None, shuffle=False,
-                 seed=0, class_weight=None):
+                 seed=0, class_weight=None, what="The data"):
     """Wrap user data as `Batches`, validating what can be checked up front.
 
     Args:
@@ -74,6 +81,8 @@ def make_batches(x, y=None, sample_weight=None, *, batch_size=None, shuffle=Fals
         class_weight: `{class_id: weight}`, turned into per-sample weights
             from the labels as `model.fit` does (integer ids, or the argmax
             of one-hot rows); classes not listed weigh 1.
+        what: whose data it is, as its messages name it ("The validation
+            data"; `TRAINING`, `VALIDATION`).
 
     Raises:
         ValueError: arrays of different lengths or of a non-numeric dtype,
@@ -92,8 +101,8 @@ def make_batches(x, y=None, sample_weight=None, *, batch_size=None, shuffle=Fals
         check_frames(x, y, sample_weight)
         check_not_ragged(x)
         check_not_scalars(x, y, sample_weight)
-        return ArrayBatches(x, y, sample_weight, batch_size=batch_size,
-                            shuffle=shuffle, seed=seed, class_weight=class_weight)
+        return ArrayBatches(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
+                            seed=seed, class_weight=class_weight, what=what)
     if y is not None or sample_weight is not None:
         raise ValueError(
             "`y` and `sample_weight` go with array inputs only; a dataset "
@@ -105,7 +114,8 @@ def make_batches(x, y=None, sample_weight=None, *, batch_size=None, shuffle=Fals
             f"Received: batch_size={batch_size}. Batch the dataset itself "
             "(for tf.data, `dataset.batch(n)`)."
         )
-    return IterableBatches(x, class_weight=class_weight, shuffle=shuffle, seed=seed)
+    return IterableBatches(x, class_weight=class_weight, shuffle=shuffle, seed=seed,
+                           what=what)
 
 
 def check_ends(batches, what, steps):
@@ -229,7 +239,7 @@ def split_validation(x, y, sample_weight, validation_split, validation_data=None
     check_not_ragged(x)
     check_not_scalars(x, y, sample_weight)
     arrays = jax.tree.map(np.asarray, (x, y, sample_weight))
-    total = batch_rows(arrays)
+    total = array_rows(*arrays)
     split = int(np.floor(total * (1 - validation_split)))
     if split == 0 or split == total:
         raise ValueError(

@@ -4,7 +4,7 @@ import jax
 import numpy as np
 
 from keras_dp.pipeline.batch import apply_class_weight
-from keras_dp.pipeline.batch import batch_rows
+from keras_dp.pipeline.batch import array_rows
 from keras_dp.pipeline.batch import check_count
 from keras_dp.pipeline.batch import check_dtypes
 
@@ -14,12 +14,13 @@ class ArrayBatches:
 
     reiterable = True
 
-    def __init__(self, x, y, sample_weight, *, batch_size, shuffle, seed, class_weight):
+    def __init__(self, x, y, sample_weight, *, batch_size, shuffle, seed, class_weight,
+                 what="The data"):
         arrays = jax.tree.map(np.asarray, (x, y, sample_weight))
         check_dtypes(arrays)
-        self.num_samples = batch_rows(arrays)
+        self.num_samples = array_rows(*arrays, what=what)
         if self.num_samples == 0:
-            raise ValueError("The data has no rows. Pass at least one sample.")
+            raise ValueError(f"{what} has no rows. Pass at least one sample.")
         self.batch_size = 32 if batch_size is None else check_count("batch_size", batch_size, 1)
         if class_weight is not None:
             arrays = apply_class_weight(arrays, class_weight)

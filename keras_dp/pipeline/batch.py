@@ -108,6 +108,34 @@ def batch_rows(batch):
     return sizes.pop()
 
 
+def array_rows(x, y, sample_weight, what="The data"):
+    """The number of rows of array data, checking that x, y and sample_weight agree.
+
+    Unlike `batch_rows`, a disagreement names each array by its role and
+    its row count (`x['b']` 29, `y` 30), as Keras's "Data cardinality is
+    ambiguous" does, and says whose data it is (`what`, a sentence's
+    subject such as "The validation data"). Nothing is cut to the shortest.
+
+    Raises:
+        ValueError: arrays with different leading sizes.
+    """
+    counts = [
+        (role + jax.tree_util.keystr(path), np.shape(leaf)[0] if np.ndim(leaf) else None)
+        for role, part in (("x", x), ("y", y), ("sample_weight", sample_weight))
+        for path, leaf in jax.tree_util.tree_leaves_with_path(part)
+    ]
+    if len({count for _, count in counts}) > 1:
+        listed = ", ".join(f"{name} {count}" for name, count in counts[:6])
+        listed += f", ... ({len(counts)} arrays in all)" if len(counts) > 6 else ""
+        raise ValueError(
+            f"{what} has arrays of different lengths, in rows (first dimension): "
+            f"{listed}. Each needs one row per sample, and keras_dp, like "
+            "model.fit, does not cut them to the shortest: check that x, y and "
+            "sample_weight (and each input of a dict or list x) come from the "
+            "same samples.")
+    return batch_rows((x, y, sample_weight))
+
+
 def check_count(name, value, minimum=None):
     """Return `value` as an int, or raise naming the argument `name`.
 

@@ -28,18 +28,19 @@ class IterableBatches:
     instead of silently training on nothing.
     """
 
-    def __init__(self, source, *, class_weight=None, shuffle=False, seed=0):
+    def __init__(self, source, *, class_weight=None, shuffle=False, seed=0, what="The data"):
         if not hasattr(source, "__iter__"):
             raise TypeError(
                 "Training data must be arrays, a tf.data.Dataset or an "
                 f"iterable of batches. Received: {type(source).__name__}."
             )
         self._source = _as_numpy_iterable(source, shuffle, seed)
+        self._what = f"{what}, {_kind(source)},"
         self.reiterable = not isinstance(self._source, collections_abc.Iterator)
         self._class_weight = class_weight
         self._first = None
         self._replay = None
-        self._structure = None
+        self._structure = self._structured = None
         # Batches per pass, known for a PyDataset (its len) and a
         # tf.data.Dataset (its cardinality, where known), so the progress bar
         # has a total, callbacks' `params["steps"]` is Keras's, and
@@ -59,7 +60,7 @@ class IterableBatches:
             iterator = iter(self._source)
             first = next(iterator, None)
             if first is None:
-                raise ValueError(_empty_message(0))
+                raise ValueError(_empty_message(self._what, 0, empty=True))
             self._first = self._host_batch(first, 0, 0)
             if not self.reiterable:
                 self._replay = self._first
@@ -106,19 +107,19 @@ class IterableBatches:
             yield self._host_batch(batch, count, epoch)
             count += 1
         if count == 0:
-            raise ValueError(_empty_message(epoch))
+            raise ValueError(_empty_message(self._what, epoch))
 
     def _host_batch(self, batch, index, epoch):
         batch = jax.tree.map(np.asarray, unpack(batch))
         where = f"Batch {index} of epoch {epoch + 1}"
         structure = jax.tree.structure(batch)
         if self._structure is None:
-            self._structure = structure
+            self._structure, self._structured = structure, batch
         elif structure != self._structure:
             raise ValueError(
                 f"{where} has a different structure from the first batch: "
-                f"{structure} instead of {self._structure}. Every batch must "
-                "hold the same x, y and sample_weight arrays in the same nesting."
+                f"{_structure_change(batch, self._structured)}. Every batch must hold "
+                "the same x, y and sample_weight arrays in the same nesting."
             )
         check_dtypes(batch, where)
         _check_batched(batch, where)
@@ -357,10 +358,52 @@ def hide_gpus_from_tensorflow():
         pass  # TensorFlow's devices are initialised already; nothing to do.
 
 
-def _empty_message(epoch):
+def _empty_message(what, epoch, empty=False):
+    if empty:  # its first pass: nothing to train (or score) on at all
+        return (
+            f"{what} yielded no batches in epoch {epoch + 1}: it is empty, and "
+            "keras_dp, like model.fit, needs at least one batch. Check what "
+            "empties it: a filter that drops every element, take(0), a skip past "
+            "its end, batch(n, drop_remainder=True) with n above its size, an "
+            "empty list or PyDataset, or a generator already read to its end."
+        )
     return (
-        f"The dataset yielded no batches in epoch {epoch + 1}. If it is a "
+        f"{what} yielded no batches in epoch {epoch + 1}. If it is a "
         "generator or iterator, it is used up after one pass: pass a "
         "re-iterable (a list of batches, a tf.data.Dataset) or arrays instead."
     )
+
+
+def _kind(source):
+    """What `source` is, as a message names it: "a tf.data.Dataset", "a generator", "a list"."""
+    if type(source).__module__.startswith("tensorflow"):
+        return "a tf.data.Dataset"
+    if isinstance(source, keras.utils.PyDataset):
+        return "a keras.utils.PyDataset"
+    if isinstance(source, collections_abc.Generator):
+        return "a generator"
+    return f"a {type(source).__name__}"
+
+
+def _structure_change(batch, first):
+    """Where `batch`'s (x, y, sample_weight) nesting first differs from `first`'s, in words."""
+    for name, now, before in zip(("x", "y", "sample_weight"), batch, first, strict=True):
+        if jax.tree.structure(now) != jax.tree.structure(before):
+            return (f"its {name} is {_describe(now)}, where the first batch's was "
+                    f"{_describe(before)}")
+    return f"{jax.tree.structure(batch)} instead of {jax.tree.structure(first)}"
+
+
+def _describe(tree):
+    """`tree` in words: "an array", "a tuple of 2 arrays", "a dict with keys ['a', 'b']"."""
+    if tree is None:
+        return "absent (None)"
+    if isinstance(tree, dict):
+        return f"a dict with keys {short_list(sorted(map(str, tree)))}"
+    if isinstance(tree, (list, tuple)):
+        kinds = [_describe(item) for item in tree]
+        if all(kind == "an array" for kind in kinds):
+            return f"a {type(tree).__name__} of {len(tree)} arrays"
+        return f"a {type(tree).__name__} of {len(tree)}: {', '.join(kinds)}"
+    return "an array"
 

@@ -1,0 +1,203 @@
+"""Data a user gets wrong, or gets odd: label forms, row counts, changing shapes, empty input.
+
+Each case is either trained as Keras's own `model.fit` trains it on one
+device (losses within rtol 1e-5, each weight within 1e-5 of its variable's
+largest entry), or refused before the first step with a message that names
+whose data it is, what is wrong and the fix. 3 simulated devices, 30 rows
+in batches of 8 (3, 3 and 2 rows per device, and a last batch of 6).
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_dp
+from conftest import assert_weights_close, devices
+
+ROWS = 30
+FIT = dict(batch_size=8, epochs=2, shuffle=False, verbose=0)
+
+
+@pytest.fixture
+def data():
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(ROWS, 6)).astype("float32"), rng.integers(0, 4, ROWS)
+
+
+def mlp(loss="sparse_categorical_crossentropy", outputs=4, activation=None):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"),
+                              keras.layers.Dense(outputs, activation=activation)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+    return model
+
+
+def fit(model, *data, **kwargs):
+    return keras_dp.fit_sharded(model, *data, devices=devices(3), **dict(FIT, **kwargs))
+
+
+def assert_trains_as_keras(build, *data):
+    ours, theirs = build(), build()
+    history = fit(ours, *data)
+    expected = theirs.fit(*data, **FIT)
+    np.testing.assert_allclose(history.history["loss"], expected.history["loss"], rtol=1e-5)
+    assert_weights_close(ours, theirs)
+
+
+@pytest.mark.parametrize("case", ["ignore_class", "sparse_column", "binary_row", "binary_column"])
+def test_label_forms_keras_accepts_train_as_keras(data, case):
+    # SparseCategoricalCrossentropy(ignore_class=-1) with every third label
+    # ignored; labels of shape (N, 1) against (N,) for a sparse and a binary loss.
+    x, y = data
+    if case == "ignore_class":
+        y = y.copy()
+        y[::3] = -1
+        assert_trains_as_keras(lambda: mlp(keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, ignore_class=-1)), x, y)
+    elif case == "sparse_column":
+        assert_trains_as_keras(mlp, x, y[:, None])
+    else:
+        binary = (y % 2).astype("float32")
+        assert_trains_as_keras(lambda: mlp("binary_crossentropy", 1, "sigmoid"), x,
+                               binary if case == "binary_row" else binary[:, None])
+
+
+def two_inputs():
+    keras.utils.set_random_seed(0)
+    a, b = keras.Input((3,), name="a"), keras.Input((3,), name="b")
+    model = keras.Model({"a": a, "b": b}, keras.layers.Dense(4)(keras.layers.Concatenate()([a, b])))
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    return model
+
+
+@pytest.mark.parametrize("case, named", [
+    ("sample_weight", "The training data .*: x 30, y 30, sample_weight 29"),
+    ("dict_x", r"The training data .*: x\['a'\] 30, x\['b'\] 29, y 30"),
+    ("validation", "The validation data .*: x 10, y 9"),
+    ("validation_weight", "The validation data .*: x 10, y 10, sample_weight 9"),
+])
+def test_arrays_of_different_lengths_are_named_by_role_and_count(data, case, named):
+    # Before: "Every array of a batch must have the same number of rows ...
+    # Received arrays of shapes [(30, 6), (30,), (29,)]": neither which array
+    # nor whose data (training or validation).
+    x, y = data
+    model = two_inputs() if case == "dict_x" else mlp()
+    arguments = {
+        "sample_weight": dict(x=x, y=y, sample_weight=np.ones(29)),
+        "dict_x": dict(x={"a": x[:, :3], "b": x[:29, 3:]}, y=y),
+        "validation": dict(x=x, y=y, validation_data=(x[:10], y[:9])),
+        "validation_weight": dict(x=x, y=y, validation_data=(x[:10], y[:10], np.ones(9))),
+    }[case]
+    with pytest.raises(ValueError, match=(
+            named + r"\. Each needs one row per sample, and keras_dp, like model.fit, "
+            "does not cut them to the shortest")) as raised:
+        fit(model, **arguments)
+    assert raised.value.__cause__ is None and raised.value.__context__ is None
+    assert int(model.optimizer.iterations.numpy()) == 0
+
+
+class Batches(keras.utils.PyDataset):
+    def __init__(self, batches):
+        super().__init__()
+        self.batches = batches
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __getitem__(self, index):
+        return self.batches[index]
+
+
+def empty_tf_data(x, y):
+    return tf.data.Dataset.from_tensor_slices((x, y)).filter(lambda row, label: label > 9).batch(8)
+
+
+@pytest.mark.parametrize("case, named", [
+    ("tf_data", "The training data, a tf.data.Dataset, yielded no batches in epoch 1: it is "
+                "empty"),
+    ("generator", "The training data, a generator, yielded no batches in epoch 1: it is empty"),
+    ("validation_list", "The validation data, a list, yielded no batches in epoch 1: it is empty"),
+    ("validation_py_dataset", "The validation data, a keras.utils.PyDataset, yielded no batches"),
+    ("validation_arrays", "The validation data has no rows"),
+])
+def test_empty_input_is_named_with_whose_it_is_and_the_fix(data, case, named):
+    # Before: "The dataset yielded no batches in epoch 1. If it is a generator
+    # or iterator, it is used up after one pass ...", for training and
+    # validation data alike, and for a tf.data filter that drops every element.
+    x, y = data
+    arguments = {
+        "tf_data": dict(x=empty_tf_data(x, y), batch_size=None),
+        "generator": dict(x=(batch for batch in []), batch_size=None),
+        "validation_list": dict(x=x, y=y, validation_data=[]),
+        "validation_py_dataset": dict(x=x, y=y, validation_data=Batches([])),
+        "validation_arrays": dict(x=x, y=y, validation_data=(x[:0], y[:0])),
+    }[case]
+    model = mlp()
+    with pytest.raises(ValueError, match=named) as raised:
+        fit(model, **arguments)
+    if case != "validation_arrays":
+        assert "a filter that drops every element, take(0)" in str(raised.value)
+    assert int(model.optimizer.iterations.numpy()) == 0
+
+
+@pytest.mark.parametrize("steps_per_execution, trained", [(1, 2), (4, 0)])
+def test_a_batch_whose_structure_changes_is_named_in_words(steps_per_execution, trained):
+    # A tuple x in the first batches, one array x in batch 2. Before, the
+    # message showed jax's PyTreeDef((*, *, None)) instead of PyTreeDef(((*, *), *, None)).
+    keras.utils.set_random_seed(0)
+    a, b = keras.Input((3,)), keras.Input((3,))
+    model = keras.Model([a, b], keras.layers.Dense(4)(keras.layers.Concatenate()([a, b])))
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(8, 3)).astype("float32"), rng.integers(0, 4, 8)
+    batches = [((x, x), y), ((x, x), y), (np.concatenate([x, x], 1), y)]
+    with pytest.raises(ValueError, match=(
+            r"^Batch 2 of epoch 1 has a different structure from the first batch: its x is an "
+            r"array, where the first batch's was a tuple of 2 arrays\. Every batch must hold")):
+        fit(model, batches, batch_size=None, steps_per_execution=steps_per_execution)
+    # The batches before it trained; with 4 steps per call, batch 2 is read
+    # for the first call, so none has.
+    assert int(model.optimizer.iterations.numpy()) == trained
+
+
+def sequences():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((None, 3)), keras.layers.Dense(8, activation="relu"),
+                              keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(4)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def images():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((None, None, 2)), keras.layers.Conv2D(4, 3, activation="relu"),
+                              keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(4)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+@pytest.mark.slow  # 8 s on the 2-core VM
+@pytest.mark.parametrize("steps_per_execution", [1, 4])
+def test_batches_whose_length_or_image_size_changes_train_as_keras(steps_per_execution):
+    # A generator of sequences of lengths 5, 5, 7, 5, 9, 9, 9, 9, 4 (7 rows
+    # each) and of images of sides 6, 6, 8, ... (5 rows each): every batch
+    # trains, none is dropped or padded, and the weights are Keras's, fed the
+    # same batches by a PyDataset.
+    rng = np.random.default_rng(1)
+    for build, shapes, rows in ((sequences, [(n, 3) for n in (5, 5, 7, 5, 9, 9, 9, 9, 4)], 7),
+                                (images, [(n, n, 2) for n in (6, 6, 8, 6, 8, 8, 8, 8, 7)], 5)):
+        batches = [(rng.normal(size=(rows, *shape)).astype("float32"), rng.integers(0, 4, rows))
+                   for shape in shapes]
+        ours, theirs = build(), build()
+        history = keras_dp.fit_sharded(
+            ours, (batch for batch in batches), verbose=0, devices=devices(3), shuffle=False,
+            steps_per_execution=steps_per_execution)
+        theirs.compile(optimizer=theirs.optimizer, loss=theirs.loss,
+                       steps_per_execution=steps_per_execution)
+        expected = theirs.fit(Batches(batches), verbose=0, shuffle=False)
+        assert int(ours.optimizer.iterations.numpy()) == len(batches)
+        np.testing.assert_allclose(history.history["loss"], expected.history["loss"], rtol=1e-5)
+        assert_weights_close(ours, theirs)
