@@ -37,6 +37,7 @@ filesystem). When to save on SIGTERM is `keras_dp.preemption`'s business.
 import contextlib
 import dataclasses
 import errno
+import logging
 import os
 
 import jax
@@ -134,8 +135,9 @@ class Checkpoints:
             tree[guard.VARIABLES] = guard.variables_tree(self.variables)
         tree[guard.SUMS] = guard.bitsums(tree)
         try:
-            self._manager.save(index, args=self._ocp.args.StandardSave(tree), force=True)
-            self._manager.wait_until_finished()
+            with _orbax_errors_held():
+                self._manager.save(index, args=self._ocp.args.StandardSave(tree), force=True)
+                self._manager.wait_until_finished()
         except Exception as error:  # noqa: BLE001 - one clear error, not orbax's chain
             raise OSError(
                 getattr(error, "errno", None) or errno.EIO,
@@ -279,6 +281,40 @@ class Checkpoints:
             self._manager = None
         if self._lock is not None:
             self._lock.release()
+
+
+@contextlib.contextmanager
+def _orbax_errors_held():
+    """Hold orbax's error logs while a save runs: passed on if it succeeds, dropped if not.
+
+    A write that fails in one of orbax's threads (a full disk under its
+    metadata) is logged there with its whole traceback, through absl,
+    before the save raises it; `Checkpoints.save` then raises one `OSError`
+    naming the checkpoint and the cause, so the traceback only buries it.
+    """
+    held = _HeldErrors()
+    logger = logging.getLogger("absl")
+    logger.addFilter(held)
+    try:
+        yield
+    finally:
+        logger.removeFilter(held)
+    for record in held.records:  # the save succeeded: nothing explains them
+        logger.handle(record)
+
+
+class _HeldErrors(logging.Filter):
+    """Keeps orbax's error records aside (`_orbax_errors_held`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.records = []
+
+    def filter(self, record):
+        if record.levelno >= logging.ERROR and "orbax" in record.pathname:
+            self.records.append(record)
+            return False
+        return True
 
 
 @contextlib.contextmanager

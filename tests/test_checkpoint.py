@@ -1,6 +1,8 @@
 """Checkpoint and resume, saving on SIGTERM, and stopping on a non-finite loss."""
 
+import errno
 import json
+import logging
 import os
 import pathlib
 import re
@@ -677,3 +679,60 @@ def test_a_mid_epoch_checkpoint_resumes_under_another_k_feed_or_device_count(
         return
     for mine, reference in zip(weights(resumed), weights(unbroken), strict=True):
         assert_close_to_scale(mine, reference)
+
+
+@pytest.mark.slow  # 6 s on the 2-core VM
+def test_a_disk_full_mid_save_at_epoch_2_keeps_epoch_1s_checkpoint_and_a_rerun_resumes_it(
+        tmp_path, monkeypatch, caplog):
+    # orbax writes the arrays (tensorstore), then its metadata from Python;
+    # ENOSPC at the metadata of epoch 2's checkpoint, of 3 epochs, leaves a
+    # half-written temporary directory beside epoch 1's checkpoint. Before,
+    # orbax logged that error's whole traceback from its writer thread above
+    # keras_dp's one-line OSError; now the OSError alone says it.
+    from etils import epath
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(30, 6)).astype("float32"), rng.integers(0, 4, 30)
+    options = dict(batch_size=8, epochs=3, verbose=0, devices=devices(3))
+
+    def model():
+        keras.utils.set_random_seed(0)
+        made = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"),
+                                 keras.layers.Dropout(0.25), keras.layers.Dense(4)])
+        made.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True))
+        return made
+
+    class AfterEpoch2(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 1:
+                kept.extend(weights(self.model))  # self.model: synced with the devices
+
+    unbroken, kept = model(), []
+    keras_dp.fit_sharded(unbroken, x, y, callbacks=[AfterEpoch2()], **options)
+    path_class, write_text = type(epath.Path(tmp_path)), epath.Path.write_text
+
+    def full_disk(path, *args, **kwargs):
+        if path.name == "_METADATA" and "1.orbax-checkpoint-tmp" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return write_text(path, *args, **kwargs)
+
+    monkeypatch.setattr(path_class, "write_text", full_disk)
+    broken = model()
+    caplog.clear()
+    with pytest.raises(OSError) as raised:
+        keras_dp.fit_sharded(broken, x, y, checkpoint_dir=tmp_path, **options)
+    assert raised.value.errno == errno.ENOSPC and raised.value.__cause__ is None
+    assert str(raised.value).startswith(
+        f"[Errno 28] Saving the checkpoint of the end of epoch 2 in {tmp_path} failed "
+        "(OSError: [Errno 28] No space left on device: ")
+    assert [record.getMessage()[:80] for record in caplog.records
+            if record.levelno >= logging.ERROR] == []
+    for mine, epoch_2 in zip(weights(broken), kept, strict=True):  # every step it took
+        np.testing.assert_array_equal(mine, epoch_2)
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == [".keras_dp.lock", "0", "1.orbax-checkpoint-tmp"]
+    resumed = model()
+    assert keras_dp.fit_sharded(resumed, x, y, checkpoint_dir=tmp_path, **options).epoch == [1, 2]
+    assert_weights_equal(resumed, unbroken)
+    assert sorted(os.listdir(tmp_path)) == [".keras_dp.lock", "1", "2"]
