@@ -76,7 +76,7 @@ def two_inputs():
     ("dict_x", r"The training data .*: x\['a'\] 30, x\['b'\] 29, y 30"),
     ("validation", "The validation data .*: x 10, y 9"),
     ("validation_weight", "The validation data .*: x 10, y 10, sample_weight 9"),
-])
+], ids=["sample_weight", "dict_x", "validation", "validation_weight"])
 def test_arrays_of_different_lengths_are_named_by_role_and_count(data, case, named):
     # Before: "Every array of a batch must have the same number of rows ...
     # Received arrays of shapes [(30, 6), (30,), (29,)]": neither which array
@@ -120,7 +120,7 @@ def empty_tf_data(x, y):
     ("validation_list", "The validation data, a list, yielded no batches in epoch 1: it is empty"),
     ("validation_py_dataset", "The validation data, a keras.utils.PyDataset, yielded no batches"),
     ("validation_arrays", "The validation data has no rows"),
-])
+], ids=["tf_data", "generator", "validation_list", "validation_py_dataset", "validation_arrays"])
 def test_empty_input_is_named_with_whose_it_is_and_the_fix(data, case, named):
     # Before: "The dataset yielded no batches in epoch 1. If it is a generator
     # or iterator, it is used up after one pass ...", for training and
@@ -201,3 +201,30 @@ def test_batches_whose_length_or_image_size_changes_train_as_keras(steps_per_exe
         assert int(ours.optimizer.iterations.numpy()) == len(batches)
         np.testing.assert_allclose(history.history["loss"], expected.history["loss"], rtol=1e-5)
         assert_weights_close(ours, theirs)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_nan_or_inf_input_row_stops_at_its_batch_where_kerass_weights_go_nan(data, bad):
+    # Row 19 is in batch 2. keras_dp's step keeps the weights it was given;
+    # Keras's fit applies it, and under TerminateOnNaN stops with NaN weights.
+    x, y = data
+    x = x.copy()
+    x[19, 2] = bad
+    two_steps = mlp()
+    fit(two_steps, x[:16], y[:16], epochs=1)
+    stopped = mlp()
+    with pytest.raises(FloatingPointError, match=r"nan at epoch 1, batch 2 .*the model holds "
+                       r"the weights after 2 steps of epoch 1\. Check that batch for NaN or Inf "
+                       r"inputs"):
+        fit(stopped, x, y)
+    ours, theirs = mlp(), mlp()
+    history = fit(ours, x, y, callbacks=[keras.callbacks.TerminateOnNaN()])
+    expected = theirs.fit(x, y, callbacks=[keras.callbacks.TerminateOnNaN()], **FIT)
+    assert history.epoch == expected.epoch == [0]
+    assert np.isnan(history.history["loss"]).all() and np.isnan(expected.history["loss"]).all()
+    for model in (stopped, ours):
+        assert int(model.optimizer.iterations.numpy()) == 2
+        for mine, before in zip(model.get_weights(), two_steps.get_weights(), strict=True):
+            np.testing.assert_array_equal(mine, before)
+    assert int(theirs.optimizer.iterations.numpy()) == 3
+    assert not np.isfinite(theirs.get_weights()[0]).all()
