@@ -118,7 +118,7 @@ class LastGood:
 
 # What to check after a non-finite step, for one model or an ensemble's members.
 ADVICE = (
-    "Check that batch for NaN or Inf inputs or labels; a finite loss "
+    "Check that batch for NaN or Inf inputs, labels or sample weights; a finite loss "
     "with non-finite gradients comes from an op whose gradient is "
     "infinite at some input (sqrt or log at 0, a division by 0). Else "
     "lower the learning rate, or clip gradients (for example optimizer "

@@ -228,3 +228,16 @@ def test_a_nan_or_inf_input_row_stops_at_its_batch_where_kerass_weights_go_nan(d
             np.testing.assert_array_equal(mine, before)
     assert int(theirs.optimizer.iterations.numpy()) == 3
     assert not np.isfinite(theirs.get_weights()[0]).all()
+    weights = np.ones(ROWS)
+    weights[19] = bad  # named among the causes: before, only "inputs or labels"
+    with pytest.raises(FloatingPointError, match=r"batch 2 .*NaN or Inf inputs, labels or "
+                       r"sample weights"):
+        fit(mlp(), data[0], y, sample_weight=weights)
+
+
+def test_an_empty_grain_dataset_is_named_as_grain(data):
+    grain = pytest.importorskip("grain")
+    x, y = data
+    with pytest.raises(ValueError, match=r"^The validation data, a Grain \w+, yielded no "
+                       r"batches in epoch 1: it is empty"):
+        fit(mlp(), x, y, validation_data=grain.MapDataset.source([]).batch(8))

@@ -382,6 +382,8 @@ def _kind(source):
         return "a keras.utils.PyDataset"
     if isinstance(source, collections_abc.Generator):
         return "a generator"
+    if type(source).__module__.startswith("grain"):
+        return f"a Grain {type(source).__name__}"
     return f"a {type(source).__name__}"
 
 
