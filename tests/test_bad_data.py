@@ -97,6 +97,16 @@ def test_arrays_of_different_lengths_are_named_by_role_and_count(data, case, nam
     assert int(model.optimizer.iterations.numpy()) == 0
 
 
+def test_a_validation_batch_of_different_lengths_is_named_as_the_validation_datas(data):
+    # Before: "Batch 1 of epoch 1 has arrays without the same number of rows",
+    # as for the training data's batch 1.
+    x, y = data
+    with pytest.raises(ValueError, match=(
+            r"^Batch 1 of epoch 1 of the validation data has arrays without the same number "
+            r"of rows \(their first dimension\): shapes \[\(8, 6\), \(7,\)\]")):
+        fit(mlp(), x, y, validation_data=[(x[:8], y[:8]), (x[8:16], y[8:15])])
+
+
 class Batches(keras.utils.PyDataset):
     def __init__(self, batches):
         super().__init__()

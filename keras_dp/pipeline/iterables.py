@@ -36,6 +36,9 @@ class IterableBatches:
             )
         self._source = _as_numpy_iterable(source, shuffle, seed)
         self._what = f"{what}, {_kind(source)},"
+        # A batch's messages name validation data as such; training's read
+        # "Batch 3 of epoch 1" alone.
+        self._of = " of the validation data" if what == "The validation data" else ""
         self.reiterable = not isinstance(self._source, collections_abc.Iterator)
         self._class_weight = class_weight
         self._first = None
@@ -111,7 +114,7 @@ class IterableBatches:
 
     def _host_batch(self, batch, index, epoch):
         batch = jax.tree.map(np.asarray, unpack(batch))
-        where = f"Batch {index} of epoch {epoch + 1}"
+        where = f"Batch {index} of epoch {epoch + 1}{self._of}"
         structure = jax.tree.structure(batch)
         if self._structure is None:
             self._structure, self._structured = structure, batch
