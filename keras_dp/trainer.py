@@ -523,7 +523,8 @@ class ShardedTrainer:
             exactly one row per input row.
         """
         with agreement.preparing(self.placement, "predict") as settings:
-            batches = self._batches(x, None, None, batch_size, False, steps=steps)
+            batches = self._batches(pipeline.predict_inputs(x, self.model), None, None,
+                                    batch_size, False, steps=steps)
             pipeline.check_ends(batches, "x", "steps")
             self.build(batches.peek(), for_training=False)
             settings += agreement.inference_settings(self, batches, batch_size=batch_size,

@@ -47,6 +47,7 @@ __all__ = [
     "hide_gpus_from_tensorflow",
     "is_array_data",
     "make_batches",
+    "predict_inputs",
     "prefetch",
     "split_validation",
     "steps_per_execution",
@@ -106,6 +107,34 @@ def make_batches(x, y=None, sample_weight=None, *, batch_size=None, shuffle=Fals
             "(for tf.data, `dataset.batch(n)`)."
         )
     return IterableBatches(x, class_weight=class_weight, shuffle=shuffle, seed=seed)
+
+
+def predict_inputs(x, model):
+    """Read `predict`'s `x` as `model.predict` does: a tuple of one array per model input is the inputs.
+
+    Elsewhere a tuple without `y` is a packed `(x, y[, sample_weight])`. A
+    model with as many inputs as the tuple has arrays (a Siamese network's
+    `(left, right)`) takes them as its inputs, as `model.predict((a, b))`
+    does; a one-input model still reads `(x, y)` as x and labels.
+
+    Args:
+        x: `predict`'s data.
+        model: the model that will predict.
+
+    Returns:
+        `x`, or `(x,)` for a tuple of inputs: `make_batches` unpacks it to x.
+    """
+    if (isinstance(x, tuple) and len(x) > 1 and _inputs_alone(x)
+            and len(_functional_inputs(model)) == len(x)):
+        return (x,)
+    return x
+
+
+def _functional_inputs(model):
+    try:  # a subclassed model has no inputs of its own (Keras raises)
+        return model.inputs or ()
+    except (AttributeError, ValueError):
+        return ()
 
 
 def check_ends(batches, what, steps):
