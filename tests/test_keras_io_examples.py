@@ -71,17 +71,18 @@ def pairs(rows=50):
 
 
 def test_a_tuple_of_inputs_predicts_as_model_predict_reads_it():
-    # keras.io's Siamese model takes two images; `fit((left, right), y)` and
-    # `validation_data=((left, right), y)` trained, but `predict((left,
-    # right))`, which Keras reads as the model's two inputs, was read as a
-    # packed (x, y): it fed `left` alone and failed to build ("expects 2
-    # named input(s) ... but it received 1"). A tuple with one array per
-    # input of the model is now its inputs; for a one-input model a tuple is
-    # still `(x, y[, sample_weight])`.
+    # keras.io's Siamese model takes two images; `fit((left, right), y)`
+    # trained, but `predict((left, right))`, which Keras reads as the model's
+    # two inputs, was read as a packed (x, y): it fed `left` alone and failed
+    # to build ("expects 2 named input(s) ... but it received 1"), and so did
+    # `validation_data=[(left, right), y]`, a list Keras reads as [x, y],
+    # taken for a list of batches since it holds a tuple. A tuple with one
+    # array per input of the model is now its inputs; for a one-input model
+    # a tuple is still `(x, y[, sample_weight])`.
     left, right, y = pairs()
     fit = lambda: ((left[:40], right[:40]), y[:40])  # noqa: E731; last batch 8
     options = lambda: dict(batch_size=BATCH, epochs=2, shuffle=False, verbose=0,  # noqa: E731
-                           validation_data=((left[40:], right[40:]), y[40:]))
+                           validation_data=[(left[40:], right[40:]), y[40:]])
     model, reference, _ = assert_fit_equals_keras(siamese, fit, options)
     trainer = keras_dp.ShardedTrainer(model, devices=devices(3))
     expected = reference.predict((left, right), batch_size=BATCH, verbose=0)  # last batch 2

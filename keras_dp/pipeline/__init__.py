@@ -188,10 +188,11 @@ def check_one_pass(batches, passes, what, epochs):
 def validation_tuple(validation_data):
     """`validation_data` as `model.fit` reads it: a list `[x, y[, sample_weight]]` is the tuple.
 
-    A list holding tuples is a list of batches, returned as it is.
+    A list of tuples only is a list of batches, returned as it is; beside an
+    array, a tuple is several inputs (`[(left, right), y]`), as in `model.fit`.
     """
     if (isinstance(validation_data, list) and 2 <= len(validation_data) <= 3
-            and not any(isinstance(item, tuple) for item in validation_data)):
+            and not all(isinstance(item, tuple) for item in validation_data)):
         return tuple(validation_data)
     return validation_data
 
