@@ -211,3 +211,48 @@ def test_three_callbacks_on_the_val_loss_of_a_validation_split_act_as_under_kera
     assert_weights_close(keras.models.load_model(tmp_path / "ours.keras"),
                          keras.models.load_model(tmp_path / "keras.keras"))
 
+
+
+# -- Timeseries forecasting (keras.io "timeseries_weather_forecasting") --------
+
+def forecaster():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4, 2))
+    # keras.io's LSTM, as a Dense on the window: the orders are what is tested.
+    model = keras.Model(inputs, layers.Dense(1)(layers.Flatten()(inputs)))
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"])
+    return model
+
+
+def test_a_reshuffling_dataset_fit_twice_and_predicted_reads_kerass_orders():
+    # `timeseries_dataset_from_array(shuffle=True, seed=...)` reshuffles at
+    # each iterator made. Keras's fit makes one per epoch, plus one for a
+    # first batch only while the model, its compiled loss or metrics are
+    # unbuilt; its predict, only while a layer is. keras_dp made that extra
+    # one at every call: a second fit on the same dataset (training on) read
+    # every epoch in the order after Keras's (losses 0.04 apart before), and
+    # `predict` returned its rows in another order than Keras's.
+    series = np.random.default_rng(0).normal(size=(60, 2)).astype("float32")
+
+    def data():
+        return keras.utils.timeseries_dataset_from_array(
+            series[:-4], series[4:, :1], sequence_length=4, batch_size=8, shuffle=True, seed=1)
+
+    results = {}
+    for side in ("keras", "keras_dp"):
+        model, dataset = forecaster(), data()  # each side its own iterators
+        if side == "keras":
+            histories = [model.fit(dataset, epochs=2, verbose=0).history for _ in range(2)]
+            predicted = model.predict(dataset, verbose=0)
+        else:
+            histories = [keras_dp.fit_sharded(model, dataset, epochs=2, verbose=0,
+                                              devices=devices(3)).history for _ in range(2)]
+            predicted = keras_dp.ShardedTrainer(model, devices=devices(3)).predict(dataset,
+                                                                                  verbose=0)
+        results[side] = model, histories, predicted
+    (reference, expected, expected_predicted), (model, got, predicted) = results.values()
+    for ours, theirs in zip(got, expected, strict=True):  # batches of 8 and a last of 1
+        for key in theirs:
+            np.testing.assert_allclose(ours[key], theirs[key], rtol=1e-5, err_msg=key)
+    assert_weights_close(model, reference)
+    assert_close_to_scale(predicted, expected_predicted)
