@@ -184,7 +184,7 @@ def timeseries_classifier():
     return model
 
 
-@pytest.mark.slow  # 11 s on the shared 2-core VM
+@pytest.mark.slow  # 8 s on the shared 2-core VM
 def test_three_callbacks_on_the_val_loss_of_a_validation_split_act_as_under_keras(tmp_path):
     # What no other test checks: ModelCheckpoint(save_best_only),
     # ReduceLROnPlateau and EarlyStopping together on the `val_loss` of a
