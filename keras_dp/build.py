@@ -87,6 +87,20 @@ def is_built(model, for_training=True):
     )
 
 
+def keras_reads_a_batch_to_build(model, for_training=True):
+    """Whether Keras's own `fit` or `evaluate` (`for_training`), or `predict`, reads a batch to build first.
+
+    They do while a layer is unbuilt, and `fit` and `evaluate` also while the
+    compiled loss or metrics are (`Trainer._symbolic_build`); that batch
+    comes from an iterator of its own, which draws a reshuffling tf.data
+    pipeline's next order.
+    """
+    if not all(layer.built for layer in _compat.all_layers(model)):
+        return True
+    parts = (_compat.compiled_metrics(model), _compat.compiled_loss(model)) if for_training else ()
+    return any(part is not None and not part.built for part in parts)
+
+
 def build(model, batch, for_training=True, data="the data"):
     """Build `model` from a host batch as `model.fit` does, checking the labels first.
 

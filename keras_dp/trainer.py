@@ -429,6 +429,7 @@ class ShardedTrainer:
                     x, y, sample_weight, validation_split, validation_data)
             model_checks.require_compiled(self.model, "fit")
             batches = self._batches(x, y, sample_weight, batch_size, shuffle, class_weight,
+                                    keras_peeks=build_lib.keras_reads_a_batch_to_build(self.model),
                                     what=pipeline.TRAINING)
             if steps_per_epoch is not None:
                 batches = pipeline.StepsPerEpoch(batches, steps_per_epoch,
@@ -446,7 +447,8 @@ class ShardedTrainer:
                 validation_data, val_batch_size = pipeline.validation_source(
                     validation_data, batch_size, validation_batch_size)
                 val = self._batches(validation_data, None, None, val_batch_size, False,
-                                    steps=validation_steps, what=pipeline.VALIDATION)
+                                    steps=validation_steps, keras_peeks=False,
+                                    what=pipeline.VALIDATION)
                 pipeline.check_ends(val, "validation_data", "validation_steps")
                 # Bad validation labels fail now, not after epoch 1.
                 self._builder.build(pipeline.unpack(val.peek()), data="the validation data")
@@ -505,7 +507,9 @@ class ShardedTrainer:
         """
         with agreement.preparing(self.placement, "evaluate") as settings:
             model_checks.require_compiled(self.model, "evaluate")
-            batches = self._batches(x, y, sample_weight, batch_size, False, steps=steps)
+            batches = self._batches(
+                x, y, sample_weight, batch_size, False, steps=steps,
+                keras_peeks=build_lib.keras_reads_a_batch_to_build(self.model))
             pipeline.check_ends(batches, "x", "steps")
             self.build(batches.peek())
             settings += agreement.inference_settings(self, batches, batch_size=batch_size,
@@ -535,7 +539,10 @@ class ShardedTrainer:
             exactly one row per input row.
         """
         with agreement.preparing(self.placement, "predict") as settings:
-            batches = self._batches(x, None, None, batch_size, False, steps=steps)
+            batches = self._batches(
+                pipeline.predict_inputs(x, self.model), None, None, batch_size, False,
+                steps=steps, keras_peeks=build_lib.keras_reads_a_batch_to_build(
+                    self.model, for_training=False))
             pipeline.check_ends(batches, "x", "steps")
             self.build(batches.peek(), for_training=False)
             settings += agreement.inference_settings(self, batches, batch_size=batch_size,
@@ -556,7 +563,14 @@ class ShardedTrainer:
         return outputs
 
     def _batches(self, x, y, sample_weight, batch_size, shuffle, class_weight=None,
-                 steps=None, what="The data"):
+                 steps=None, keras_peeks=True, what="The data"):
+        """`x` as `Batches`; `keras_peeks`: whether Keras reads a first batch from a pass of its own.
+
+        When it does not (`build.keras_reads_a_batch_to_build`), the first
+        batch keras_dp reads is taken from the first pass, so a reshuffling
+        tf.data pipeline reads the orders Keras reads. `what`: whose data it
+        is, as messages name it (`pipeline.TRAINING`, `pipeline.VALIDATION`).
+        """
         if batch_size is not None:
             # `batch_size` is global; each process slices its part of it.
             batch_size = pipeline.check_count("batch_size", batch_size, 1)
@@ -565,5 +579,7 @@ class ShardedTrainer:
             x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
             seed=self.seed, class_weight=class_weight, what=what,
         )
+        if not keras_peeks and hasattr(batches, "share_first_pass"):
+            batches.share_first_pass()
         return batches if steps is None else pipeline.FirstSteps(batches, steps)
 

@@ -272,7 +272,8 @@ class EnsembleTrainer:
         from batch to batch: a layer that draws random numbers in inference
         mode draws new ones each batch and each call.
         """
-        batches = self._batches(x, None, None, batch_size, False, self.seed, steps=steps)
+        batches = self._batches(pipeline.predict_inputs(x, self.members[0]), None, None,
+                                batch_size, False, self.seed, steps=steps)
         pipeline.check_ends(batches, "x", "steps")
         self.build(batches.peek())
         callbacks = callbacks_lib.callback_list(

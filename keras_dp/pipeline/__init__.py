@@ -50,6 +50,7 @@ __all__ = [
     "hide_gpus_from_tensorflow",
     "is_array_data",
     "make_batches",
+    "predict_inputs",
     "prefetch",
     "split_validation",
     "steps_per_execution",
@@ -118,6 +119,34 @@ def make_batches(x, y=None, sample_weight=None, *, batch_size=None, shuffle=Fals
                            what=what)
 
 
+def predict_inputs(x, model):
+    """Read `predict`'s `x` as `model.predict` does: a tuple of one array per model input is the inputs.
+
+    Elsewhere a tuple without `y` is a packed `(x, y[, sample_weight])`. A
+    model with as many inputs as the tuple has arrays (a Siamese network's
+    `(left, right)`) takes them as its inputs, as `model.predict((a, b))`
+    does; a one-input model still reads `(x, y)` as x and labels.
+
+    Args:
+        x: `predict`'s data.
+        model: the model that will predict.
+
+    Returns:
+        `x`, or `(x,)` for a tuple of inputs: `make_batches` unpacks it to x.
+    """
+    if (isinstance(x, tuple) and len(x) > 1 and _inputs_alone(x)
+            and len(_functional_inputs(model)) == len(x)):
+        return (x,)
+    return x
+
+
+def _functional_inputs(model):
+    try:  # a subclassed model has no inputs of its own (Keras raises)
+        return model.inputs or ()
+    except (AttributeError, ValueError):
+        return ()
+
+
 def check_ends(batches, what, steps):
     """Raise a `ValueError` at once if a pass over `batches` would never end.
 
@@ -169,10 +198,11 @@ def check_one_pass(batches, passes, what, epochs):
 def validation_tuple(validation_data):
     """`validation_data` as `model.fit` reads it: a list `[x, y[, sample_weight]]` is the tuple.
 
-    A list holding tuples is a list of batches, returned as it is.
+    A list of tuples only is a list of batches, returned as it is; beside an
+    array, a tuple is several inputs (`[(left, right), y]`), as in `model.fit`.
     """
     if (isinstance(validation_data, list) and 2 <= len(validation_data) <= 3
-            and not any(isinstance(item, tuple) for item in validation_data)):
+            and not all(isinstance(item, tuple) for item in validation_data)):
         return tuple(validation_data)
     return validation_data
 

@@ -57,6 +57,16 @@ class IterableBatches:
         self.labels_checked = False
         self._label_check = None
 
+    def share_first_pass(self):
+        """Read the first batch (`peek`) from the first epoch's pass, as `model.fit` does on a built model.
+
+        Only a tf.data pipeline draws a new order per pass read; for it, the
+        pass `peek` starts is kept and is the first epoch's (see `_TFEpochs`).
+        Call before `peek`.
+        """
+        if isinstance(self._source, _TFEpochs) and self._first is None:
+            self._source.share_first_pass = True
+
     def peek(self):
         """The first batch, kept so that a one-shot iterator loses nothing."""
         if self._first is None:
@@ -185,12 +195,18 @@ class _TFEpochs:
     (`RaggedTensor.to_tensor()`), inside the pipeline.
 
     A pipeline that reshuffles (`shuffle(..., reshuffle_each_iteration=True)`,
-    the default) draws a new order at each iterator made, seeded or not. A
-    fit makes one for its first batch (`peek`) and one per epoch, as
-    `model.fit` does, so epoch e reads the (e + 2)-th order. `epoch(e)`
-    keeps it so when the fit starts at epoch e (a resume, `initial_epoch`):
-    it makes and drops the iterators of the epochs before, so a run resumed
-    mid-epoch skips the very batches the interrupted run trained on.
+    the default) draws a new order at each iterator made, seeded or not.
+    `model.fit` makes one per epoch, and before them one for a first batch
+    to build from only while the model (or its compiled loss or metrics) is
+    unbuilt; a fit on a built model, a second fit on the same dataset,
+    reads its first epoch from the first iterator. keras_dp always reads a
+    first batch (`peek`): with `share_first_pass` set, as `model.fit` on a
+    built model, that iterator is kept and the first pass goes on from it,
+    so no order is drawn that Keras does not draw. Epoch e reads the
+    (e + 2)-th order (the (e + 1)-th when shared); `epoch(e)` keeps it so
+    when the fit starts at epoch e (a resume, `initial_epoch`): it makes and
+    drops the iterators of the epochs before, so a run resumed mid-epoch
+    skips the very batches the interrupted run trained on.
     """
 
     def __init__(self, dataset):
@@ -203,17 +219,46 @@ class _TFEpochs:
         # Batches per pass where tf.data knows them (not after `filter`), else
         # None: as Keras's adapter, for the progress bar and callbacks' `params`.
         self.num_batches = cardinality if cardinality >= 0 else None
+        self.share_first_pass = False
         self._made = 0  # iterators made so far
+        self._first_pass = None  # the first iterator, kept when shared
 
     def __iter__(self):
         self._made += 1
-        return self._dataset.as_numpy_iterator()
+        iterator = self._dataset.as_numpy_iterator()
+        if self.share_first_pass and self._made == 1:
+            self._first_pass = _Replayable(iterator)
+            return self._first_pass
+        return iterator
 
     def epoch(self, epoch):
-        """Epoch `epoch`'s pass: the iterator made after the first batch's and one per epoch before."""
-        while self._made < epoch + 1:  # made and dropped unread: each draws its order
-            iter(self)
+        """Epoch `epoch`'s pass: the first iterator's (when shared) or the one after it, plus one per epoch before."""
+        first_pass, self._first_pass = self._first_pass, None
+        if epoch == 0 and first_pass is not None:
+            return first_pass.replay()
+        while self._made < epoch + (not self.share_first_pass):  # made and dropped
+            iter(self)  # unread: each draws its order
         return iter(self)
+
+
+class _Replayable:
+    """An iterator that keeps what was read from it, to read its pass again from the start."""
+
+    def __init__(self, iterator):
+        self._iterator = iterator
+        self._read = []
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        item = next(self._iterator)
+        self._read.append(item)
+        return item
+
+    def replay(self):
+        """Return the whole pass: the items read so far, then the rest."""
+        return itertools.chain(self._read, self._iterator)
 
 
 class _PyDatasetEpochs:
