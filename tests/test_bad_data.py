@@ -182,7 +182,8 @@ def sequences():
 
 def images():
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((None, None, 2)), keras.layers.Conv2D(4, 3, activation="relu"),
+    model = keras.Sequential([keras.Input((None, None, 2)),
+                              keras.layers.Conv2D(4, 3, activation="relu"),
                               keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(4)])
     model.compile(optimizer=keras.optimizers.SGD(0.1),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
