@@ -12,7 +12,8 @@ def describe(mesh, state=None, batch=None, hosts=None, steps_per_execution=1):
 
     Args:
         mesh: the `"batch"` mesh.
-        state: an optional `TrainState` on the mesh (any `state_sharding`).
+        state: an optional `TrainState` on the mesh (any `state_sharding`),
+            of arrays or of `jax.ShapeDtypeStruct`s with their shardings.
         batch: an optional `DeviceBatch`.
         hosts: for a mesh across processes, each process's host name, by
             process index (`keras_dp.distributed.host_names`).

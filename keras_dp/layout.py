@@ -124,6 +124,10 @@ def constrain(tree, shardings):
 
 
 def bytes_per_device(array):
-    """The bytes of `array` held by its first addressable device."""
-    first = array.addressable_shards[0].device
-    return sum(shard.data.nbytes for shard in array.addressable_shards if shard.device == first)
+    """The bytes one device holds of `array` (a `jax.Array`, or a `jax.ShapeDtypeStruct` with a sharding).
+
+    Exact for this module's layouts, which split a dimension only where
+    the device count divides it.
+    """
+    shard = array.sharding.shard_shape(array.shape)
+    return int(np.prod(shard, dtype=np.int64)) * np.dtype(array.dtype).itemsize

@@ -14,6 +14,7 @@ import dataclasses
 import jax
 import numpy as np
 
+from keras_dp import layout
 from keras_dp import mesh as mesh_lib
 from keras_dp import pipeline
 from keras_dp import placement
@@ -97,12 +98,7 @@ def plan(trainer, batch, step=None):
     completed state (`trainer.keeps_last_good`). The model must be built
     (`trainer.build(batch)`).
     """
-    shardings = trainer.state_layout()
-    variables = TrainState.variables_of(trainer.model)
-    state = jax.tree.map(
-        lambda variable, sharding: jax.ShapeDtypeStruct(
-            variable.shape, variable.dtype, sharding=sharding),
-        variables, shardings, is_leaf=lambda leaf: hasattr(leaf, "shape"))
+    state = TrainState.abstract_of(trainer.model, trainer.state_layout())
     per_group = state_bytes(trainer)
     like = placement.abstract_batch(batch, pipeline.batch_rows(batch), trainer.mesh)
     step = trainer._train_step if step is None else step
@@ -121,9 +117,8 @@ def plan(trainer, batch, step=None):
 
 def state_bytes(trainer):
     """`{group: bytes per device}` of the built model's training state, as laid out."""
-    variables = TrainState.variables_of(trainer.model)
-    return {name: sum(_bytes_per_device(v, s) for v, s in zip(values, group))
-            for (name, values), group in zip(variables.groups(), trainer.state_layout())}
+    state = TrainState.abstract_of(trainer.model, trainer.state_layout())
+    return {name: sum(map(layout.bytes_per_device, values)) for name, values in state.groups()}
 
 
 def memory_plan(model, x, y=None, *, batch_size=32, sample_weight=None, devices=None,
@@ -157,12 +152,6 @@ def device_capacity(device):
     except Exception:  # noqa: BLE001 - some platforms raise instead of returning None
         return None
     return None if not stats else stats.get("bytes_limit")
-
-
-def _bytes_per_device(variable, sharding):
-    nbytes = int(np.prod(variable.shape, dtype=np.int64)) * np.dtype(variable.dtype).itemsize
-    return nbytes if sharding.is_fully_replicated else nbytes // mesh_lib.num_devices(
-        sharding.mesh)
 
 
 def batch_of(batch, batch_size):

@@ -69,6 +69,19 @@ class TrainState(NamedTuple):
         values = cls(*map(_values, cls.variables_of(model)))
         return mesh_lib.place(values, mesh, shardings or mesh_lib.replicated(mesh))
 
+    @classmethod
+    def abstract_of(cls, model, shardings):
+        """The state `from_model` would place, as `jax.ShapeDtypeStruct`s: nothing placed.
+
+        Each leaf has its variable's shape and dtype and its sharding from
+        `shardings` (a `TrainState` of shardings, `keras_dp.layout`): what
+        lowering a step or describing the state needs, at no device memory.
+        """
+        return jax.tree.map(
+            lambda variable, sharding: jax.ShapeDtypeStruct(
+                variable.shape, variable.dtype, sharding=sharding),
+            cls.variables_of(model), shardings, is_leaf=lambda leaf: hasattr(leaf, "shape"))
+
     def groups(self):
         """Yield `(name, list_of_arrays)` for each state group."""
         return zip(self._fields, self)

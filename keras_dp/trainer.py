@@ -315,10 +315,12 @@ class ShardedTrainer:
     def describe(self, batch=None, x=None, y=None, sample_weight=None):
         """Describe the mesh, each state group's sharding and a batch's.
 
-        Across processes every process must call it (it reads the state and
-        the host names collectively); each gets the whole mesh, process by
-        process, and the batch rows of its own devices. Print it from
-        process 0 (`keras_dp.distributed.is_primary()`).
+        The state is described from its variables' shapes and layout
+        (`TrainState.abstract_of`): nothing of it is copied to the devices.
+        Across processes every process must call it (it places the batch
+        and reads the host names collectively); each gets the whole mesh,
+        process by process, and the batch rows of its own devices. Print it
+        from process 0 (`keras_dp.distributed.is_primary()`).
 
         Args:
             batch: an optional host batch; its placement is shown per device.
@@ -329,7 +331,8 @@ class ShardedTrainer:
         Returns:
             A multi-line string.
         """
-        state = self.init_state() if build_lib.is_built(self.model) else None
+        state = (TrainState.abstract_of(self.model, self.state_layout())
+                 if build_lib.is_built(self.model) else None)
         device_batch = None if batch is None else self.shard(batch)
         hosts = distributed.host_names() if self.multiprocess else None
         text = describe_lib.describe(self.mesh, state, device_batch, hosts,

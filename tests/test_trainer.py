@@ -192,6 +192,23 @@ def test_describe_prints_each_groups_bytes_on_one_device_as_the_shards_hold_them
         "0 B", "1023 B", "1.0 KiB", "1.5 MiB", "2.00 GiB"]
 
 
+def test_describe_shows_the_state_without_copying_it_to_the_devices():
+    from keras_dp import memory
+
+    # It read the state's layout from a placed copy (`init_state`): a whole
+    # extra state per device for a moment, and across processes a broadcast.
+    batch = (np.zeros((6, 28, 28, 1), "float32"), np.zeros(6, "int32"))
+    trainer = keras_dp.ShardedTrainer(convnet(), devices=devices(2))
+    trainer.build(batch)
+    with jax.transfer_guard("disallow_explicit"):  # a copy to any device raises
+        text = trainer.describe()
+    state = trainer.init_state()
+    for name, arrays in state.groups():  # the numbers of the placed state
+        values, nbytes = sum(a.size for a in arrays), sum(a.nbytes for a in arrays)
+        assert (f"{name:<14}{len(arrays):>4} arrays {values:>12,} values "
+                f"{memory.format_bytes(nbytes):>10} per device") in text
+
+
 def test_describe_says_where_the_fits_data_lives_and_how_k_batches_stack():
     import tensorflow as tf
 
