@@ -124,10 +124,9 @@ def empty_tf_data(x, y):
 
 
 @pytest.mark.parametrize("case, named", [
-    ("tf_data", "The training data, a tf.data.Dataset, yielded no batches in epoch 1: it is "
-                "empty"),
-    ("generator", "The training data, a generator, yielded no batches in epoch 1: it is empty"),
-    ("validation_list", "The validation data, a list, yielded no batches in epoch 1: it is empty"),
+    ("tf_data", "The training data, a tf.data.Dataset, yielded no batches: it is empty"),
+    ("generator", "The training data, a generator, yielded no batches: it is empty"),
+    ("validation_list", "The validation data, a list, yielded no batches: it is empty"),
     ("validation_py_dataset", "The validation data, a keras.utils.PyDataset, yielded no batches"),
     ("validation_arrays", "The validation data has no rows"),
 ], ids=["tf_data", "generator", "validation_list", "validation_py_dataset", "validation_arrays"])
@@ -250,5 +249,14 @@ def test_an_empty_grain_dataset_is_named_as_grain(data):
     grain = pytest.importorskip("grain")
     x, y = data
     with pytest.raises(ValueError, match=r"^The validation data, a Grain \w+, yielded no "
-                       r"batches in epoch 1: it is empty"):
+                       r"batches: it is empty"):
         fit(mlp(), x, y, validation_data=grain.MapDataset.source([]).batch(8))
+
+
+def test_evaluate_and_predict_on_empty_input_name_no_epoch():
+    # They said "yielded no batches in epoch 1", though neither has epochs.
+    trainer = keras_dp.ShardedTrainer(mlp(), devices=devices(2))
+    for run in (trainer.evaluate, trainer.predict):
+        with pytest.raises(ValueError, match=r"^The data, a list, yielded no batches: it is "
+                                             r"empty, and keras_dp, like model.fit, needs"):
+            run([])

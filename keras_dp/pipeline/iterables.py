@@ -73,7 +73,7 @@ class IterableBatches:
             iterator = iter(self._source)
             first = next(iterator, None)
             if first is None:
-                raise ValueError(_empty_message(self._what, 0, empty=True))
+                raise ValueError(_empty_message(self._what))
             self._first = self._host_batch(first, 0, 0)
             if not self.reiterable:
                 self._replay = self._first
@@ -406,10 +406,11 @@ def hide_gpus_from_tensorflow():
         pass  # TensorFlow's devices are initialised already; nothing to do.
 
 
-def _empty_message(what, epoch, empty=False):
-    if empty:  # its first pass: nothing to train (or score) on at all
+def _empty_message(what, epoch=None):
+    """Why `what` stopped short: empty at its first batch (`epoch` None), or used up by `epoch`."""
+    if epoch is None:  # its first pass: nothing to train, score or predict on at all
         return (
-            f"{what} yielded no batches in epoch {epoch + 1}: it is empty, and "
+            f"{what} yielded no batches: it is empty, and "
             "keras_dp, like model.fit, needs at least one batch. Check what "
             "empties it: a filter that drops every element, take(0), a skip past "
             "its end, batch(n, drop_remainder=True) with n above its size, an "
