@@ -61,8 +61,7 @@ def check_frames(x, y, sample_weight):
                    if not (isinstance(dtype, np.dtype) and dtype.kind in "biuf")]
             if not odd or np.asarray(leaf).dtype.kind in "biuf":
                 continue
-            listed = ", ".join(f"{column!r} ({dtype})" for column, dtype in odd[:6])
-            listed += f", ... ({len(odd)} in all)" if len(odd) > 6 else ""
+            listed = _first_few([f"{column!r} ({dtype})" for column, dtype in odd])
             raise ValueError(
                 f"{name} is a pandas {type(leaf).__name__} with columns numpy reads as "
                 f"objects, not numbers: {listed}. keras_dp, like model.fit, trains on "
@@ -125,8 +124,7 @@ def array_rows(x, y, sample_weight, what="The data"):
         for path, leaf in jax.tree_util.tree_leaves_with_path(part)
     ]
     if len({count for _, count in counts}) > 1:
-        listed = ", ".join(f"{name} {count}" for name, count in counts[:6])
-        listed += f", ... ({len(counts)} arrays in all)" if len(counts) > 6 else ""
+        listed = _first_few([f"{name} {count}" for name, count in counts], "arrays ")
         raise ValueError(
             f"{what} has arrays of different lengths, in rows (first dimension): "
             f"{listed}. Each needs one row per sample, and keras_dp, like "
@@ -134,6 +132,12 @@ def array_rows(x, y, sample_weight, what="The data"):
             "sample_weight (and each input of a dict or list x) come from the "
             "same samples.")
     return batch_rows((x, y, sample_weight))
+
+
+def _first_few(texts, noun=""):
+    """The first 6 of `texts`, joined, and how many in all where there are more."""
+    more = f", ... ({len(texts)} {noun}in all)" if len(texts) > 6 else ""
+    return ", ".join(texts[:6]) + more
 
 
 def check_count(name, value, minimum=None):
