@@ -15,6 +15,8 @@ import jax
 import numpy as np
 
 from keras_dp.pipeline.arrays import ArrayBatches
+from keras_dp.pipeline.batch import TRAINING
+from keras_dp.pipeline.batch import VALIDATION
 from keras_dp.pipeline.batch import array_rows
 from keras_dp.pipeline.batch import batch_rows
 from keras_dp.pipeline.batch import check_class_ids
@@ -58,10 +60,6 @@ __all__ = [
     "validation_source",
     "validation_tuple",
 ]
-
-# Whose data a message names (`make_batches`'s `what`).
-TRAINING = "The training data"
-VALIDATION = "The validation data"
 
 
 def make_batches(x, y=None, sample_weight=None, *, batch_size=None, shuffle=False,

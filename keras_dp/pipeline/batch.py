@@ -107,6 +107,11 @@ def batch_rows(batch):
     return sizes.pop()
 
 
+# Whose data a message names (`make_batches`'s `what`).
+TRAINING = "The training data"
+VALIDATION = "The validation data"
+
+
 def array_rows(x, y, sample_weight, what="The data"):
     """The number of rows of array data, checking that x, y and sample_weight agree.
 
@@ -134,10 +139,10 @@ def array_rows(x, y, sample_weight, what="The data"):
     return batch_rows((x, y, sample_weight))
 
 
-def _first_few(texts, noun=""):
-    """The first 6 of `texts`, joined, and how many in all where there are more."""
-    more = f", ... ({len(texts)} {noun}in all)" if len(texts) > 6 else ""
-    return ", ".join(texts[:6]) + more
+def _first_few(texts, noun="", limit=6):
+    """The first `limit` of `texts`, joined, and how many in all where there are more."""
+    more = f", ... ({len(texts)} {noun}in all)" if len(texts) > limit else ""
+    return ", ".join(texts[:limit]) + more
 
 
 def check_count(name, value, minimum=None):
@@ -168,7 +173,7 @@ def short_list(items, limit=6):
     items = list(items)
     if len(items) <= limit:
         return str(items)
-    return f"[{', '.join(map(str, items[:limit]))}, ... ({len(items)} in all)]"
+    return f"[{_first_few([str(item) for item in items], limit=limit)}]"
 
 
 def check_not_ragged(x):

@@ -11,6 +11,7 @@ import keras
 import numpy as np
 
 from keras_dp.pipeline import grain_source
+from keras_dp.pipeline.batch import VALIDATION
 from keras_dp.pipeline.batch import apply_class_weight
 from keras_dp.pipeline.batch import batch_rows
 from keras_dp.pipeline.batch import check_dtypes
@@ -38,7 +39,7 @@ class IterableBatches:
         self._what = f"{what}, {_kind(source)},"
         # A batch's messages name validation data as such; training's read
         # "Batch 3 of epoch 1" alone.
-        self._of = " of the validation data" if what == "The validation data" else ""
+        self._of = " of the validation data" if what == VALIDATION else ""
         self.reiterable = not isinstance(self._source, collections_abc.Iterator)
         self._class_weight = class_weight
         self._first = None
