@@ -167,7 +167,7 @@ def place(tree, mesh, shardings, same_on_every_process=False):
         the given shardings.
     """
     if not spans_processes(mesh):
-        return jax.device_put(jax.tree.map(_fresh_copy, tree), shardings)
+        return jax.device_put(_fresh_copies(tree), shardings)
     if not same_on_every_process:
         # Each process places its own values on its own devices: take process
         # 0's, so that replicas on different hosts can never start apart
@@ -196,10 +196,30 @@ def _from_equal_values(tree, shardings):
     return jax.tree.map(put, tree, shardings)
 
 
-def _fresh_copy(value):
-    if isinstance(value, jax.Array):
-        return jnp.copy(value)  # a new buffer on the value's own device
-    return np.array(value, copy=True)
+def _fresh_copies(tree):
+    """`tree` with every array copied where it lies: numpy on the host, `jax.Array`s on device.
+
+    The `jax.Array`s are copied by one compiled program per sharding they
+    have (one for a model's variables, usually): `jnp.copy` on each would
+    compile a program per distinct shape, 13 for the guide's convnet and
+    its optimizer, each time a process starts.
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    by_sharding = {}
+    for index, value in enumerate(leaves):
+        if isinstance(value, jax.Array):
+            by_sharding.setdefault(value.sharding, []).append(index)
+        else:
+            leaves[index] = np.array(value, copy=True)
+    for indices in by_sharding.values():
+        copies = _copy_all([leaves[index] for index in indices])
+        for index, copy in zip(indices, copies):
+            leaves[index] = copy
+    return treedef.unflatten(leaves)
+
+
+# New buffers on the arrays' own devices (no donation: the inputs stay valid).
+_copy_all = jax.jit(lambda arrays: [jnp.copy(array) for array in arrays])
 
 
 def local_copy(array, like=None):
