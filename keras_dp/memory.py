@@ -45,6 +45,9 @@ class MemoryPlan:
             step holds at once (donated state is aliased with its output).
         capacity: the device's memory (`memory_stats()["bytes_limit"]`), or
             None where the platform does not report it (CPU).
+        resident_data: of `arguments`, the training data kept on the
+            devices (`data_on_device`), all of it on each; 0 for the step
+            fed batch by batch from the host.
     """
 
     state_sharding: str
@@ -58,6 +61,7 @@ class MemoryPlan:
     temporaries: int
     peak: int
     capacity: int | None
+    resident_data: int = 0
 
     def fits(self):
         """Whether the peak is within the capacity (True when unknown)."""
@@ -70,7 +74,10 @@ class MemoryPlan:
             f"{self.state_sharding!r}):",
             f"  weights {mib(self.weights)}, non-trainable {mib(self.non_trainable)}, "
             f"optimizer {mib(self.optimizer)}, metrics {mib(self.metrics)}",
-            f"  compiled step: arguments {mib(self.arguments)}, outputs "
+            ("  compiled step over the training data kept on the devices "
+             f"({mib(self.resident_data)} of its arguments):" if self.resident_data else
+             "  compiled step, fed from the host:"),
+            f"    arguments {mib(self.arguments)}, outputs "
             f"{mib(self.outputs)}, temporaries {mib(self.temporaries)}, peak {mib(self.peak)}",
             "  capacity " + ("not reported by this platform" if self.capacity is None
                              else f"{mib(self.capacity)}"),
@@ -90,19 +97,26 @@ def format_bytes(nbytes):
     return f"{nbytes / 2**30:,.2f} GiB"
 
 
-def plan(trainer, batch, step=None):
+def plan(trainer, batch, step=None, arguments=None):
     """The `MemoryPlan` of `trainer`'s train step on one global host `batch`.
 
     Of `step` (one of the trainer's jitted train steps), by default the
     step in use: it donates its state unless a fit chose to keep the last
-    completed state (`trainer.keeps_last_good`). The model must be built
-    (`trainer.build(batch)`).
+    completed state (`trainer.keeps_last_good`). `arguments`: the step's
+    abstract arguments after the state, by default `batch`'s `DeviceBatch`
+    (a resident step takes `keras_dp.resident.abstract_arguments`). The
+    model must be built (`trainer.build(batch)`).
     """
     state = TrainState.abstract_of(trainer.model, trainer.state_layout())
     per_group = state_bytes(trainer)
-    like = placement.abstract_batch(batch, pipeline.batch_rows(batch), trainer.mesh)
+    resident_data = 0
+    if arguments is None:
+        arguments = (placement.abstract_batch(batch, pipeline.batch_rows(batch), trainer.mesh),)
+    else:  # the resident arrays come first, whole on every device
+        resident_data = sum(np.dtype(leaf.dtype).itemsize * int(np.prod(leaf.shape))
+                            for leaf in jax.tree.leaves(arguments[0]))
     step = trainer._train_step if step is None else step
-    analysis = step.lower(state, like).compile().memory_analysis()
+    analysis = step.lower(state, *arguments).compile().memory_analysis()
     peak = (analysis.argument_size_in_bytes + analysis.output_size_in_bytes
             - analysis.alias_size_in_bytes + analysis.temp_size_in_bytes)
     return MemoryPlan(
@@ -111,7 +125,7 @@ def plan(trainer, batch, step=None):
         optimizer=per_group["optimizer"], metrics=per_group["metrics"],
         arguments=analysis.argument_size_in_bytes, outputs=analysis.output_size_in_bytes,
         temporaries=analysis.temp_size_in_bytes, peak=peak,
-        capacity=device_capacity(trainer.mesh.devices.flat[0]),
+        capacity=device_capacity(trainer.mesh.devices.flat[0]), resident_data=resident_data,
     )
 
 
@@ -123,15 +137,19 @@ def state_bytes(trainer):
 
 def memory_plan(model, x, y=None, *, batch_size=32, sample_weight=None, devices=None,
                 mesh=None, state_sharding="replicated", optimizer=None, loss=None,
-                metrics=None):
+                metrics=None, data_on_device=False):
     """Plan the memory of training `model` on `devices` before running it.
 
     Args:
         model: a `keras.Model`, compiled or given `optimizer`/`loss`.
-        x, y, sample_weight: a few rows of the data, for their shapes.
+        x, y, sample_weight: a few rows of the data, for their shapes
+            (all of it with `data_on_device`).
         batch_size: the global batch to plan for.
         devices, mesh, state_sharding, optimizer, loss, metrics: as for
             `ShardedTrainer`.
+        data_on_device: as for `ShardedTrainer.memory_plan`: True or
+            "auto" plan the step over the data kept on the devices when a
+            fit with that setting keeps it.
 
     Returns:
         A `MemoryPlan`: per device, the bytes of weights, optimizer and
@@ -142,7 +160,8 @@ def memory_plan(model, x, y=None, *, batch_size=32, sample_weight=None, devices=
 
     trainer = ShardedTrainer(model, optimizer=optimizer, loss=loss, metrics=metrics,
                              devices=devices, mesh=mesh, state_sharding=state_sharding)
-    return trainer.memory_plan(x, y, batch_size=batch_size, sample_weight=sample_weight)
+    return trainer.memory_plan(x, y, batch_size=batch_size, sample_weight=sample_weight,
+                               data_on_device=data_on_device)
 
 
 def device_capacity(device):

@@ -133,22 +133,28 @@ def make_feed(trainer, batches, plan=None):
             "host instead. Pass data_on_device=False to choose that "
             "without this warning.", stacklevel=3)
     if choice is True:
-        raise ValueError(
-            f"data_on_device=True cannot keep this data on the devices: "
-            f"{why_not}. Pass data_on_device='auto' (resident when it can "
-            "be, else the host path) or False."
-        )
+        raise refusal(why_not)
     return None
 
 
-def decide(trainer, batches, plan=None):
+def refusal(why_not):
+    """The `ValueError` of `data_on_device=True` with data that cannot be resident."""
+    return ValueError(
+        f"data_on_device=True cannot keep this data on the devices: "
+        f"{why_not}. Pass data_on_device='auto' (resident when it can "
+        "be, else the host path) or False."
+    )
+
+
+def decide(trainer, batches, plan=None, choice=None):
     """Whether a fit on `batches` keeps them on the devices: `(keep, why not)`.
 
     What `make_feed` does, without placing anything or warning: `why not`
     is None when the data is kept, or when `data_on_device=False` chose
-    the host. `plan`: the fit's `MemoryPlan`, if it made one.
+    the host. `plan`: the fit's `MemoryPlan`, if it made one. `choice`:
+    a `data_on_device` setting to decide by instead of the trainer's.
     """
-    if trainer.data_on_device is False:
+    if (trainer.data_on_device if choice is None else choice) is False:
         return False, None
     why_not = _ineligible(trainer, batches)
     if why_not is None:
@@ -235,6 +241,29 @@ class ResidentFeed:
             state, logs = self._trainer._resident_step(state, self._arrays, rows)
             return state, logs, 0
         return self._trainer._resident_steps(state, self._arrays, rows)
+
+
+def abstract_arguments(batches, mesh):
+    """The arguments after the state of a fit's first one-step call, as abstract arrays.
+
+    `(arrays, Rows)` with the shapes, dtypes and shardings `ResidentFeed`
+    gives them (the arrays replicated, in JAX's dtypes), for
+    `jitted.lower` without placing anything: `keras_dp.memory.plan` of the
+    resident step, which the fit then finds traced and compiled.
+    """
+    replicated = mesh_lib.replicated(mesh)
+
+    def like(array, shape=None):
+        array = np.asarray(array)
+        return jax.ShapeDtypeStruct(array.shape if shape is None else shape,
+                                    jax.dtypes.canonicalize_dtype(array.dtype),
+                                    sharding=replicated)
+
+    total = batches.num_samples
+    order = like(np.zeros((), np.int32), (total,))
+    start = like(np.zeros((), np.int32))
+    return (jax.tree.map(like, batches.arrays),
+            Rows(order, start, min(batches.batch_size, total)))
 
 
 def make_steps(model, mesh, unroll=1, state_sharding="replicated", donate=True):

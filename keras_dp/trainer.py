@@ -284,27 +284,50 @@ class ShardedTrainer:
         state_lib.check_usable(state, "trainer.write_back")
         write_back(state, self.model)
 
-    def memory_plan(self, x, y=None, *, batch_size=32, sample_weight=None):
+    def memory_plan(self, x, y=None, *, batch_size=32, sample_weight=None,
+                    data_on_device=False):
         """Bytes per device of the state and of one train step, before running.
 
         Args:
             x, y, sample_weight: a few rows of the training data (any number:
-                they are repeated or cut to `batch_size`), for their shapes.
+                they are repeated or cut to `batch_size`), for their shapes;
+                or, with `data_on_device`, all of it.
             batch_size: the global batch to plan for.
+            data_on_device: False (the default): plan the step fed from
+                the host. True or "auto" (as `ShardedTrainer`'s): `x`, `y`
+                and `sample_weight` are the whole training data, and when
+                a fit with that setting keeps them on the devices, the plan
+                is of its step over the resident data (whose arguments then
+                include the data, every device holding all of it).
 
         Returns:
             A `keras_dp.memory.MemoryPlan` (print it for a summary), of the
-            step a fit fed from the host would run. On XLA:CPU that is the
-            one `keep_last_good` picks, and a fit on batches of this size
+            step a fit would run. On XLA:CPU that is the one
+            `keep_last_good` picks, and a fit on batches of this size
             finds it compiled; on accelerators it is the step that donates
             its state, whose plan a fit reads to choose.
+
+        Raises:
+            ValueError: `data_on_device=True` and data a fit could not
+                keep on the devices (see `keras_dp.resident`).
         """
+        data_on_device = resident.check_option(data_on_device, self.multiprocess)
         batch = memory_lib.batch_of(pipeline.unpack((x, y, sample_weight)), batch_size)
         self.build(batch)
-        step = None
-        if self.mesh.devices.flat[0].platform == "cpu":  # the choice needs no plan there
-            step = self._train_programs_for(not memory_lib.keep_last_good(self))[0]
-        return memory_lib.plan(self, batch, step)
+        on_cpu = self.mesh.devices.flat[0].platform == "cpu"  # the choice needs no plan there
+        host_plan = None if on_cpu else memory_lib.plan(self, batch)
+        programs = self._train_programs_for(
+            not memory_lib.keep_last_good(self, host_plan)) if on_cpu else None
+        if data_on_device is not False:
+            batches = self._batches(x, y, sample_weight, batch_size, False)
+            keep, why_not = resident.decide(self, batches, host_plan, data_on_device)
+            if keep:
+                step = (programs or self._train_programs_for(True))[2]
+                return memory_lib.plan(self, batch, step,
+                                       resident.abstract_arguments(batches, self.mesh))
+            if data_on_device is True:
+                raise resident.refusal(why_not)
+        return host_plan or memory_lib.plan(self, batch, programs[0])
 
     def compiled_train_step(self, state, batch):
         """The train step compiled for these arguments (`.as_text()` is HLO)."""

@@ -2,6 +2,7 @@
 
 import threading
 import time
+from unittest import mock
 
 import jax
 import keras
@@ -12,6 +13,7 @@ import keras_dp
 from keras_dp import pipeline
 from keras_dp import placement
 from keras_dp import programs
+from keras_dp import resident
 from keras_dp import timing
 from conftest import devices, mlp
 
@@ -331,3 +333,33 @@ def test_a_fit_after_memory_plan_runs_the_step_the_plan_compiled():
     count = len(COMPILES.names)
     trainer.fit(x, y, batch_size=16, epochs=1, verbose=0)  # 4 whole batches
     assert COMPILES.since(count, "jit(train_step)") == []
+
+
+def test_a_memory_plan_of_resident_data_is_of_the_step_the_fit_runs():
+    # With the whole training data and data_on_device, the plan is of the
+    # step over the data kept on the devices (its arguments hold the data,
+    # replicated), and the fit finds that step compiled.
+    x = np.random.default_rng(0).integers(0, 255, (64, 28, 28, 1), dtype=np.uint8)
+    y = np.arange(64) % 10
+    trainer = keras_dp.ShardedTrainer(mlp(), devices=devices(2))
+    host = trainer.memory_plan(x[:5], y[:5], batch_size=16)
+    count = len(COMPILES.names)
+    plan = trainer.memory_plan(x, y, batch_size=16, data_on_device="auto")
+    assert [name for name, _ in COMPILES.since(count, "jit(train_step)")] == [
+        "jit(train_step)"]
+    # The resident arguments: all 64 rows of x (uint8) and y (int32), the
+    # epoch's order (64 int32s) and the call's start (one); the host step's,
+    # 8 rows of x and y per device.
+    data = x.nbytes + 64 * 4 + 64 * 4 + 4
+    assert plan.arguments - host.arguments == data - 8 * (28 * 28 + 4)
+    assert plan.resident_data == x.nbytes + 64 * 4 and host.resident_data == 0
+    assert "over the training data kept on the devices (49.2 KiB" in str(plan)
+    assert "fed from the host" in str(host)
+    count = len(COMPILES.names)
+    trainer.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=True)
+    assert COMPILES.since(count, "jit(train_step)") == []
+    # Data a fit could not keep there: True is refused as a fit refuses it.
+    small = keras_dp.ShardedTrainer(mlp(), devices=devices(2))
+    with mock.patch.object(resident, "CPU_CAP_BYTES", 1000), pytest.raises(
+            ValueError, match="data_on_device=True cannot keep this data"):
+        small.memory_plan(x, y, batch_size=16, data_on_device=True)

@@ -48,7 +48,9 @@ def train(args):
     trainer.build(first_batch)
     print(trainer.describe(first_batch, x_train, y_train))
     if not trainer.multiprocess:
-        print(trainer.memory_plan(*first_batch, batch_size=args.batch_size))
+        # Of the step the fit will run: over the data kept on the devices, if it is.
+        print(trainer.memory_plan(x_train, y_train, batch_size=args.batch_size,
+                                  data_on_device=data_on_device))
     # The test set is scored after every epoch (val_* curves); its last
     # score is the result, so it is computed once per epoch, not again.
     history = trainer.fit(
