@@ -94,6 +94,35 @@ def test_a_tuple_of_inputs_predicts_as_model_predict_reads_it():
     assert_close_to_scale(packed, one_input.predict(left, batch_size=BATCH, verbose=0))
 
 
+class TwoTower(keras.Model):
+    """A subclassed model taking a tuple of two arrays: Keras cannot count its inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = layers.Dense(2)
+
+    def call(self, inputs):
+        left, right = inputs
+        return self.dense(ops.concatenate([left, right], axis=-1))
+
+
+def test_a_subclassed_model_predicts_a_tuple_as_its_inputs_as_keras_does():
+    # `model.predict((left, right))` hands a subclassed model the whole tuple;
+    # keras_dp read it as a packed (x, y), fed `left` alone, and failed to
+    # build ("too many values to unpack"), though `fit((left, right), y)` trained.
+    rng = np.random.default_rng(2)
+    left, right = rng.normal(size=(2, 37, 3)).astype("float32")
+    y = rng.integers(0, 2, 37)
+    model = TwoTower()
+    model.compile(optimizer="sgd",
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    trainer = keras_dp.ShardedTrainer(model, devices=devices(3))
+    trainer.fit((left, right), y, batch_size=BATCH, epochs=1, verbose=0)
+    got = trainer.predict((left, right), batch_size=BATCH, verbose=0)  # last batch 5
+    assert got.shape == (37, 2)
+    assert_close_to_scale(got, model.predict((left, right), batch_size=BATCH, verbose=0))
+
+
 def two_input_classifier():
     left, right = keras.Input((3,)), keras.Input((3,))
     model = keras.Model([left, right], layers.Dense(2)(layers.Concatenate()([left, right])))

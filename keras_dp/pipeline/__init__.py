@@ -12,6 +12,7 @@ look-ahead thread); `keras_dp.placement` puts them on the devices.
 """
 
 import jax
+import keras
 import numpy as np
 
 from keras_dp.pipeline.arrays import ArrayBatches
@@ -123,7 +124,9 @@ def predict_inputs(x, model):
     Elsewhere a tuple without `y` is a packed `(x, y[, sample_weight])`. A
     model with as many inputs as the tuple has arrays (a Siamese network's
     `(left, right)`) takes them as its inputs, as `model.predict((a, b))`
-    does; a one-input model still reads `(x, y)` as x and labels.
+    does; so does a subclassed model, whose inputs Keras cannot count
+    (`model.predict` hands it the whole tuple); a one-input Functional or
+    Sequential model still reads `(x, y)` as x and labels.
 
     Args:
         x: `predict`'s data.
@@ -132,9 +135,11 @@ def predict_inputs(x, model):
     Returns:
         `x`, or `(x,)` for a tuple of inputs: `make_batches` unpacks it to x.
     """
-    if (isinstance(x, tuple) and len(x) > 1 and _inputs_alone(x)
-            and len(_functional_inputs(model)) == len(x)):
-        return (x,)
+    if isinstance(x, tuple) and len(x) > 1 and _inputs_alone(x):
+        inputs = _functional_inputs(model)
+        subclassed = not inputs and not isinstance(model, keras.Sequential)
+        if subclassed or len(inputs) == len(x):
+            return (x,)
     return x
 
 
