@@ -238,19 +238,21 @@ def explain_jit_failures(model):
 
 
 @contextlib.contextmanager
-def explain_shape_change(first, steps, device_batch, at):
+def explain_shape_change(peek, steps, device_batch, at):
     """Name the batch when a compiled call fails on shapes that differ from the first batch's.
 
-    `first` is the first host batch, `device_batch` the call's (K stacked
-    for `steps` > 1), `at` its `(epoch, index)`. The model's own check
-    decides: batches of other shapes that it takes (a `None` length) train.
+    `peek` returns the first host batch; it is called only when the call
+    fails (reading the first batch again can cost a shuffle of the whole
+    epoch's order). `device_batch` is the call's (K stacked for `steps` >
+    1), `at` its `(epoch, index)`. The model's own check decides: batches
+    of other shapes that it takes (a `None` length) train.
     """
     try:
         yield
     except jax.errors.JaxRuntimeError:
         raise  # the step ran: not a matter of shapes
     except Exception as error:
-        changed = _changed_shapes(first, steps, device_batch)
+        changed = _changed_shapes(peek(), steps, device_batch)
         if changed is None:
             raise
         epoch, index = at

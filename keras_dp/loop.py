@@ -344,7 +344,7 @@ def train_call(run, steps, device_batch, throttle, at):
     (epoch, index) = at
     if live.needs_read():  # a callback changed the model
         live.read(trainer.init_state(), at)
-    with build_lib.explain_shape_change(run.batches.peek(), steps, device_batch, at), \
+    with build_lib.explain_shape_change(run.batches.peek, steps, device_batch, at), \
             build_lib.explain_jit_failures(trainer.model):
         logs, finite = live.advance(
             lambda state: run.feed.call(state, steps, device_batch), (epoch, index + steps))

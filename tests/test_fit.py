@@ -347,3 +347,25 @@ def test_a_profile_dir_under_home_is_expanded_and_a_bad_one_refused_before_any_s
             keras_dp.fit_sharded(model, x, y, batch_size=3, verbose=0, devices=devices(3),
                                  **{name: ""})
     assert sorted(os.listdir(work)) == ["notes.txt"]
+
+
+@pytest.mark.parametrize("data_on_device", [False, True])
+def test_the_first_batch_is_not_read_again_at_every_step(data_on_device):
+    # Each call used to read the first batch again (for the message of a
+    # shape change, only needed when a call fails): for arrays that is a
+    # permutation of the whole epoch's order per step, 19 ms at 1M rows.
+    from unittest import mock
+
+    from keras_dp.pipeline.arrays import ArrayBatches
+
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, 255, (96, 28, 28, 1), dtype=np.uint8), rng.integers(0, 10, 96)
+    reads = {}
+    for rows in (24, 96):  # 3 steps, then 12
+        peek = mock.patch.object(ArrayBatches, "peek", autospec=True,
+                                 side_effect=ArrayBatches.peek)
+        with peek as counted:
+            keras_dp.fit_sharded(mlp(), x[:rows], y[:rows], batch_size=8, verbose=0,
+                                 devices=devices(2), data_on_device=data_on_device)
+        reads[rows] = counted.call_count
+    assert reads[24] == reads[96] and reads[96] < 12, reads
