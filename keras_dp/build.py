@@ -220,6 +220,8 @@ def explain_jit_failures(model):
         yield
     except (FloatingPointError, KeyboardInterrupt, SystemExit):
         raise
+    except jax.errors.JaxRuntimeError:
+        raise  # the step compiled and ran (out of memory, a failed callback)
     except Exception as error:
         layers = [layer for layer in _compat.all_layers(model)
                   if not getattr(layer, "supports_jit", True)]
@@ -230,7 +232,7 @@ def explain_jit_failures(model):
             f"that set supports_jit=False: {model_checks.layer_names(layers)}. Keras's own "
             "model.fit runs such "
             "a model un-jitted; here the compiled step failed to trace: "
-            f"{type(error).__name__}: {str(error).splitlines()[0]} Do that "
+            f"{type(error).__name__}: {first_line(error)} Do that "
             "augmentation in the input pipeline instead (tf.data, or a "
             "keras.utils.PyDataset), or use a layer that compiles (for a crop: "
             "keras.layers.CenterCrop, or crop in the input pipeline)."

@@ -4,11 +4,13 @@ Each trains on 2 simulated devices; where Keras's `model.fit` can run the
 same thing on one device, the results are compared with it.
 """
 
+import jax
 import keras
 import numpy as np
 import pytest
 
 import keras_dp
+from keras_dp import build as build_lib
 from conftest import InferenceNoise
 from conftest import SubclassedClassifier
 from conftest import assert_close_to_scale, assert_weights_close
@@ -840,3 +842,22 @@ def test_class_weight_keyed_by_integral_floats_weights_those_classes():
     for class_weight in ({0.0: 1.0, np.float64(1.0): 3.0}, {False: 1.0, np.True_: 3.0}):
         _, _, weights = keras_dp.pipeline.batch.apply_class_weight((None, y, None), class_weight)
         np.testing.assert_array_equal(weights, [1.0, 3.0, 1.0, 3.0])
+
+
+def test_a_model_that_turns_off_jit_keeps_its_own_errors():
+    # With a supports_jit=False layer in the model, every failure in a step
+    # was rewritten as "the compiled step failed to trace ... do that
+    # augmentation in the input pipeline": an error of the running step
+    # (out of memory) too; and an error with an empty message became
+    # "IndexError: list index out of range".
+    model = keras.Sequential([keras.Input((28, 28, 1)), keras.layers.RandomRotation(0.1),
+                              keras.layers.Flatten(), keras.layers.Dense(10)])
+    out_of_memory = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory")
+    with pytest.raises(jax.errors.JaxRuntimeError) as raised:
+        with build_lib.explain_jit_failures(model):
+            raise out_of_memory
+    assert raised.value is out_of_memory
+    with pytest.raises(ValueError, match=r"supports_jit=False: random_rotation .*"
+                       r"failed to trace: AssertionError: AssertionError Do that"):
+        with build_lib.explain_jit_failures(model):
+            raise AssertionError()
