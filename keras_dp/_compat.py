@@ -255,12 +255,24 @@ def distributed_client():
 
     `jax._src.distributed.global_state.client`, the connection every process
     opens in `jax.distributed.initialize`; its key-value store
-    (`key_value_set`, `blocking_key_value_get`, `key_value_delete`) carries
-    small host-side values between processes without a device collective.
+    (`key_value_set`, `blocking_key_value_get`, `key_value_try_get`,
+    `key_value_delete`) carries small host-side values between processes
+    without a device collective.
     """
     from jax._src import distributed
 
     return distributed.global_state.client
+
+
+def loss_function(loss):
+    """The function a Keras `Loss` object wraps (`LossFunctionWrapper.fn`), else `loss` itself.
+
+    `keras.losses.SparseCategoricalCrossentropy()` wraps
+    `keras.losses.sparse_categorical_crossentropy`: how keras_dp tells
+    which loss a model trains with, to check its labels and to know a
+    classification loss.
+    """
+    return getattr(loss, "fn", loss)
 
 
 def grain_inner_iterator(iterator):

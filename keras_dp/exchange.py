@@ -135,7 +135,10 @@ class Notice:
         """Leave `text`, unless a process has left its own already."""
         try:
             self._client.key_value_set(self._key, text)
-        except jax.errors.JaxRuntimeError:  # ALREADY_EXISTS: the first one stands
+        except jax.errors.JaxRuntimeError:
+            # ALREADY_EXISTS: the first one stands. Or the service no longer
+            # answers (process 0 ended): notices are posted while a failure
+            # is being reported, which an error here must not replace.
             pass
 
     def read(self):

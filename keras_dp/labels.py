@@ -73,7 +73,7 @@ def _sparse_losses(loss):
             loss = keras.losses.get(loss)
         except ValueError:
             return None
-    if getattr(loss, "fn", loss) is not keras.losses.sparse_categorical_crossentropy:
+    if _compat.loss_function(loss) is not keras.losses.sparse_categorical_crossentropy:
         return None
     config = loss.get_config() if hasattr(loss, "get_config") else {}
     return (config.get("ignore_class"),)

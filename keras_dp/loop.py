@@ -110,7 +110,9 @@ def fit(trainer, batches, val, callbacks, *, epochs, resume, validation_freq,
     when the steps keep their input (`trainer.keeps_last_good`); if the
     failing step had consumed that state (it was donated), the model holds
     the last one written back. The exception's note says which
-    (`LiveModel.report`).
+    (`LiveModel.report`). Then, as at the end of `model.fit` (in its
+    `finally`, failed or not), the optimizer's `finalize_variable_values`
+    runs: with `use_ema`, the moving averages replace the weights.
 
     A run that stops early (`stop_training`) marks its checkpoint stopped,
     and saves it once more after `on_train_end`, so that it holds what the

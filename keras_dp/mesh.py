@@ -1,6 +1,6 @@
 """Devices and shardings: the 1-D `"batch"` mesh and where arrays live on it.
 
-Every placement keras_dp makes goes through this module: model state is
+Every sharding keras_dp places arrays with comes from this module: model state is
 *replicated* (`PartitionSpec()`, a full copy on every device) unless
 `state_sharding` splits it (`keras_dp.layout` gives those shardings), and
 each batch is *sharded* along its leading axis over the mesh axis `"batch"`.

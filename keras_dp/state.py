@@ -98,8 +98,9 @@ def write_back(state, model, variables=None):
     Afterwards the model holds the trained values as ordinary Keras
     variables, placed where they were before: `model.predict`, `model.save`
     and the model's own `fit` work on it as if keras_dp had never run. The
-    values are copied device to device (a state this size never goes
-    through the host), into new buffers, so donating `state` later leaves
+    values are copied device to device (a state on one process's devices
+    never goes through the host; one split across processes is gathered
+    through the hosts), into new buffers, so donating `state` later leaves
     the model intact. `variables` (default: `TrainState.variables_of(model)`
     now) are the variables `state` was read from, when a layer's
     `trainable` may have moved one between groups since.

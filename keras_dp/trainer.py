@@ -70,10 +70,11 @@ class ShardedTrainer:
         prefetch: how many batches (or stacks of K) a background thread
             prepares and copies to the devices ahead of the step that needs
             them; 0 prepares each in line.
-        steps_in_flight: at most this many dispatched steps may be unfinished
-            before the next is dispatched. Defaults to 1 on CPU (several
-            queued cross-device all-reduces can deadlock XLA:CPU's thread
-            pool) and 2 elsewhere.
+        steps_in_flight: at most this many dispatched calls are unfinished,
+            the newest included: with 1 each call finishes before the next
+            is dispatched, with 2 one runs while the next is queued.
+            Defaults to 1 on CPU (several queued cross-device all-reduces
+            can deadlock XLA:CPU's thread pool) and 2 elsewhere.
         state_sharding: where the training state lives (`keras_dp.layout`):
             `"replicated"` (default; a full copy on every device),
             `"optimizer"` (optimizer slots and metrics split over the

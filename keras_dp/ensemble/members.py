@@ -244,7 +244,7 @@ def check_classifier(model):
             cross-entropy or KL divergence.
     """
     loss = keras.losses.get(model.loss) if isinstance(model.loss, str) else model.loss
-    function = getattr(loss, "fn", loss)  # a Keras Loss object wraps its function
+    function = _compat.loss_function(loss)
     module = getattr(function, "__module__", None) or ""
     name = getattr(function, "__name__", "")
     if module.startswith("keras.") and name not in _CLASS_LOSSES:

@@ -91,7 +91,7 @@ def make_batches(x, y=None, sample_weight=None, *, batch_size=None, shuffle=Fals
             `sample_weight` or with several outputs.
     """
     if x is None:
-        raise ValueError("No training data: pass x (and y), or a dataset.")
+        raise ValueError(f"{what} is None: pass x (and y), or a dataset.")
     if class_weight is not None:  # once here, not at every dataset batch
         check_class_ids(class_weight)
     if is_array_data(x, y):

@@ -32,7 +32,7 @@ class IterableBatches:
     def __init__(self, source, *, class_weight=None, shuffle=False, seed=0, what="The data"):
         if not hasattr(source, "__iter__"):
             raise TypeError(
-                "Training data must be arrays, a tf.data.Dataset or an "
+                f"{what} must be arrays, a tf.data.Dataset or an "
                 f"iterable of batches. Received: {type(source).__name__}."
             )
         self._source = _as_numpy_iterable(source, shuffle, seed)
