@@ -241,6 +241,30 @@ def local_copy(array, like=None):
     return copy
 
 
+def local_copies(arrays, likes):
+    """`local_copy(array, like)` of each pair, the replicated arrays in one compiled program.
+
+    What write-back copies: `jnp.copy` on each would compile a program per
+    distinct shape (13 for the convnet's state) in every process; one
+    program copies a device's shards together.
+    """
+    copies = [None] * len(arrays)
+    replicated = {}  # the shards' sharding (their device) -> [(position, shard)]
+    for position, (array, like) in enumerate(zip(arrays, likes, strict=True)):
+        if isinstance(array, jax.Array) and array.sharding.is_fully_replicated:
+            shard = array.addressable_data(0)
+            replicated.setdefault(shard.sharding, []).append((position, shard))
+        else:
+            copies[position] = local_copy(array, like)
+    for group in replicated.values():
+        for (position, _), copy in zip(group, _copy_all([shard for _, shard in group])):
+            like = likes[position]
+            if isinstance(like, jax.Array) and like.sharding != copy.sharding:
+                copy = jax.device_put(copy, like.sharding)
+            copies[position] = copy
+    return copies
+
+
 def _gathered_copy(array, like):
     """A whole single-device copy of a split array, gathered device to device."""
     if not array.is_fully_addressable:  # split over processes: through the hosts

@@ -108,8 +108,11 @@ def write_back(state, model, variables=None):
     for group, values in zip(variables or TrainState.variables_of(model), state):
         if values is None:  # a group the caller does not write
             continue
-        for variable, value in zip(group, values, strict=True):
-            variable.assign(mesh_lib.local_copy(value, like=variable.value))
+        pairs = list(zip(group, values, strict=True))
+        copies = mesh_lib.local_copies([value for _, value in pairs],
+                                       [variable.value for variable, _ in pairs])
+        for (variable, _), copy in zip(pairs, copies):
+            variable.assign(copy)
 
 
 def model_weights(model, mesh, shardings=None):

@@ -363,3 +363,20 @@ def test_a_memory_plan_of_resident_data_is_of_the_step_the_fit_runs():
     with mock.patch.object(resident, "CPU_CAP_BYTES", 1000), pytest.raises(
             ValueError, match="data_on_device=True cannot keep this data"):
         small.memory_plan(x, y, batch_size=16, data_on_device=True)
+
+
+def test_placing_and_writing_back_the_state_compile_one_copy_program_each():
+    # `jnp.copy` on each variable compiled a program per distinct shape, in
+    # every process: 13 for the convnet when the state was placed, as many
+    # again at its first write-back. Shapes no other test uses, so no
+    # program is in JAX's in-memory cache already.
+    model = keras.Sequential([keras.Input((13,)), keras.layers.Dense(7), keras.layers.Dense(3)])
+    model.compile(optimizer="adam", loss="mse")
+    x = np.random.default_rng(0).normal(size=(8, 13)).astype("float32")
+    count = len(COMPILES.names)
+    keras_dp.fit_sharded(model, x, np.zeros((8, 3), "float32"), batch_size=4, verbose=0,
+                         devices=devices(2))
+    copies = [name for name, _ in COMPILES.since(count, "jit(") if "copy" in name
+              or "lambda" in name]
+    assert "jit(copy)" not in copies, copies
+    assert len(copies) <= 4, copies  # placed weights, optimizer, metrics; written back
