@@ -66,7 +66,8 @@ class ShardedTrainer:
             called once per call, as in `model.fit`.
         unroll: how many of the K steps to unroll per loop iteration of
             the compiled scan (default: all of them on CPU, where XLA runs
-            a rolled loop of this kind slower; 1 elsewhere).
+            a rolled loop of this kind slower; 1 elsewhere). True unrolls
+            all K and False none, as in `jax.lax.scan`.
         prefetch: how many batches (or stacks of K) a background thread
             prepares and copies to the devices ahead of the step that needs
             them; 0 prepares each in line.
@@ -140,6 +141,8 @@ class ShardedTrainer:
         self.keep_last_good = memory_lib.check_keep_option(keep_last_good)
         if unroll is None:
             unroll = self.steps_per_execution if on_cpu else 1
+        elif isinstance(unroll, bool):  # as in jax.lax.scan: all K steps, or one
+            unroll = self.steps_per_execution if unroll else 1
         self.unroll = pipeline.check_count("unroll", unroll, 0)
         mode = self.state_sharding
         self._train_programs = {}  # donate -> the four train programs

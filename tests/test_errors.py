@@ -238,7 +238,8 @@ def test_a_custom_train_step_returning_a_short_state_is_named():
 
 @pytest.mark.parametrize("argument, value", [
     ("batch_size", 16.5), ("batch_size", 16.0), ("batch_size", "16"), ("epochs", 2.0),
-    ("initial_epoch", 1.0), ("steps_per_epoch", 2.5), ("validation_batch_size", 8.5)])
+    ("initial_epoch", 1.0), ("steps_per_epoch", 2.5), ("validation_batch_size", 8.5),
+    ("epochs", True)])  # a bool was taken as 1
 def test_a_count_that_is_not_an_integer_is_refused_not_rounded(argument, value):
     # Keras fails on these deep in its loop ("slice indices must be
     # integers"); keras_dp used to train batch_size=16.5 as 16, silently.
@@ -434,3 +435,10 @@ def test_a_model_that_preprocesses_its_data_in_its_own_fit_is_refused_with_the_f
     history = keras_dp.fit_sharded(model, x / 255, y, batch_size=4, epochs=1, verbose=0,
                                    devices=devices(2))
     assert len(history.history["loss"]) == 1
+
+
+def test_unroll_true_or_false_means_what_it_means_in_lax_scan():
+    # unroll=True was taken as 1: no unrolling, the opposite of jax.lax.scan's True.
+    trainer = lambda unroll: keras_dp.ShardedTrainer(  # noqa: E731
+        mlp(), devices=devices(2), steps_per_execution=4, unroll=unroll)
+    assert (trainer(True).unroll, trainer(False).unroll, trainer(2).unroll) == (4, 1, 2)

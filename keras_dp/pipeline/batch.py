@@ -150,13 +150,15 @@ def check_count(name, value, minimum=None):
 
     Accepts what Python takes as an index (an int, a numpy integer), as
     Keras's loops do; a float such as `16.0` or a string is refused, not
-    rounded.
+    rounded, and so is a bool (`epochs=True` is a mistake, not 1).
 
     Raises:
         TypeError: `value` is not an integer.
         ValueError: `value` is below `minimum`.
     """
     try:
+        if isinstance(value, bool):
+            raise TypeError
         count = operator.index(value)
     except TypeError:
         raise TypeError(
