@@ -450,3 +450,22 @@ def test_a_dataset_batch_is_named_with_the_same_epoch_number_by_every_check(mnis
     with pytest.raises(ValueError, match=r"^The training data, a list, yielded no batches: "
                        r"it is empty"):
         keras_dp.fit_sharded(mlp(), [], **fit)
+
+
+def test_tensorflow_holding_the_gpus_already_is_said_not_passed_over(monkeypatch):
+    # When TensorFlow has started with its GPUs visible, keras_dp can no
+    # longer hide them, and TensorFlow may hold most of their memory: it
+    # said nothing. (No GPU here: TensorFlow's answers are stood in for.)
+    def started(devices, device_type):
+        raise RuntimeError("Visible devices cannot be modified after being initialized")
+
+    monkeypatch.setattr(tf.config, "set_visible_devices", started)
+    monkeypatch.setattr(tf.config, "list_logical_devices", lambda kind: ["/device:GPU:0"])
+    with pytest.warns(UserWarning, match="TensorFlow started before keras_dp could hide"):
+        keras_dp.pipeline.hide_gpus_from_tensorflow()
+    monkeypatch.setattr(tf.config, "list_logical_devices", lambda kind: [])
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no GPU held: nothing to say
+        keras_dp.pipeline.hide_gpus_from_tensorflow()

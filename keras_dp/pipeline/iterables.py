@@ -403,8 +403,14 @@ def hide_gpus_from_tensorflow():
 
     try:
         tf.config.set_visible_devices([], "GPU")
-    except RuntimeError:
-        pass  # TensorFlow's devices are initialised already; nothing to do.
+    except RuntimeError:  # TensorFlow's devices are initialised already
+        if tf.config.list_logical_devices("GPU"):
+            warnings.warn(
+                "TensorFlow started before keras_dp could hide the GPUs from it, "
+                "and it holds them: it may have reserved most of their memory, "
+                "leaving JAX to run out. Import keras_dp before running "
+                "TensorFlow code, or call tf.config.set_visible_devices([], 'GPU') "
+                "first.", stacklevel=3)
 
 
 def _empty_message(what, epoch=None):
