@@ -446,8 +446,6 @@ def _where(position):
 
 
 def _process_index():
-    import jax
-
     return jax.process_index()
 
 
@@ -476,13 +474,10 @@ def abstract_state(model, shardings=None):
     `shardings` is a `TrainState` of shardings (`keras_dp.layout`, e.g. a
     trainer's `state_layout()`); default: where each Keras variable lies.
     """
-    variables = TrainState.variables_of(model)
     if shardings is None:
-        shardings = TrainState(*([v.value.sharding for v in group] for group in variables))
-    return TrainState(*(
-        [jax.ShapeDtypeStruct(v.shape, np.dtype(v.dtype), sharding=sharding)
-         for v, sharding in zip(group, group_shardings, strict=True)]
-        for group, group_shardings in zip(variables, shardings)))
+        shardings = TrainState(*([v.value.sharding for v in group]
+                                 for group in TrainState.variables_of(model)))
+    return TrainState.abstract_of(model, shardings)
 
 
 def _template(abstract, source=None, plan=None):
