@@ -195,22 +195,6 @@ def check_fits(memory_plan):
     )
 
 
-def check_keep_option(keep_last_good):
-    """`keep_last_good` normalised: `"auto"`, `True` or `False` (`None` is `"auto"`).
-
-    Raises:
-        ValueError: any other value.
-    """
-    if keep_last_good is None or keep_last_good == "auto":
-        return "auto"
-    if keep_last_good is True or keep_last_good is False:
-        return keep_last_good
-    raise ValueError(
-        "`keep_last_good` is 'auto' (the default, also None), True or False. "
-        f"Received: keep_last_good={keep_last_good!r}."
-    )
-
-
 def keeps_fit(state_bytes, steps_in_flight, *, free=None, peak=None, local_devices=1):
     """Whether keeping the last completed state fits: the rule of `keep_last_good="auto"`.
 

@@ -59,20 +59,14 @@ def check_option(data_on_device, multiprocess=False):
     Raises:
         ValueError: any other value, or `True` on a mesh across processes.
     """
-    if data_on_device is None or data_on_device == "auto":
-        return "auto"
+    data_on_device = pipeline.check_auto("data_on_device", data_on_device)
     if data_on_device is True and multiprocess:
         raise ValueError(
             "data_on_device=True keeps the whole dataset on every device, "
             "but this mesh spans processes and each holds only its share. "
             "Pass data_on_device='auto' or False."
         )
-    if data_on_device is True or data_on_device is False:
-        return data_on_device
-    raise ValueError(
-        "`data_on_device` is 'auto' (the default, also None), True or False. "
-        f"Received: data_on_device={data_on_device!r}."
-    )
+    return data_on_device
 
 
 def data_bytes(arrays):

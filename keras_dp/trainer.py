@@ -138,7 +138,7 @@ class ShardedTrainer:
         self.steps_per_execution = pipeline.steps_per_execution(model, steps_per_execution)
         self.placement = placement_lib.make_placement(self.mesh, prefetch)
         self.data_on_device = resident.check_option(data_on_device, self.placement.multiprocess)
-        self.keep_last_good = memory_lib.check_keep_option(keep_last_good)
+        self.keep_last_good = pipeline.check_auto("keep_last_good", keep_last_good)
         if unroll is None:
             unroll = self.steps_per_execution if on_cpu else 1
         elif isinstance(unroll, bool):  # as in jax.lax.scan: all K steps, or one

@@ -13,6 +13,7 @@ import pytest
 import keras_dp
 from conftest import batches_of, devices, mlp
 from keras_dp import memory
+from keras_dp import pipeline
 
 MiB, GiB = 2**20, 2**30
 
@@ -32,7 +33,7 @@ def test_the_auto_rule_keeps_when_the_extra_states_fit():
 
 
 def test_the_option_is_checked_at_once():
-    assert memory.check_keep_option(None) == "auto"
+    assert pipeline.check_auto("keep_last_good", None) == "auto"
     with pytest.raises(ValueError, match=r"`keep_last_good` is 'auto'.*True or False. "
                                          r"Received: keep_last_good='yes'"):
         keras_dp.ShardedTrainer(mlp(), keep_last_good="yes")

@@ -21,6 +21,7 @@ from keras_dp.pipeline.batch import VALIDATION
 from keras_dp.pipeline.batch import array_rows
 from keras_dp.pipeline.batch import batch_rows
 from keras_dp.pipeline.batch import check_class_ids
+from keras_dp.pipeline.batch import check_auto
 from keras_dp.pipeline.batch import check_count
 from keras_dp.pipeline.batch import check_frames
 from keras_dp.pipeline.batch import check_not_scalars
@@ -45,6 +46,7 @@ __all__ = [
     "TRAINING",
     "VALIDATION",
     "batch_rows",
+    "check_auto",
     "check_count",
     "check_ends",
     "check_one_pass",

@@ -170,6 +170,22 @@ def check_count(name, value, minimum=None):
     return count
 
 
+def check_auto(name, value):
+    """`value` normalised: `"auto"`, `True` or `False` (`None` is `"auto"`), or raise naming `name`.
+
+    Raises:
+        ValueError: any other value.
+    """
+    if value is None or (isinstance(value, str) and value == "auto"):
+        return "auto"
+    if value is True or value is False:
+        return value
+    raise ValueError(
+        f"`{name}` is 'auto' (the default, also None), True or False. "
+        f"Received: {name}={value!r}."
+    )
+
+
 def short_list(items, limit=6):
     """`items` as text, the first `limit` of them and a count of the rest: messages stay short."""
     items = list(items)
