@@ -26,17 +26,23 @@ class Preemption:
 
     def __init__(self):
         self.requested = False
+        self._installed = False
         self._previous = None
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._handle)
+            self._installed = True
         return self
 
     def __exit__(self, *exc_info):
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
+        if self._installed:
+            # None: the handler before was set outside Python and cannot be
+            # put back; the default action (end the process) is, rather than
+            # this watcher, which records a signal no one will read.
+            previous = signal.SIG_DFL if self._previous is None else self._previous
+            signal.signal(signal.SIGTERM, previous)
+            self._installed, self._previous = False, None
 
     def _handle(self, signum, frame):
         self.requested = True

@@ -736,3 +736,28 @@ def test_a_disk_full_mid_save_at_epoch_2_keeps_epoch_1s_checkpoint_and_a_rerun_r
     assert keras_dp.fit_sharded(resumed, x, y, checkpoint_dir=tmp_path, **options).epoch == [1, 2]
     assert_weights_equal(resumed, unbroken)
     assert sorted(os.listdir(tmp_path)) == [".keras_dp.lock", "1", "2"]
+
+
+def test_sigterm_ends_the_process_again_after_a_fit_whose_handler_before_was_not_pythons(
+        monkeypatch):
+    # `signal.signal` returns None when the handler it replaces was set
+    # outside Python. The watcher then left its own handler installed after
+    # the fit: a later SIGTERM was recorded on it and never acted on.
+    from keras_dp import preemption
+
+    real = signal.signal
+    calls = []
+
+    def replaced_from_c(signum, handler):
+        previous = real(signum, handler)
+        calls.append(handler)
+        return None if len(calls) == 1 else previous
+
+    monkeypatch.setattr(preemption.signal, "signal", replaced_from_c)
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        with preemption.Preemption() as watcher:
+            assert signal.getsignal(signal.SIGTERM) == watcher._handle
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    finally:
+        real(signal.SIGTERM, before)
