@@ -55,7 +55,7 @@ for name, variant in VARIANTS.items():
     trainer = keras_dp.ShardedTrainer(model, devices=jax.devices()[:1])
     trainer.build(batch)
     state, device_batch = trainer.init_state(), trainer.shard(batch)
-    lowered = trainer._train_step.lower(state, device_batch)
+    lowered = trainer.programs.train_step.lower(state, device_batch)
     start = time.perf_counter()
     compiled = lowered.compile()
     compile_s = time.perf_counter() - start

@@ -92,11 +92,12 @@ def predict(trainer, weights, batches, callbacks):
         for steps, x_device in placed:
             callbacks.on_predict_batch_begin(index)
             if steps == 1:
-                output, non_trainable = trainer._predict_step((trainable, non_trainable), x_device)
+                output, non_trainable = trainer.programs.predict_step(
+                    (trainable, non_trainable), x_device)
                 output = jax.tree.map(lambda out: placement.local_rows(out, x_device), output)
             else:
-                output, non_trainable = trainer._predict_steps((trainable, non_trainable),
-                                                               x_device)
+                output, non_trainable = trainer.programs.predict_steps(
+                    (trainable, non_trainable), x_device)
                 output = jax.tree.map(lambda out: placement.stacked_local_rows(out, x_device),
                                       output)
             outputs.append(output)

@@ -76,7 +76,7 @@ class HostFeed:
 
     def program(self, steps):
         """The jitted program of a call of `steps` steps, and its arguments before the batch."""
-        return (self._trainer._train_step if steps == 1 else self._trainer._train_steps), ()
+        return self._trainer.programs.train(steps), ()
 
     def call(self, state, steps, device_batch):
         """Run one compiled call: `(state, logs, finite)`.
@@ -85,9 +85,9 @@ class HostFeed:
         step (if its loss is not finite, it is the first bad one).
         """
         if steps == 1:
-            state, logs = self._trainer._train_step(state, device_batch)
+            state, logs = self._trainer.programs.train_step(state, device_batch)
             return state, logs, 0
-        return self._trainer._train_steps(state, device_batch)
+        return self._trainer.programs.train_steps(state, device_batch)
 
 
 def fit(trainer, batches, val, callbacks, *, epochs, resume, validation_freq,

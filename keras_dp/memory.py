@@ -115,7 +115,7 @@ def plan(trainer, batch, step=None, arguments=None):
     else:  # the resident arrays come first, whole on every device
         resident_data = sum(np.dtype(leaf.dtype).itemsize * int(np.prod(leaf.shape))
                             for leaf in jax.tree.leaves(arguments[0]))
-    step = trainer._train_step if step is None else step
+    step = trainer.programs.train_step if step is None else step
     analysis = step.lower(state, *arguments).compile().memory_analysis()
     peak = (analysis.argument_size_in_bytes + analysis.output_size_in_bytes
             - analysis.alias_size_in_bytes + analysis.temp_size_in_bytes)

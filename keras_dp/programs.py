@@ -181,7 +181,7 @@ class EvalPrograms:
         key = call_key(steps, batch)
         finished(self.programs, key)  # compiling ahead: wait for it
         self.programs.setdefault(key, None)
-        result = self._program(steps)(weights, metrics, batch)
+        result = self._trainer.programs.test(steps)(weights, metrics, batch)
         if self._plan is not None:  # the first call: compile the rest ahead
             like = jax.tree.map(abstract, ((weights[0], result[0]), result[1]))
             try:
@@ -203,11 +203,9 @@ class EvalPrograms:
             key = call_key(steps, like)
             if key not in self.programs:
                 entries.append((self.programs, key,
-                                self._program(steps).lower(weights, metrics, like)))
+                                self._trainer.programs.test(steps).lower(
+                                    weights, metrics, like)))
         return entries
-
-    def _program(self, steps):
-        return self._trainer._test_step if steps == 1 else self._trainer._test_steps
 
 
 def eval_plan(batches, steps_per_execution):

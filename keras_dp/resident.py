@@ -226,15 +226,14 @@ class ResidentFeed:
 
     def program(self, steps):
         """The jitted program of a call of `steps` steps, and its arguments before `rows`."""
-        trainer = self._trainer
-        return (trainer._resident_step if steps == 1 else trainer._resident_steps), (self._arrays,)
+        return self._trainer.programs.resident(steps), (self._arrays,)
 
     def call(self, state, steps, rows):
         """Run one compiled call: `(state, logs, finite)` as `loop.train_call` wants."""
         if steps == 1:
-            state, logs = self._trainer._resident_step(state, self._arrays, rows)
+            state, logs = self._trainer.programs.resident_step(state, self._arrays, rows)
             return state, logs, 0
-        return self._trainer._resident_steps(state, self._arrays, rows)
+        return self._trainer.programs.resident_steps(state, self._arrays, rows)
 
 
 def abstract_arguments(batches, mesh):

@@ -110,6 +110,8 @@ class ShardedTrainer:
             of the devices' peak where known (`keras_dp.timing`).
         keeps_last_good: whether the train programs keep their input state
             (chosen by each fit, from `keep_last_good`).
+        programs: the jitted programs the loops call, for one step and for
+            K steps of each kind (`keras_dp.steps.Programs`).
 
     Raises:
         TypeError: `model` is not a `keras.Model`.
@@ -146,26 +148,27 @@ class ShardedTrainer:
         self.unroll = pipeline.check_count("unroll", unroll, 0)
         mode = self.state_sharding
         self._train_programs = {}  # donate -> the four train programs
+        self.programs = steps_lib.Programs(
+            *[None] * len(steps_lib.TRAIN_PROGRAMS),  # set just below
+            steps_lib.make_test_step(model, self.mesh, mode),
+            steps_lib.make_multi_test_step(model, self.mesh, self.unroll, mode),
+            steps_lib.make_predict_step(model, self.mesh, mode),
+            steps_lib.make_multi_predict_step(model, self.mesh, self.unroll, mode))
         self._use_train_programs(donate=self.keep_last_good is not True)
-        self._test_step = steps_lib.make_test_step(model, self.mesh, mode)
-        self._test_steps = steps_lib.make_multi_test_step(model, self.mesh, unroll, mode)
-        self._predict_step = steps_lib.make_predict_step(model, self.mesh, mode)
-        self._predict_steps = steps_lib.make_multi_predict_step(model, self.mesh, unroll, mode)
 
     def _use_train_programs(self, donate):
         """Train with the programs that donate their state, or keep it."""
-        (self._train_step, self._train_steps, self._resident_step,
-         self._resident_steps) = self._train_programs_for(donate)
+        self.programs = self.programs._replace(**self._train_programs_for(donate))
         self.keeps_last_good = not donate
 
     def _train_programs_for(self, donate):
-        """The four train programs that donate their state, or keep it; each made once."""
+        """The four train programs that donate their state, or keep it, by name; each made once."""
         if donate not in self._train_programs:
             model, mesh, unroll, mode = self.model, self.mesh, self.unroll, self.state_sharding
-            self._train_programs[donate] = (
+            self._train_programs[donate] = dict(zip(steps_lib.TRAIN_PROGRAMS, (
                 steps_lib.make_train_step(model, mesh, mode, donate=donate),
                 steps_lib.make_multi_train_step(model, mesh, unroll, mode, donate=donate),
-                *resident.make_steps(model, mesh, unroll, mode, donate=donate))
+                *resident.make_steps(model, mesh, unroll, mode, donate=donate)), strict=True))
         return self._train_programs[donate]
 
     @property
@@ -268,7 +271,7 @@ class ShardedTrainer:
         steps_lib.check_device_batch(batch)
         if batch.data[1] is None:  # no labels: refused as `build` refuses them, if needed
             self._builder.build(batch.data)
-        return self._train_step(state, batch)
+        return self.programs.train_step(state, batch)
 
     def reset_metrics(self, state):
         """Return `state` with its metrics reset, as `model.fit` does at each epoch's start.
@@ -326,18 +329,18 @@ class ShardedTrainer:
             batches = self._batches(x, y, sample_weight, batch_size, False)
             keep, why_not = resident.decide(self, batches, host_plan, data_on_device)
             if keep:
-                step = (programs or self._train_programs_for(True))[2]
+                step = (programs or self._train_programs_for(True))["resident_step"]
                 return memory_lib.plan(self, batch, step,
                                        resident.abstract_arguments(batches, self.mesh))
             if data_on_device is True:
                 raise resident.refusal(why_not)
-        return host_plan or memory_lib.plan(self, batch, programs[0])
+        return host_plan or memory_lib.plan(self, batch, programs["train_step"])
 
     def compiled_train_step(self, state, batch):
         """The train step compiled for these arguments (`.as_text()` is HLO)."""
         mesh_lib.check_keras_distribution()
         steps_lib.check_device_batch(batch, "trainer.compiled_train_step")
-        return self._train_step.lower(state, batch).compile()
+        return self.programs.train_step.lower(state, batch).compile()
 
     def describe(self, batch=None, x=None, y=None, sample_weight=None):
         """Describe the mesh, each state group's sharding and a batch's.

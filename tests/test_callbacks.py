@@ -184,7 +184,7 @@ def test_reduce_lr_on_plateau_and_a_mid_epoch_rate_change_without_recompile(data
     # With rate 0 from batch 4 on, SGD leaves the weights where batch 3 left them.
     for left, right in zip(freeze.after_3, weights(model), strict=True):
         np.testing.assert_array_equal(left, right)
-    assert trainer._resident_step._cache_size() == 1  # the arrays train on the devices
+    assert trainer.programs.resident_step._cache_size() == 1  # the arrays train on the devices
 
 
 def test_model_checkpoint_weights_and_best_full_model(data, tmp_path):
@@ -528,5 +528,5 @@ def test_rate_callbacks_equal_keras_and_the_step_compiles_once(data, make_callba
     for name in ("loss", "val_loss"):
         np.testing.assert_allclose(history[name], keras_history[name], rtol=1e-5)
     assert_weights_close(model, keras_model)
-    programs = trainer._resident_step._cache_size() + trainer._train_step._cache_size()
+    programs = trainer.programs.resident_step._cache_size() + trainer.programs.train_step._cache_size()
     assert programs == 1  # 8 full batches per epoch: one program, for every rate

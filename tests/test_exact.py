@@ -213,12 +213,12 @@ def test_predict_and_evaluate_on_any_length_equal_one_device(mnist):
     assert ours["accuracy"] == pytest.approx(theirs["accuracy"], abs=1e-7)
 
 
-@pytest.mark.parametrize("on_device, program", [(False, "_train_step"), (True, "_resident_step")])
+@pytest.mark.parametrize("on_device, program", [(False, "train_step"), (True, "resident_step")])
 def test_a_partial_last_batch_compiles_the_train_step_once_more(mnist, on_device, program):
     (x, y), _ = mnist
     trainer = keras_dp.ShardedTrainer(mlp(), devices=devices(3), data_on_device=on_device)
     trainer.fit(x[:200], y[:200], batch_size=64, epochs=3, verbose=0)  # 64, 64, 64, 8
-    assert getattr(trainer, program)._cache_size() == 2
+    assert getattr(trainer.programs, program)._cache_size() == 2
 
 
 def test_the_same_seed_gives_bitwise_identical_weights(mnist):

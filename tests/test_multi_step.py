@@ -12,7 +12,7 @@ from conftest import BatchEnds, devices, mlp
 
 
 @pytest.mark.parametrize("on_device, programs", [
-    (False, ("_train_step", "_train_steps")), (True, ("_resident_step", "_resident_steps"))])
+    (False, ("train_step", "train_steps")), (True, ("resident_step", "resident_steps"))])
 def test_the_multi_step_program_compiles_once_and_callbacks_see_each_call(
         mnist, on_device, programs):
     (x, y), _ = mnist
@@ -22,7 +22,7 @@ def test_the_multi_step_program_compiles_once_and_callbacks_see_each_call(
     trainer.fit(x[:600], y[:600], batch_size=64, epochs=2, verbose=0, callbacks=[record])
     # 9 full batches and one of 24 rows: calls of 4, 4, then 1 and 1 alone.
     assert record.ends == [3, 7, 8, 9] * 2
-    single, multi = (getattr(trainer, name) for name in programs)
+    single, multi = (getattr(trainer.programs, name) for name in programs)
     assert multi._cache_size() == 1
     assert single._cache_size() == 2  # 64 rows and 24 rows
 
@@ -88,8 +88,8 @@ def test_evaluate_predict_and_validation_run_k_steps_per_call_exactly(mnist):
     assert records[3].test == [2, 5, 8, 9, 10]
     assert records[3].predict == [(2, 192), (5, 192), (8, 192), (9, 64), (10, 60)]
     assert records[1].test == list(range(11))
-    assert trainer._test_steps._cache_size() == 1
-    assert trainer._predict_steps._cache_size() == 1
+    assert trainer.programs.test_steps._cache_size() == 1
+    assert trainer.programs.predict_steps._cache_size() == 1
 
 
 @pytest.mark.parametrize("sharding", [pytest.param("optimizer", marks=pytest.mark.slow), "full"])
@@ -116,7 +116,7 @@ def test_a_rolled_k_step_program_under_a_split_state_equals_single_steps_bitwise
         single, single_logs = trainer.train_step(single, trainer.shard(batch))
     stack = placement.to_device_stacked([pipeline.unpack(batch) for batch in batches],
                                         trainer.mesh)
-    multi, multi_logs, finite = trainer._train_steps(trainer.init_state(), stack)
+    multi, multi_logs, finite = trainer.programs.train_steps(trainer.init_state(), stack)
     assert int(finite) == 3
     assert float(multi_logs["loss"]) == float(single_logs["loss"])
     for ours, theirs in zip(jax.tree.leaves(multi), jax.tree.leaves(single), strict=True):

@@ -115,9 +115,9 @@ def test_ahead_of_time_trains_bitwise_as_jit_alone_and_counts_its_flops(mnist, m
     def flops(steps, rows):  # the jit cache has each program: no compile here
         batch = (x[:rows], y[:rows], None)
         if steps == 1:
-            lowered = trainer._train_step.lower(state, placement.to_device(batch, trainer.mesh))
+            lowered = trainer.programs.train_step.lower(state, placement.to_device(batch, trainer.mesh))
         else:
-            lowered = trainer._train_steps.lower(
+            lowered = trainer.programs.train_steps.lower(
                 state, placement.to_device_stacked([batch] * steps, trainer.mesh))
         return programs.cost_flops(lowered.compile())  # per device
 

@@ -56,7 +56,7 @@ def test_auto_is_resident_when_the_data_fits_and_warns_when_it_does_not(mnist, m
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         trainer.fit(x[:128], y[:128], batch_size=64, verbose=0)
-    assert trainer._resident_step._cache_size() == 1
+    assert trainer.programs.resident_step._cache_size() == 1
     monkeypatch.setattr(resident, "CPU_CAP_BYTES", 1000)
     placed = count_host_batches(monkeypatch)
     with pytest.warns(UserWarning, match="exceed the 1,000 bytes.*from the host instead"):

@@ -128,7 +128,7 @@ def test_a_tf_data_text_pipeline_of_padded_batches_equals_keras():
     history = trainer.fit(dataset(), epochs=2, verbose=0).history
     for name in expected:
         np.testing.assert_allclose(history[name], expected[name], rtol=1e-5, err_msg=name)
-    assert trainer._train_step._cache_size() == 3
+    assert trainer.programs.train_step._cache_size() == 3
 
 
 @pytest.mark.slow  # 5 s: moved out of CI to keep the default run under 10 minutes

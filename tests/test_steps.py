@@ -71,7 +71,7 @@ def test_the_test_step_reads_weights_and_updates_only_metrics(mnist):
     trainer.build(batch)
     state = trainer.init_state()
     before = [np.asarray(w) for w in state.trainable]
-    _, metrics, logs = trainer._test_step(state.weights, state.metrics, trainer.shard(batch))
+    _, metrics, logs = trainer.programs.test_step(state.weights, state.metrics, trainer.shard(batch))
     after = [np.asarray(w) for w in state.trainable]
     assert all(np.array_equal(a, b) for a, b in zip(before, after))
     reference = keras_dp.ShardedTrainer(mlp(), devices=devices(1)).evaluate(*batch, verbose=0)
