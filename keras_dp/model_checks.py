@@ -42,8 +42,9 @@ def check_trainable_unchanged(model):
     `layer.enable_lora(rank)` and `model.quantize(mode)` after training
     change them too (LoRA adds trainable factors and freezes the kernel;
     quantizing replaces a kernel with non-trainable integers): the message
-    names the variables that differ. A model with its own `train_step`
-    chooses what its optimizer updates.
+    names the variables that differ. An optimizer built for another model
+    is refused as such (`check_optimizer_is_the_models`). A model with its
+    own `train_step` chooses what its optimizer updates.
     """
     optimizer = model.optimizer
     if optimizer is None or not optimizer.built or _compat.custom_step(model, "train_step"):
@@ -51,6 +52,7 @@ def check_trainable_unchanged(model):
     built_for = _compat.optimizer_trainable_variables(optimizer)
     if [id(v) for v in built_for] == [id(v) for v in model.trainable_variables]:
         return
+    check_optimizer_is_the_models(model, built_for)
     raise ValueError(
         f"The model's trainable variables changed since its optimizer was built: "
         f"{len(model.trainable_variables)} are trainable now, the optimizer holds slots "
@@ -60,6 +62,34 @@ def check_trainable_unchanged(model):
         "keras.optimizers.Adam(1e-5)); compiling with the built model.optimizer again "
         "keeps its old slots. The weights are kept."
         + _changed_variables(built_for, model.trainable_variables)
+    )
+
+
+def check_optimizer_is_the_models(model, built_for):
+    """Raise a `ValueError` with the fix if the optimizer was built for another model's variables.
+
+    One optimizer object compiled into two models (`model_b.compile(optimizer=
+    model_a.optimizer)`, or one `Adam(...)` passed to both) is built for the
+    first model that trains. Keras's `model.fit` then trains the second with
+    the first one's slots and step count, paired by position, without a
+    word; keras_dp refuses it before any step. The slots are taken for
+    another model's when none of the variables they were built for is the
+    model's, by object or by path (`model.quantize` replaces a kernel by a
+    new variable of the same path).
+    """
+    ids, paths = {id(v) for v in model.variables}, {v.path for v in model.variables}
+    if not built_for or any(id(v) in ids or v.path in paths for v in built_for):
+        return
+    optimizer = model.optimizer
+    name = type(optimizer).__name__
+    raise ValueError(
+        f"The model's optimizer ({name}, {optimizer.name!r}) was built for another model's "
+        f"variables ({_first([v.path for v in built_for], 2)}): one optimizer object was "
+        f"compiled into two models. Keras's model.fit would train this model with the other "
+        f"model's slots and its step count (iterations={int(optimizer.iterations)}). Compile "
+        f"each model with an optimizer of its own, for example model.compile(optimizer="
+        f"keras.optimizers.{name}.from_config(other_optimizer.get_config()), loss=..., "
+        f"metrics=[...]) for a fresh copy of this one."
     )
 
 
