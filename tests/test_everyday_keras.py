@@ -239,3 +239,43 @@ def test_an_optimizer_built_for_another_model_is_refused_naming_the_fix():
     fresh = functools.partial(classifier, lambda: keras.optimizers.Adam.from_config(
         shared.get_config()))
     assert_same_training(*fit_both(fresh, x, y, epochs=1))
+
+
+class RecompilesAt(keras.callbacks.Callback):
+    """Calls `model.compile` (a new loss; the same or a new optimizer) after batch 2 of epoch 1."""
+
+    def __init__(self, same_optimizer):
+        super().__init__()
+        self.same_optimizer, self.done = same_optimizer, False
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 2 and not self.done:
+            self.done = True
+            self.model.compile(
+                optimizer=self.model.optimizer if self.same_optimizer else keras.optimizers.SGD(),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+                                                                ignore_class=0))
+
+
+@pytest.mark.parametrize("same_optimizer", [True, False], ids=["same_optimizer", "new_optimizer"])
+def test_a_callback_that_compiles_the_model_during_fit_is_refused_at_the_next_step(same_optimizer):
+    # Keras's model.fit fails on it with "'NoneType' object is not callable".
+    # keras_dp said "The training state cannot be read yet ... Call
+    # trainer.build(batch) with one batch of data first (fit does this for
+    # you)", and with the same optimizer first trained the rest of the epoch
+    # on the old loss.
+    x, y = rows()
+    model = classifier(keras.optimizers.Adam(1e-2))
+    with pytest.raises(ValueError) as raised:
+        keras_dp.fit_sharded(model, x, y, epochs=2, callbacks=[RecompilesAt(same_optimizer)],
+                             devices=devices(3), **FIT)
+    assert str(raised.value) == (
+        "The model was compiled again during fit (a callback called model.compile): its new "
+        "optimizer, loss and metrics are not built, and the fit's compiled step holds the "
+        "old ones. Keras's model.fit fails on this too (\"'NoneType' object is not "
+        "callable\"). Compile between fits instead: fit(..., epochs=k), then "
+        "model.compile(...), then fit(..., initial_epoch=k, epochs=n).")
+    assert raised.value.__notes__ == [
+        "keras_dp: the model holds the weights after 3 steps of epoch 1, the last step that "
+        "completed."]
+    assert raised.value.__cause__ is None and raised.value.__context__ is None  # no chain
