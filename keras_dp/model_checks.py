@@ -9,6 +9,7 @@ naming the layer or setting and the fix.
 
 import warnings
 
+import jax
 import keras
 
 from keras_dp import _compat
@@ -226,3 +227,43 @@ def check_no_preprocessor(model):
         ".batch(batch_size).map(preprocessor); keras_dp.fit_sharded(model, data, ...); "
         "then model.preprocessor = preprocessor again before saving or generating."
     )
+
+
+def check_metrics_per_output(model, y_pred):
+    """Raise a `ValueError` with the fix if a model of several outputs got one flat list of metrics.
+
+    Keras 3 reads a list of `metrics` (or `weighted_metrics`) for a model of
+    several outputs as one entry per output; a flat list of another length
+    (`metrics=["accuracy"]` for 2 outputs, as Keras 2 took it for every
+    output) fails in Keras's build with "tuple arity mismatch" (list
+    outputs) or "Expected an instance of dict" (dict outputs).
+    """
+    outputs = jax.tree.leaves(y_pred)
+    if len(outputs) < 2:
+        return
+    compiled = _compat.compiled_metrics(model)
+    names = list(getattr(model, "output_names", None) or []) or None
+    for argument in ("metrics", "weighted_metrics"):
+        given = getattr(compiled, f"_user_{argument}", None)
+        if (not isinstance(given, (list, tuple)) or len(given) == len(outputs)
+                or any(isinstance(item, (list, tuple, dict)) for item in given)):
+            continue
+        shown = f"[{', '.join(_metric_label(item) for item in given)}]"
+        per_output = (f"{{{', '.join(f'{name!r}: {shown}' for name in names)}}}" if names
+                      else None)
+        raise ValueError(
+            f"{argument}={shown} is one flat list for a model of {len(outputs)} outputs"
+            + (f" ({', '.join(names)})" if names else "") + ": Keras 3 reads a list "
+            f"as one entry per output, so it needs {len(outputs)}. Give one list per "
+            f"output, {argument}=[{', '.join([shown] * len(outputs))}]"
+            + (f", or a dict by output name, {argument}={per_output}" if per_output else "")
+            + ". Keras's model.fit fails on this too, inside its build.")
+
+
+def _metric_label(item):
+    """A metric as a user wrote it, for a message: `'accuracy'`, `AUC(...)`, `my_metric`."""
+    if isinstance(item, str):
+        return repr(item)
+    if isinstance(item, keras.metrics.Metric):
+        return f"{type(item).__name__}(...)"
+    return getattr(item, "__name__", type(item).__name__)

@@ -279,3 +279,51 @@ def test_a_callback_that_compiles_the_model_during_fit_is_refused_at_the_next_st
         "keras_dp: the model holds the weights after 3 steps of epoch 1, the last step that "
         "completed."]
     assert raised.value.__cause__ is None and raised.value.__context__ is None  # no chain
+
+
+def two_output_model(outputs):
+    """Two 3-class outputs, `a` and `b`, as a list or a dict."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5,))
+    hidden = keras.layers.Dense(8, activation="relu")(inputs)
+    a, b = keras.layers.Dense(3, name="a")(hidden), keras.layers.Dense(3, name="b")(hidden)
+    return keras.Model(inputs, [a, b] if outputs == "list" else {"a": a, "b": b})
+
+
+@pytest.mark.parametrize("outputs", ["list", "dict"])
+def test_one_flat_list_of_metrics_for_two_outputs_is_refused_with_the_fix(outputs):
+    # Keras 2 applied a list of metrics to every output; Keras 3 reads a list
+    # as one entry per output, and with 3 for 2 outputs its fit fails inside
+    # its build with "tuple arity mismatch; expected: 2, got: 3" (list
+    # outputs) or "Expected an instance of dict ..." (dict outputs), as
+    # keras_dp's did. (A list of exactly 2 is one metric per output, in both.)
+    x, y = rows()
+    labels = [y, y] if outputs == "list" else {"a": y, "b": y}
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model = two_output_model(outputs)
+    model.compile("sgd", loss=[loss, loss] if outputs == "list" else {"a": loss, "b": loss},
+                  weighted_metrics=["accuracy", keras.metrics.SparseTopKCategoricalAccuracy(2),
+                                    "sparse_categorical_crossentropy"])
+    with pytest.raises(ValueError) as raised:
+        keras_dp.fit_sharded(model, x, labels, epochs=1, devices=devices(3), **FIT)
+    metrics = ("['accuracy', SparseTopKCategoricalAccuracy(...), "
+               "'sparse_categorical_crossentropy']")
+    assert str(raised.value) == (
+        f"weighted_metrics={metrics} is one flat list for a model of 2 outputs (a, b): Keras 3 "
+        "reads a list as one entry per output, so it needs 2. Give one list per output, "
+        f"weighted_metrics=[{metrics}, {metrics}], or a dict by output name, "
+        f"weighted_metrics={{'a': {metrics}, 'b': {metrics}}}. Keras's model.fit fails on "
+        "this too, inside its build.")
+    assert not model.optimizer.built  # refused before anything was built or trained
+    # The fix, one list per output, trains as Keras's fit does.
+    def per_output():
+        model = two_output_model(outputs)
+        model.compile(keras.optimizers.SGD(0.05),
+                      loss=[loss, loss] if outputs == "list" else {"a": loss, "b": loss},
+                      weighted_metrics=[["accuracy"], ["accuracy"]])
+        return model
+
+    keras_model, keras_history, model, history = fit_both(
+        per_output, x, labels, sample_weight=np.linspace(0.5, 1.5, len(y)), epochs=2)
+    assert_same_training(keras_model, keras_history, model, history)
+    assert "b_accuracy" in history.history
