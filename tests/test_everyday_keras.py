@@ -153,7 +153,7 @@ def test_set_weights_in_a_callback_is_trained_on_as_under_keras(steps_per_execut
     make = functools.partial(classifier, batch_norm=True,
                              steps_per_execution=steps_per_execution)
     assert_same_training(*fit_both(make, x, y, make_callbacks=lambda: [ShrinksWeights()],
-                                   epochs=3, validation_data=(x[:9], y[:9])))
+                                   epochs=2))
 
 
 @pytest.mark.parametrize("steps_per_execution", [pytest.param(1, marks=SLOW), 2])
