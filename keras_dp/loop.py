@@ -237,8 +237,11 @@ def run_epoch(run, epoch, skip, val):
     if val is not None and logs is not None:
         epoch_logs.update(validate(run, val))
         run.timer.lap("validation_s")
-    # Callbacks that look at the model get it synced (`LiveModel`); the
-    # state is written back at the end of fit in any case.
+    # As Keras's fit does at each epoch's end, the model gets the state
+    # before `on_epoch_end`, whether the callbacks look through
+    # `self.model` or not (a LambdaCallback's closure over the model), and
+    # what they change there is read before the next step (`LiveModel`).
+    run.live.sync()
     run.callbacks.on_epoch_end(epoch, epoch_logs)
     run.timer.lap("callbacks_s")
     run.trainer.timings.append(run.timer.result(run.feed.flops))

@@ -327,3 +327,34 @@ def test_one_flat_list_of_metrics_for_two_outputs_is_refused_with_the_fix(output
         per_output, x, labels, sample_weight=np.linspace(0.5, 1.5, len(y)), epochs=2)
     assert_same_training(keras_model, keras_history, model, history)
     assert "b_accuracy" in history.history
+
+
+def test_a_lambda_callbacks_closure_over_the_model_sees_and_changes_it_at_epoch_end():
+    # keras.callbacks.LambdaCallback(on_epoch_end=lambda e, l: model.save(...))
+    # holds the model in a closure, not `self.model`. Keras's fit writes its
+    # state into the model before on_epoch_end and reads it back at the next
+    # epoch's start; keras_dp wrote it back only when a callback looked
+    # through `self.model`, so the closure saw the weights of the fit's start
+    # (0.13 away in a kernel of largest entry 0.74 after epoch 1) and what it
+    # set was overwritten.
+    x, y = rows()
+    seen = {}
+
+    def make_callbacks(model, name):
+        seen[name] = []
+
+        def look_and_shrink(epoch, logs):
+            seen[name].append(model.get_weights())
+            model.set_weights([w * 0.9 for w in model.get_weights()])
+
+        return [keras.callbacks.LambdaCallback(on_epoch_end=look_and_shrink)]
+
+    keras_model, model = classifier(), classifier()
+    keras_history = keras_model.fit(x, y, epochs=2, callbacks=make_callbacks(keras_model, "keras"),
+                                    **FIT)
+    history = keras_dp.fit_sharded(model, x, y, epochs=2, callbacks=make_callbacks(model, "ours"),
+                                   devices=devices(3), **FIT)
+    assert_same_training(keras_model, keras_history, model, history)
+    for mine, theirs in zip(seen["ours"], seen["keras"], strict=True):
+        for left, right in zip(mine, theirs, strict=True):
+            assert_close_to_scale(left, right)
