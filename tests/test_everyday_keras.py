@@ -199,6 +199,7 @@ def test_a_model_keras_trained_goes_on_under_keras_dp_and_back(steps_per_executi
     assert_same_optimizer_state(model, keras_model)
 
 
+@pytest.mark.slow  # 3 s; tests/test_fit.py trains an unbuilt Sequential by default
 def test_a_sequential_without_input_is_built_from_the_first_batch_and_saves(tmp_path):
     x, y = rows()
     make = functools.partial(classifier, with_input=False)
