@@ -338,23 +338,27 @@ def test_a_lambda_callbacks_closure_over_the_model_sees_and_changes_it_at_epoch_
     # through `self.model`, so the closure saw the weights of the fit's start
     # (0.13 away in a kernel of largest entry 0.74 after epoch 1) and what it
     # set was overwritten.
+    # So does on_test_end, in the validation (Keras writes back before it).
     x, y = rows()
     seen = {}
 
     def make_callbacks(model, name):
         seen[name] = []
 
-        def look_and_shrink(epoch, logs):
+        def look_and_shrink(*args):
             seen[name].append(model.get_weights())
             model.set_weights([w * 0.9 for w in model.get_weights()])
 
-        return [keras.callbacks.LambdaCallback(on_epoch_end=look_and_shrink)]
+        return [keras.callbacks.LambdaCallback(on_epoch_end=look_and_shrink,
+                                               on_test_end=look_and_shrink)]
 
     keras_model, model = classifier(), classifier()
-    keras_history = keras_model.fit(x, y, epochs=2, callbacks=make_callbacks(keras_model, "keras"),
-                                    **FIT)
-    history = keras_dp.fit_sharded(model, x, y, epochs=2, callbacks=make_callbacks(model, "ours"),
-                                   devices=devices(3), **FIT)
+    options = dict(FIT, epochs=2, validation_data=(x[:9], y[:9]))
+    keras_history = keras_model.fit(x, y, callbacks=make_callbacks(keras_model, "keras"),
+                                    **options)
+    history = keras_dp.fit_sharded(model, x, y, callbacks=make_callbacks(model, "ours"),
+                                   devices=devices(3), **options)
+    assert len(seen["ours"]) == 4
     assert_same_training(keras_model, keras_history, model, history)
     for mine, theirs in zip(seen["ours"], seen["keras"], strict=True):
         for left, right in zip(mine, theirs, strict=True):
