@@ -113,6 +113,11 @@ def unshadow_state_sync(model):
     del model.jax_state_sync
 
 
+def state_sync_shadowed(model):
+    """Whether a fit has shadowed `model`'s `jax_state_sync` (`shadow_state_sync`): a fit is running."""
+    return "jax_state_sync" in vars(model)
+
+
 def optimizer_trainable_variables(optimizer):
     """The variables `optimizer` was built for, in its slots' order (`_trainable_variables`)."""
     return optimizer._trainable_variables

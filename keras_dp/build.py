@@ -144,6 +144,8 @@ def build(model, batch, for_training=True, data="the data"):
             check_no_metric_updates_in_call(model, x)
         if for_training and not all(layer.built for layer in _compat.all_layers(model)):
             _trace(model, x, training=True)  # layers called only in training mode
+        if for_training:
+            model_checks.check_metrics_per_output(model, y_pred)
         if for_training and y is not None and _compat.compiled_loss(model) is not None:
             loss = check_labels(model, x, y, y_pred, sample_weight)  # predict ignores y, as Keras
             if not _compat.custom_step(model, "train_step"):

@@ -235,12 +235,16 @@ def run_epoch(run, epoch, skip, val):
     # No logs: a one-shot stream ran dry at the epoch's start (fit stops).
     epoch_logs = {} if logs is None else callbacks_lib.to_python(
         logs, run.model, run.live.state.metrics)
+    # As Keras's fit does at each epoch's end, the model gets the state
+    # before validation and `on_epoch_end`, whether the callbacks look
+    # through `self.model` or not (a LambdaCallback's closure over the
+    # model), and what they change is read before the next step (`LiveModel`).
+    run.live.sync()
     run.timer.lap("other_s")
     if val is not None and logs is not None:
         epoch_logs.update(validate(run, val))
         run.timer.lap("validation_s")
-    # Callbacks that look at the model get it synced (`LiveModel`); the
-    # state is written back at the end of fit in any case.
+        run.live.sync()  # the validation's non-trainable values and metrics
     run.callbacks.on_epoch_end(epoch, epoch_logs)
     run.timer.lap("callbacks_s")
     run.trainer.timings.append(run.timer.result(run.feed.flops))

@@ -9,6 +9,7 @@ naming the layer or setting and the fix.
 
 import warnings
 
+import jax
 import keras
 
 from keras_dp import _compat
@@ -42,8 +43,9 @@ def check_trainable_unchanged(model):
     `layer.enable_lora(rank)` and `model.quantize(mode)` after training
     change them too (LoRA adds trainable factors and freezes the kernel;
     quantizing replaces a kernel with non-trainable integers): the message
-    names the variables that differ. A model with its own `train_step`
-    chooses what its optimizer updates.
+    names the variables that differ. An optimizer built for another model
+    is refused as such (`check_optimizer_is_the_models`). A model with its
+    own `train_step` chooses what its optimizer updates.
     """
     optimizer = model.optimizer
     if optimizer is None or not optimizer.built or _compat.custom_step(model, "train_step"):
@@ -51,6 +53,7 @@ def check_trainable_unchanged(model):
     built_for = _compat.optimizer_trainable_variables(optimizer)
     if [id(v) for v in built_for] == [id(v) for v in model.trainable_variables]:
         return
+    check_optimizer_is_the_models(model, built_for)
     raise ValueError(
         f"The model's trainable variables changed since its optimizer was built: "
         f"{len(model.trainable_variables)} are trainable now, the optimizer holds slots "
@@ -60,6 +63,34 @@ def check_trainable_unchanged(model):
         "keras.optimizers.Adam(1e-5)); compiling with the built model.optimizer again "
         "keeps its old slots. The weights are kept."
         + _changed_variables(built_for, model.trainable_variables)
+    )
+
+
+def check_optimizer_is_the_models(model, built_for):
+    """Raise a `ValueError` with the fix if the optimizer was built for another model's variables.
+
+    One optimizer object compiled into two models (`model_b.compile(optimizer=
+    model_a.optimizer)`, or one `Adam(...)` passed to both) is built for the
+    first model that trains. Keras's `model.fit` then trains the second with
+    the first one's slots and step count, paired by position, without a
+    word; keras_dp refuses it before any step. The slots are taken for
+    another model's when none of the variables they were built for is the
+    model's, by object or by path (`model.quantize` replaces a kernel by a
+    new variable of the same path).
+    """
+    ids, paths = {id(v) for v in model.variables}, {v.path for v in model.variables}
+    if not built_for or any(id(v) in ids or v.path in paths for v in built_for):
+        return
+    optimizer = model.optimizer
+    name = type(optimizer).__name__
+    raise ValueError(
+        f"The model's optimizer ({name}, {optimizer.name!r}) was built for another model's "
+        f"variables ({_first([v.path for v in built_for], 2)}): one optimizer object was "
+        f"compiled into two models. Keras's model.fit would train this model with the other "
+        f"model's slots and its step count (iterations={int(optimizer.iterations)}). Compile "
+        f"each model with an optimizer of its own, for example model.compile(optimizer="
+        f"keras.optimizers.{name}.from_config(other_optimizer.get_config()), loss=..., "
+        f"metrics=[...]) for a fresh copy of this one."
     )
 
 
@@ -196,3 +227,43 @@ def check_no_preprocessor(model):
         ".batch(batch_size).map(preprocessor); keras_dp.fit_sharded(model, data, ...); "
         "then model.preprocessor = preprocessor again before saving or generating."
     )
+
+
+def check_metrics_per_output(model, y_pred):
+    """Raise a `ValueError` with the fix if a model of several outputs got one flat list of metrics.
+
+    Keras 3 reads a list of `metrics` (or `weighted_metrics`) for a model of
+    several outputs as one entry per output; a flat list of another length
+    (`metrics=["accuracy"]` for 2 outputs, as Keras 2 took it for every
+    output) fails in Keras's build with "tuple arity mismatch" (list
+    outputs) or "Expected an instance of dict" (dict outputs).
+    """
+    outputs = jax.tree.leaves(y_pred)
+    if len(outputs) < 2:
+        return
+    compiled = _compat.compiled_metrics(model)
+    names = list(getattr(model, "output_names", None) or []) or None
+    for argument in ("metrics", "weighted_metrics"):
+        given = getattr(compiled, f"_user_{argument}", None)
+        if (not isinstance(given, (list, tuple)) or len(given) == len(outputs)
+                or any(isinstance(item, (list, tuple, dict)) for item in given)):
+            continue
+        shown = f"[{', '.join(_metric_label(item) for item in given)}]"
+        per_output = (f"{{{', '.join(f'{name!r}: {shown}' for name in names)}}}" if names
+                      else None)
+        raise ValueError(
+            f"{argument}={shown} is one flat list for a model of {len(outputs)} outputs"
+            + (f" ({', '.join(names)})" if names else "") + ": Keras 3 reads a list "
+            f"as one entry per output, so it needs {len(outputs)}. Give one list per "
+            f"output, {argument}=[{', '.join([shown] * len(outputs))}]"
+            + (f", or a dict by output name, {argument}={per_output}" if per_output else "")
+            + ". Keras's model.fit fails on this too, inside its build.")
+
+
+def _metric_label(item):
+    """A metric as a user wrote it, for a message: `'accuracy'`, `AUC(...)`, `my_metric`."""
+    if isinstance(item, str):
+        return repr(item)
+    if isinstance(item, keras.metrics.Metric):
+        return f"{type(item).__name__}(...)"
+    return getattr(item, "__name__", type(item).__name__)

@@ -202,6 +202,7 @@ class LiveModel:
         self._last_good = inflight.LastGood()
         self._exchanged = []  # the model's arrays when it last met `state`
         self._variables = None  # the model's variables `state` was read from (`read`)
+        self._compiled = None  # the model's optimizer, loss and metrics at `read`
         self._interrupts = interrupts.Deferred()
 
     @contextlib.contextmanager
@@ -228,6 +229,7 @@ class LiveModel:
         into them even if a layer's `trainable` moves one to another group.
         """
         self._variables = self._state_variables()
+        self._compiled = self._compiled_parts()
         self.state, self.synced, self.touched = state, True, False
         self.position = self.model_position = position
         self._exchanged = self._arrays()
@@ -251,9 +253,19 @@ class LiveModel:
         return changed
 
     def model_changed(self):
-        """Whether a callback changed the model since it met the state (`needs_read`, read only)."""
-        return self.touched and any(
-            now is not then for now, then in zip(self._arrays(), self._exchanged))
+        """Whether a callback changed the model since it met the state (`needs_read`, read only).
+
+        A `model.compile` in a callback counts as a change: the read that
+        follows refuses it (`ShardedTrainer.init_state`), at the next step.
+        """
+        return self.touched and (
+            any(now is not then for now, then in zip(self._compiled_parts(), self._compiled))
+            or any(now is not then for now, then in zip(self._arrays(), self._exchanged)))
+
+    def _compiled_parts(self):
+        """The objects `model.compile` replaces: the optimizer, compiled loss and metrics."""
+        return (getattr(self.model, "optimizer", None), _compat.compiled_loss(self.model),
+                _compat.compiled_metrics(self.model))
 
     def current(self, read, any_process=None):
         """The state the run is at: the live state, or the model's if a callback changed it.

@@ -14,6 +14,7 @@ at the end of fit, and whenever `fit` exits by an exception or an interrupt.
 """
 
 
+from keras_dp import _compat
 from keras_dp import agreement
 from keras_dp import build as build_lib
 from keras_dp import callbacks as callbacks_lib
@@ -231,6 +232,15 @@ class ShardedTrainer:
 
     def _require_built(self, what):
         """Refuse to read the state of a model not built for training, naming the fix."""
+        if not build_lib.is_built(self.model) and _compat.state_sync_shadowed(self.model):
+            raise ValueError(
+                "The model was compiled again during fit (a callback called "
+                "model.compile): its new optimizer, loss and metrics are not built, "
+                "and the fit's compiled step holds the old ones. Keras's model.fit "
+                "fails on this too (\"'NoneType' object is not callable\"). Compile "
+                "between fits instead: fit(..., epochs=k), then model.compile(...), "
+                "then fit(..., initial_epoch=k, epochs=n)."
+            )
         if not build_lib.is_built(self.model):
             missing = ("its optimizer, loss or metrics are" if self.model.built
                        else "the model is")
