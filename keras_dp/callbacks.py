@@ -49,6 +49,16 @@ def callback_list(callbacks, model, verbose, history=True, collective_reads=Fals
     )
 
 
+def beyond_logs(callbacks):
+    """Whether a callback of the `CallbackList` may read the model, not only the logs.
+
+    Every one but Keras's `History` and progress bar (`ProgbarLogger`) may,
+    through `self.model` or a closure over the model (a `LambdaCallback`).
+    """
+    return any(not isinstance(callback, (keras.callbacks.History, keras.callbacks.ProgbarLogger))
+               for callback in callbacks.callbacks)
+
+
 @contextlib.contextmanager
 def released_on_error(callbacks):
     """Shut down the `CallbackList`'s thread pool if the block raises; the exception goes on unchanged.

@@ -238,13 +238,18 @@ def run_epoch(run, epoch, skip, val):
     # As Keras's fit does at each epoch's end, the model gets the state
     # before validation and `on_epoch_end`, whether the callbacks look
     # through `self.model` or not (a LambdaCallback's closure over the
-    # model), and what they change is read before the next step (`LiveModel`).
-    run.live.sync()
+    # model), and what they change is read before the next step
+    # (`LiveModel`). Keras's History and progress bar read only the logs:
+    # with no other callback, the state is written back at the fit's end.
+    user_callbacks = callbacks_lib.beyond_logs(run.callbacks)
+    if user_callbacks:
+        run.live.sync()
     run.timer.lap("other_s")
     if val is not None and logs is not None:
         epoch_logs.update(validate(run, val))
         run.timer.lap("validation_s")
-        run.live.sync()  # the validation's non-trainable values and metrics
+        if user_callbacks:
+            run.live.sync()  # the validation's non-trainable values and metrics
     run.callbacks.on_epoch_end(epoch, epoch_logs)
     run.timer.lap("callbacks_s")
     run.trainer.timings.append(run.timer.result(run.feed.flops))

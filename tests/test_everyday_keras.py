@@ -363,3 +363,26 @@ def test_a_lambda_callbacks_closure_over_the_model_sees_and_changes_it_at_epoch_
     for mine, theirs in zip(seen["ours"], seen["keras"], strict=True):
         for left, right in zip(mine, theirs, strict=True):
             assert_close_to_scale(left, right)
+
+
+def test_the_state_is_written_back_each_epoch_only_for_callbacks_that_may_read_the_model():
+    # The write-backs before validation and after it, at each epoch's end
+    # (as Keras's fit syncs its state), are for callbacks that may read the
+    # model; with only History and the progress bar there is one per epoch,
+    # History's (it sets `model.history` in on_epoch_end), not two.
+    from unittest import mock
+
+    from keras_dp import state as state_lib
+
+    x, y = np.random.default_rng(0).normal(size=(24, 4)).astype("float32"), np.zeros((24, 2))
+    counts = {}
+    for name, callbacks in (("logs only", []),
+                            ("a lambda", [keras.callbacks.LambdaCallback()])):
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        model.compile(optimizer="sgd", loss="mse")
+        with mock.patch.object(state_lib, "write_back", wraps=state_lib.write_back) as written:
+            keras_dp.fit_sharded(model, x, y, batch_size=8, epochs=3, verbose=1,
+                                 validation_data=(x, y), callbacks=callbacks,
+                                 devices=devices(2))
+        counts[name] = written.call_count
+    assert counts == {"logs only": 3, "a lambda": 6}, counts
