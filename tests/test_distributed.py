@@ -550,3 +550,34 @@ def test_a_stop_mid_epoch_on_one_process_only_ends_both_with_a_message(tmp_path)
             "was still in it: NotEveryProcess: model.stop_training was set") in logs[0]
     assert elapsed < 50, elapsed
     print(f"both ended {elapsed:.1f} s after the start")
+
+
+def test_a_sigterm_to_the_launcher_reaches_every_child_and_it_waits_for_them():
+    # A scheduler's preemption signal to `keras-dp launch` reached no child:
+    # the launcher died and its children trained on, orphaned. Each child
+    # here takes a second to "save" after the signal, longer than nothing.
+    script = ("import os, signal, sys, time\n"
+              "def stop(signum, frame):\n"
+              "    time.sleep(1)\n"
+              "    print('saved', flush=True)\n"
+              "    sys.exit(143)\n"
+              "signal.signal(signal.SIGTERM, stop)\n"
+              "print('ready', flush=True)\n"
+              "time.sleep(120)\n")
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "keras_dp", "launch", "--processes", "2", "--",
+         sys.executable, "-c", script],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        ready = 0
+        for line in launcher.stdout:
+            ready += line.endswith("] ready\n")
+            if ready == 2:
+                break
+        launcher.send_signal(signal.SIGTERM)
+        output, _ = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert launcher.returncode == 143
+    assert "[process 0] saved" in output and "[process 1] saved" in output

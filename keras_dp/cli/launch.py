@@ -5,10 +5,15 @@ For trying multi-process training without a cluster: every child gets the
 a free loopback port for the coordinator, and optionally its own simulated
 CPU devices. Children's output is streamed, each line prefixed with
 `[process i]`. If any child fails, the others are stopped, and the launcher
-fails with the first failing child's exit status.
+fails with the first failing child's exit status. A SIGTERM to the launcher
+(a scheduler's preemption, `kill`, a container stopping) goes on to every
+child, which saves and exits as a fit does on SIGTERM (status 143), and the
+launcher waits for them all.
 """
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -20,6 +25,8 @@ from keras_dp import distributed
 
 # Commands of keras-dp itself; anything else after `--` runs as a program.
 KERAS_DP_COMMANDS = ("train",)
+# What a process that ends for SIGTERM exits with (128 + 15), as a fit does.
+SIGTERM_STATUS = 128 + signal.SIGTERM
 
 
 def launch(command, processes, cpu_devices=None, port=None, grace_seconds=5.0):
@@ -37,7 +44,9 @@ def launch(command, processes, cpu_devices=None, port=None, grace_seconds=5.0):
 
     Returns:
         0 when every process succeeded, else the exit status of the first
-        that failed (1 when it was killed by a signal).
+        that failed (1 when it was killed by a signal). After a SIGTERM to
+        the launcher, which each child gets too: 143 when the children
+        ended for it (exited 143, or were ended by the signal) or succeeded.
 
     Raises:
         ValueError: no command, or fewer than one process.
@@ -66,13 +75,41 @@ def launch(command, processes, cpu_devices=None, port=None, grace_seconds=5.0):
     ]
     for stream in streams:
         stream.start()
-    try:
-        status = _wait(children)
-    finally:
-        _stop(children, grace_seconds)
-        for stream in streams:
-            stream.join(timeout=grace_seconds)
+    terminated = threading.Event()
+    with _forwarding_sigterm(children, terminated):
+        try:
+            status = _wait(children, terminated)
+        finally:
+            if not terminated.is_set():
+                _stop(children, grace_seconds)  # a child failed: stop the rest now
+            for stream in streams:
+                stream.join(timeout=grace_seconds)
     return status
+
+
+@contextlib.contextmanager
+def _forwarding_sigterm(children, terminated):
+    """Pass a SIGTERM to the launcher on to every child still running; set `terminated`.
+
+    The children then save and exit as they decide (a fit with
+    `checkpoint_dir` saves first): they are waited for, not killed after a
+    grace period. Outside the main thread, where Python cannot install
+    handlers, nothing is forwarded.
+    """
+    def forward(signum, frame):
+        terminated.set()
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, forward)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def child_environment(index, processes, address, cpu_devices=None):
@@ -87,9 +124,21 @@ def child_environment(index, processes, address, cpu_devices=None):
     return env
 
 
-def _wait(children):
-    """Poll until all succeeded (0) or one failed (its status)."""
+def _wait(children, terminated):
+    """Poll until all succeeded (0) or one failed (its status); after a SIGTERM, wait for all.
+
+    Once `terminated` is set, every child's end is waited for: the status
+    is the first failure other than the signal's, else 143 if any child
+    ended for the signal (143, or killed by it), else 0.
+    """
+    ended = (0, SIGTERM_STATUS, -signal.SIGTERM)
     while True:
+        if terminated.is_set():
+            codes = [child.wait() for child in children]
+            failed = [code for code in codes if code not in ended]
+            if failed:
+                return failed[0] if failed[0] > 0 else 1
+            return SIGTERM_STATUS if any(code != 0 for code in codes) else 0
         codes = [child.poll() for child in children]
         failed = [code for code in codes if code not in (None, 0)]
         if failed:
