@@ -65,6 +65,12 @@ class Position:
     steps: int
     stopped: bool = False
 
+    def at(self):
+        """Where, in words: "at the end of epoch 2", "after 5 steps of epoch 3" (from 1)."""
+        if self.steps == 0:
+            return f"at the end of epoch {self.epoch}"
+        return f"after {self.steps} steps of epoch {self.epoch + 1}"
+
 
 class Checkpoints:
     """The checkpoints of one run in `directory`; the newest `max_to_keep` are kept.
@@ -141,7 +147,7 @@ class Checkpoints:
         except Exception as error:  # noqa: BLE001 - one clear error, not orbax's chain
             raise OSError(
                 getattr(error, "errno", None) or errno.EIO,
-                f"Saving the checkpoint {_where(position)} in {self.directory} failed "
+                f"Saving the checkpoint {_of(position)} in {self.directory} failed "
                 f"({guard.short(error)}). The model holds the weights it trained; "
                 "the newest complete checkpoint there is unchanged. Free space "
                 "or fix the directory, then rerun the same fit to resume."
@@ -184,8 +190,7 @@ class Checkpoints:
         position = self.restored
         if position is None:
             return None
-        at = (f"at the end of epoch {position.epoch}" if position.steps == 0 else
-              f"after {position.steps} steps of epoch {position.epoch + 1}")
+        at = position.at()
         if position.stopped:
             return (f"keras_dp: the run in {self.directory} stopped early, {at} "
                     "(a callback set model.stop_training, e.g. EarlyStopping): nothing "
@@ -264,7 +269,7 @@ class Checkpoints:
             was = ", ".join(_plan_words(name, saved[name]) for name in changed)
             now = ", ".join(_plan_words(name, self.plan[name]) for name in changed)
             raise ValueError(
-                f"The checkpoint in {self.directory} stopped {_where(position)} "
+                f"The checkpoint in {self.directory} stopped {position.at()} "
                 f"of a fit with {was}, and this fit has {now}: the rest of that "
                 "epoch would train on other rows than the interrupted run's. "
                 "Rerun with the same data, batch_size and shuffle to finish that "
@@ -439,10 +444,9 @@ def _plan_tree(plan):
     return {name: np.asarray(value, np.int64) for name, value in plan.items()}
 
 
-def _where(position):
-    if position.steps == 0:
-        return f"of the end of epoch {position.epoch}"
-    return f"after {position.steps} steps of epoch {position.epoch + 1}"
+def _of(position):
+    """`position.at()` after "the checkpoint": "of the end of epoch 2", "after 5 steps ..."."""
+    return "of " + position.at()[len("at "):] if position.steps == 0 else position.at()
 
 
 def _process_index():

@@ -106,12 +106,12 @@ def exit_after_preemption(directory, position):
     `directory` is where the checkpoint was saved, or None when there is
     none (a run across processes without `checkpoint_dir`).
     """
-    where = f"{position.steps} steps of epoch {position.epoch + 1}"
+    where = position.at()
     print(
-        f"keras_dp: SIGTERM received; saved a checkpoint in {directory} after "
+        f"keras_dp: SIGTERM received; saved a checkpoint in {directory} "
         f"{where}. Run the same fit with the same checkpoint_dir to resume "
         "from there." if directory is not None else
-        f"keras_dp: SIGTERM received; every process stopped after {where}. "
+        f"keras_dp: SIGTERM received; every process stopped {where}. "
         "Nothing was saved: pass checkpoint_dir to fit to resume after a SIGTERM.",
         file=sys.stderr, flush=True,
     )

@@ -761,3 +761,17 @@ def test_sigterm_ends_the_process_again_after_a_fit_whose_handler_before_was_not
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
     finally:
         real(signal.SIGTERM, before)
+
+
+def test_the_sigterm_message_says_where_the_run_stopped_in_words(capsys):
+    # At an epoch's end it said "after 0 steps of epoch 3" for the end of epoch 2.
+    from keras_dp import preemption
+
+    for position, where in ((checkpoint_lib.Position(2, 0), "at the end of epoch 2"),
+                            (checkpoint_lib.Position(2, 5), "after 5 steps of epoch 3")):
+        with pytest.raises(SystemExit) as ended:
+            preemption.exit_after_preemption("/ckpt", position)
+        assert ended.value.code == 143
+        assert capsys.readouterr().err == (
+            f"keras_dp: SIGTERM received; saved a checkpoint in /ckpt {where}. Run the "
+            "same fit with the same checkpoint_dir to resume from there.\n")
