@@ -145,13 +145,18 @@ class Checkpoints:
                 self._manager.save(index, args=self._ocp.args.StandardSave(tree), force=True)
                 self._manager.wait_until_finished()
         except Exception as error:  # noqa: BLE001 - one clear error, not orbax's chain
-            raise OSError(
-                getattr(error, "errno", None) or errno.EIO,
-                f"Saving the checkpoint {_of(position)} in {self.directory} failed "
-                f"({guard.short(error)}). The model holds the weights it trained; "
-                "the newest complete checkpoint there is unchanged. Free space "
-                "or fix the directory, then rerun the same fit to resume."
-            ) from None
+            failed = (f"Saving the checkpoint {_of(position)} in {self.directory} failed "
+                      f"({guard.short(error)}). The model holds the weights it trained; "
+                      "the newest complete checkpoint there is unchanged.")
+            if isinstance(error, OSError) or getattr(error, "errno", None):
+                raise OSError(getattr(error, "errno", None) or errno.EIO,
+                              f"{failed} Free space or fix the directory, then rerun the "
+                              "same fit to resume.") from None
+            # Not the disk's or the directory's, as far as the error says: its
+            # chain stays, for what orbax or TensorStore reports.
+            raise RuntimeError(
+                f"{failed} If the disk or the directory is at fault, fix it and "
+                "rerun the same fit to resume.") from error
 
     def save_live(self, live, trainer, position):
         """Save the state a fit has reached (`LiveModel.current`) at `position`.

@@ -775,3 +775,23 @@ def test_the_sigterm_message_says_where_the_run_stopped_in_words(capsys):
         assert capsys.readouterr().err == (
             f"keras_dp: SIGTERM received; saved a checkpoint in /ckpt {where}. Run the "
             "same fit with the same checkpoint_dir to resume from there.\n")
+
+
+def test_a_save_that_fails_for_another_reason_than_the_disk_says_so(data, tmp_path, monkeypatch):
+    # Every failure of a save was an OSError telling to free space: an error
+    # of orbax's own (a tree it cannot write) sent the user to the disk.
+    import orbax.checkpoint as ocp
+
+    def fails(self, *args, **kwargs):
+        raise ValueError("Unsupported type in the tree")
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", fails)
+    model = mlp()
+    with pytest.raises(RuntimeError) as raised:
+        fit(model, (data[0][:64], data[1][:64]), epochs=1, checkpoint_dir=tmp_path)
+    assert str(raised.value) == (
+        f"Saving the checkpoint of the end of epoch 1 in {tmp_path} failed (ValueError: "
+        "Unsupported type in the tree). The model holds the weights it trained; the "
+        "newest complete checkpoint there is unchanged. If the disk or the directory "
+        "is at fault, fix it and rerun the same fit to resume.")
+    assert isinstance(raised.value.__cause__, ValueError)
