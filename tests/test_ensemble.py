@@ -245,6 +245,10 @@ def test_build_model_must_return_a_new_compiled_keras_model():
     uncompiled = lambda: keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])  # noqa: E731
     with pytest.raises(ValueError, match="uncompiled model.*model.compile"):
         keras_dp.EnsembleTrainer(uncompiled, 2, devices=devices(2))
+    # A model to clone: the fix is on that model, not "inside build_model".
+    with pytest.raises(ValueError, match=r"^The model passed to be cloned for each member "
+                                         r"is not compiled\. Call model.compile"):
+        keras_dp.EnsembleTrainer(uncompiled(), 2, devices=devices(2))
     shared = build_mlp()
     with pytest.raises(ValueError, match="same model object twice"):
         keras_dp.EnsembleTrainer(lambda: shared, 2, devices=devices(2))
@@ -988,3 +992,16 @@ def test_training_sample_weights_train_each_member_as_its_own_model_fit():
         expected = reference.fit(x, y, **options).history
         assert_member_history(result.member_history, i, expected)
         assert_members_close(member, reference, rtol=1e-5)
+
+
+def test_an_ensemble_turns_the_compilation_cache_on_as_a_sharded_trainer_does(monkeypatch):
+    # EnsembleTrainer never enabled it: `keras-dp train --ensemble` and
+    # fit_ensemble compiled every program again in every run.
+    from keras_dp import compilation_cache
+
+    asked = []
+    monkeypatch.setattr(compilation_cache, "enable",
+                        lambda setting=True, **kwargs: asked.append(setting) or "/cache")
+    trainer = keras_dp.EnsembleTrainer(build_mlp, 2, devices=devices(2))
+    keras_dp.EnsembleTrainer(build_mlp, 2, devices=devices(2), compilation_cache=False)
+    assert asked == [True, False] and trainer.compilation_cache_dir == "/cache"

@@ -43,7 +43,7 @@ def fit_ensemble(build_model, x=None, y=None, *, members=None, batch_size=None,
                  class_weight=None, sample_weight=None, initial_epoch=0,
                  steps_per_epoch=None, validation_steps=None, validation_batch_size=None,
                  validation_freq=1, steps_per_execution=None, from_logits=None,
-                 seed=0, mesh=None, devices=None):
+                 seed=0, mesh=None, devices=None, compilation_cache=True):
     """Train an ensemble, one member per device, that averages probabilities.
 
     Member `i` is `build_model()` called right after
@@ -93,6 +93,8 @@ def fit_ensemble(build_model, x=None, y=None, *, members=None, batch_size=None,
         seed: seed of the members' initialisations and of the data order,
             an int of at least 0.
         mesh, devices: where to train (default: all of JAX's devices).
+        compilation_cache: JAX's persistent compilation cache, as for
+            `ShardedTrainer`: a rerun loads the compiled steps from disk.
 
     Returns:
         `EnsembleResult(members, model, history, member_history)`.
@@ -111,6 +113,7 @@ def fit_ensemble(build_model, x=None, y=None, *, members=None, batch_size=None,
     trainer = EnsembleTrainer(
         build_model, members, seed=seed, mesh=mesh, devices=devices,
         from_logits=from_logits, steps_per_execution=steps_per_execution,
+        compilation_cache=compilation_cache,
     )
     history = trainer.fit(
         x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,

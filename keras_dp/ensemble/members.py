@@ -302,6 +302,12 @@ def _make_member(build_model, seed, index):
             "([...]) or keras.Model(inputs, outputs)."
         )
     if not model.compiled:
+        if isinstance(build_model, keras.Model):  # cloned: its compile config is copied
+            raise ValueError(
+                "The model passed to be cloned for each member is not compiled. "
+                "Call model.compile(optimizer=..., loss=..., metrics=[...]) on it "
+                "first: each member is compiled from its compile config."
+            )
         raise ValueError(
             f"build_model returned an uncompiled model (member {index}). Call "
             "model.compile(optimizer=..., loss=..., metrics=[...]) inside "

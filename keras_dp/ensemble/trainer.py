@@ -5,6 +5,7 @@ import numpy as np
 
 from keras_dp import build as build_lib
 from keras_dp import callbacks as callbacks_lib
+from keras_dp import compilation_cache as compilation_cache_lib
 from keras_dp import mesh as mesh_lib
 from keras_dp import model_checks
 from keras_dp import pipeline
@@ -35,6 +36,8 @@ class EnsembleTrainer:
             the members' `steps_per_execution` from `compile`, else 1), as
             `ShardedTrainer` runs them: K batches of one row count per
             call, the rest one by one.
+        compilation_cache: JAX's persistent compilation cache, as for
+            `ShardedTrainer` (the directory in use is `compilation_cache_dir`).
 
     Attributes:
         member_history: after `fit`, each member's own logs per epoch,
@@ -55,7 +58,9 @@ class EnsembleTrainer:
     """
 
     def __init__(self, build_model, members=None, *, seed=0, mesh=None,
-                 devices=None, from_logits=None, steps_per_execution=None):
+                 devices=None, from_logits=None, steps_per_execution=None,
+                 compilation_cache=True):
+        self.compilation_cache_dir = compilation_cache_lib.enable(compilation_cache)
         self.seed = pipeline.check_count("seed", seed, 0)  # before any member is built
         count, self.mesh = members_lib.member_mesh(members, mesh, devices)
         self.members = members_lib.make_members(build_model, count, self.seed)
