@@ -10,6 +10,7 @@ process and they agree on one step at which all of them stop
 """
 
 import contextlib
+import itertools
 import signal
 import sys
 import threading
@@ -71,10 +72,14 @@ class SyncedPreemption:
     reached. So every process must read `requested` at the same points, as
     the trainer's loop does (before each compiled call and at each epoch's
     end). No Python handler is installed: it would replace JAX's.
+
+    The step ids JAX is given keep growing across fits (`_SYNC_STEPS`): a
+    SIGTERM between two fits sets the sync point one past the last id
+    given, which a next fit counting from 0 again might never reach, and it
+    would end without saving.
     """
 
     def __init__(self):
-        self._calls = 0
         self._reached = False
 
     def __enter__(self):
@@ -89,9 +94,13 @@ class SyncedPreemption:
         if not self._reached and _preemption_service_enabled():
             from jax.experimental import multihost_utils
 
-            self._reached = multihost_utils.reached_preemption_sync_point(self._calls)
-            self._calls += 1
+            self._reached = multihost_utils.reached_preemption_sync_point(next(_SYNC_STEPS))
         return self._reached
+
+
+# The step ids of JAX's preemption sync point, for the whole process: JAX
+# needs them increasing, and every process takes them at the same reads.
+_SYNC_STEPS = itertools.count()
 
 
 def _preemption_service_enabled():

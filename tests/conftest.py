@@ -184,3 +184,20 @@ def assert_weights_equal(a, b):
 
 def devices(n):
     return jax.devices()[:n]
+
+
+def sigterm_stops(text):
+    """Where each "SIGTERM received; saved a checkpoint" line of `text` says the run stopped.
+
+    A list of `(epoch, steps)`, 0-based, `steps` steps of epoch `epoch`
+    done: "at the end of epoch 2" is `(2, 0)`, "after 5 steps of epoch 3"
+    is `(2, 5)`.
+    """
+    import re
+
+    stops = []
+    for line in re.findall(r"SIGTERM received; saved a checkpoint in .*", text):
+        end = re.search(r" at the end of epoch (\d+)\.", line)
+        after = re.search(r" after (\d+) steps of epoch (\d+)\.", line)
+        stops.append((int(end[1]), 0) if end else (int(after[2]) - 1, int(after[1])))
+    return stops

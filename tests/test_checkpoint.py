@@ -795,3 +795,21 @@ def test_a_save_that_fails_for_another_reason_than_the_disk_says_so(data, tmp_pa
         "newest complete checkpoint there is unchanged. If the disk or the directory "
         "is at fault, fix it and rerun the same fit to resume.")
     assert isinstance(raised.value.__cause__, ValueError)
+
+
+def test_the_preemption_sync_step_ids_keep_growing_across_fits(monkeypatch):
+    # Each fit counted JAX's sync-point step ids from 0: after a SIGTERM
+    # between two fits, JAX's sync point (one past the last id it was
+    # given) could lie beyond a shorter next fit, which then never saw it.
+    from jax.experimental import multihost_utils
+
+    from keras_dp import preemption
+
+    given = []
+    monkeypatch.setattr(preemption, "_preemption_service_enabled", lambda: True)
+    monkeypatch.setattr(multihost_utils, "reached_preemption_sync_point",
+                        lambda step: given.append(step) or False)
+    for _ in range(2):  # two fits, three reads each
+        with preemption.SyncedPreemption() as watcher:
+            assert [watcher.requested for _ in range(3)] == [False] * 3
+    assert given == sorted(given) and len(set(given)) == 6

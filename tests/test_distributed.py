@@ -21,6 +21,7 @@ import keras_dp
 from keras_dp import distributed
 from keras_dp.cli.launch import child_environment
 from conftest import assert_close_to_scale
+from conftest import sigterm_stops
 
 WORKER = pathlib.Path(__file__).parent / "scripts" / "distributed_worker.py"
 sys.path.insert(0, str(WORKER.parent))
@@ -187,10 +188,9 @@ def test_sigterm_to_one_process_saves_every_process_at_one_step_and_resumes_bitw
     codes, logs = run_pair(tmp_path / "stopped", "--checkpoint-dir", str(checkpoints),
                            "--signal", "SIGTERM:1:1:5")
     assert codes == [143, 143], logs[1][-3000:]
-    stops = [re.findall(r"saved a checkpoint in .* after (\d+) steps of epoch (\d+)", log)
-             for log in logs]
+    stops = [sigterm_stops(log) for log in logs]
     assert len(stops[0]) == 1 and stops[0] == stops[1], stops  # the same step in both
-    steps_done, epoch = int(stops[0][0][0]), int(stops[0][0][1]) - 1
+    [(epoch, steps_done)] = stops[0]
     assert (epoch, steps_done) > (1, 5)  # after the signal
     kept, others = checkpoint_steps(checkpoints)
     assert others == [] and len(kept) == 2  # complete checkpoints only, the stop newest

@@ -6,7 +6,6 @@ import json
 import os
 import pathlib
 import random
-import re
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ import keras_dp
 from conftest import assert_close_to_scale, assert_weights_close
 from conftest import assert_weights_equal
 from conftest import devices
+from conftest import sigterm_stops
 
 SCRIPTS = pathlib.Path(__file__).parent / "scripts"
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -56,11 +56,11 @@ def sigterm_exit(directory, seed, host):
     done = subprocess.run(command, capture_output=True, text=True, timeout=200, env=env)
     assert done.returncode == 143, done.stderr[-3000:]  # not 134 (SIGABRT) or 1
     assert "terminate called" not in done.stderr and "FATAL" not in done.stderr
-    saved = re.search(r"saved a checkpoint in .* after (\d+) steps of epoch (\d+)", done.stderr)
+    [(epoch, steps)] = sigterm_stops(done.stderr)
     # SIGTERM came after step `at` of the run (8 steps per epoch); the save
     # is at the next step boundary.
     at = random.Random(seed).randint(1, 30)
-    assert (int(saved[2]) - 1) * 8 + int(saved[1]) == at
+    assert epoch * 8 + steps == at
 
 
 @pytest.mark.slow  # tests/test_checkpoint.py's SIGTERM test exits 143 and resumes in CI
