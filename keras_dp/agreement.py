@@ -162,24 +162,32 @@ def stop_mid_epoch(placement, epoch, index):
         f"process's stop stops all. {_NO_LONGER}"))
 
 
-def same_start(placement, epoch):
-    """Check that every process's `BackupAndRestore` resumes at `epoch` (0-based), as this one's.
+def same_start(placement, epoch, steps=0):
+    """Check that every process resumes fit after `steps` steps of epoch `epoch` (0-based), as this one.
 
-    One round per fit with a `BackupAndRestore`: a backup that one process
-    sees and another does not would start them at different epochs.
+    One round per fit that restores (a `checkpoint_dir`, a `BackupAndRestore`):
+    a checkpoint or backup that one process reads and another does not (a
+    directory one of them does not see, a read that failed on one) would
+    start them at different points, and the next collective would mix
+    their batches or wait forever.
 
     Raises:
-        Disagreement: the processes start at different epochs.
+        Disagreement: the processes start at different points.
     """
-    starts = [values[0] for values in _gather(placement, [epoch], _absent("fit"))]
+    starts = [tuple(values) for values in _gather(placement, [epoch, steps], _absent("fit"))]
     if len(set(starts)) > 1:
         raise Disagreement(
-            "BackupAndRestore resumes fit at different epochs: " + ", ".join(
-                f"epoch {start + 1} on process {process}"
+            "The processes resume fit at different points: " + ", ".join(
+                f"{_start_words(*start)} on process {process}"
                 for process, start in enumerate(starts))
-            + ". Give every process the same backup_dir, on a filesystem they all "
-            "see (process 0 writes it; every process reads it)."
+            + ". Give every process the same checkpoint_dir (and BackupAndRestore "
+            "backup_dir), on a filesystem they all see (process 0 writes it; every "
+            "process reads it)."
         )
+
+
+def _start_words(epoch, steps):
+    return f"epoch {epoch + 1}" + (f" after {steps} steps" if steps else "")
 
 
 def _gather(placement, values, message):

@@ -133,8 +133,10 @@ def fit(trainer, batches, val, callbacks, *, epochs, resume, validation_freq,
     callbacks.on_train_begin()
     start = _compat.take_initial_epoch(model) or resume.epoch
     try:
-        if trainer.multiprocess and callbacks_lib.restores(callbacks):
-            agreement.same_start(trainer.placement, start)
+        if trainer.multiprocess and (checkpoints is not None
+                                     or callbacks_lib.restores(callbacks)):
+            agreement.same_start(trainer.placement, start,
+                                 resume.steps if start == resume.epoch else 0)
         with run.live.attached(), preemption_lib.preemption(
                 trainer.multiprocess, saving=checkpoints is not None) as preemption:
             # Across processes JAX's runtime takes SIGTERM: act on it, saved or not.

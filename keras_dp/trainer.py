@@ -460,9 +460,10 @@ class ShardedTrainer:
         # Across processes, every process's preparation and settings are
         # checked against the others' before anything waits on them.
         with agreement.preparing(self.placement) as settings:
-            for name, directory in (("checkpoint_dir", checkpoint_dir),
-                                    ("profile_dir", profile_dir)):
-                checkpoint_lib.check_dir(directory, name)  # a bad path fails first
+            # A bad path fails first. Processes agree on the absolute path:
+            # a relative one names another directory in another working directory.
+            checkpoint_dir = checkpoint_lib.check_dir(checkpoint_dir, "checkpoint_dir")
+            checkpoint_lib.check_dir(profile_dir, "profile_dir")
             epochs = pipeline.check_count("epochs", epochs)
             initial_epoch = pipeline.check_count("initial_epoch", initial_epoch)
             checkpoints_to_keep = pipeline.check_count(

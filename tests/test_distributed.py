@@ -490,9 +490,10 @@ def test_process_0_alone_writes_the_callbacks_files_and_evaluate_on_one_process_
     for case in cases:
         assert case["resumed"] == "trained epochs [2]"
         assert case["one backup"] == (
-            "Disagreement: BackupAndRestore resumes fit at different epochs: epoch 3 on "
-            "process 0, epoch 1 on process 1. Give every process the same backup_dir, on a "
-            "filesystem they all see (process 0 writes it; every process reads it).")
+            "Disagreement: The processes resume fit at different points: epoch 3 on "
+            "process 0, epoch 1 on process 1. Give every process the same checkpoint_dir "
+            "(and BackupAndRestore backup_dir), on a filesystem they all see (process 0 "
+            "writes it; every process reads it).")
     # A stop after batch 1 of 4 on both processes trains 2 steps on both.
     for log in logs:
         assert "CASE both: trained 2 steps" in log, log[-3000:]
@@ -581,3 +582,21 @@ def test_a_sigterm_to_the_launcher_reaches_every_child_and_it_waits_for_them():
             os.killpg(launcher.pid, signal.SIGKILL)
     assert launcher.returncode == 143
     assert "[process 0] saved" in output and "[process 1] saved" in output
+
+
+def test_processes_restored_at_different_points_refuse_to_start_apart():
+    # Only a BackupAndRestore's start was compared: a checkpoint that one
+    # process read and another did not (another directory, a failed read)
+    # started them at different steps, mixing batches or waiting forever.
+    from keras_dp import agreement
+
+    class Placement:  # the round's result: every process's (epoch, steps)
+        def __init__(self, starts):
+            channel = type("Channel", (), {"all_gather": lambda self, values: starts})()
+            self.exchange = type("Exchange", (), {"channel": lambda self, timeout: channel})()
+
+    agreement.same_start(Placement([[1, 5], [1, 5]]), 1, 5)
+    with pytest.raises(agreement.Disagreement, match=(
+            r"^The processes resume fit at different points: epoch 2 after 5 steps on "
+            r"process 0, epoch 1 on process 1\. Give every process the same checkpoint_dir")):
+        agreement.same_start(Placement([[1, 5], [0, 0]]), 1, 5)
