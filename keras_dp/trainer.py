@@ -513,24 +513,26 @@ class ShardedTrainer:
                 validation_steps=validation_steps, validation_freq=validation_freq,
                 steps_per_epoch=steps_per_epoch, checkpoint_dir=checkpoint_dir,
                 checkpoints_to_keep=checkpoints_to_keep)
-        checkpoints, resume = checkpoint_lib.open_for_fit(
-            checkpoint_dir, self.model, self.seed, self.multiprocess, initial_epoch,
-            steps_per_epoch, source=getattr(batches, "resumable", None),
-            plan=checkpoint_lib.plan_of(batches, shuffle, self.multiprocess),
-            max_to_keep=checkpoints_to_keep)
-        with checkpoint_lib.closing(checkpoints):  # its lock goes, whatever fails
-            note = checkpoints and checkpoints.resume_note(epochs)
-            if note and verbose != 0 and distributed.is_primary():
-                print(note, flush=True)
-            # Process 0 writes the callbacks' files; with a state split across
-            # processes, every process takes part in their reads of the model.
-            callbacks = callbacks_lib.callback_list(
-                callbacks, self.model, verbose, epochs=epochs, steps=batches.steps,
-                collective_reads=self.multiprocess and self.state_sharding != "replicated",
-            )
-            feed = resident.make_feed(self, batches, plan)  # first: its data takes memory
-            self._use_train_programs(donate=not memory_lib.keep_last_good(self, plan))
-            with peers.watch(self.placement):  # an error on one process stops all
+        # An error on one process stops all, opening the checkpoints included
+        # (only process 0 takes the directory's lock, say).
+        with peers.watch(self.placement):
+            checkpoints, resume = checkpoint_lib.open_for_fit(
+                checkpoint_dir, self.model, self.seed, self.multiprocess, initial_epoch,
+                steps_per_epoch, source=getattr(batches, "resumable", None),
+                plan=checkpoint_lib.plan_of(batches, shuffle, self.multiprocess),
+                max_to_keep=checkpoints_to_keep)
+            with checkpoint_lib.closing(checkpoints):  # its lock goes, whatever fails
+                note = checkpoints and checkpoints.resume_note(epochs)
+                if note and verbose != 0 and distributed.is_primary():
+                    print(note, flush=True)
+                # Process 0 writes the callbacks' files; with a state split across
+                # processes, every process takes part in their reads of the model.
+                callbacks = callbacks_lib.callback_list(
+                    callbacks, self.model, verbose, epochs=epochs, steps=batches.steps,
+                    collective_reads=self.multiprocess and self.state_sharding != "replicated",
+                )
+                feed = resident.make_feed(self, batches, plan)  # first: its data takes memory
+                self._use_train_programs(donate=not memory_lib.keep_last_good(self, plan))
                 return loop.fit(
                     self, batches, val, callbacks, epochs=epochs, resume=resume,
                     validation_freq=validation_freq, checkpoints=checkpoints,
