@@ -103,16 +103,21 @@ class Checkpoints:
         self.directory = check_dir(directory, "checkpoint_dir")
         self.max_to_keep = max_to_keep
         self._lock = guard.DirectoryLock(self.directory) if lock else None
-        self._manager = _manager_class(ocp)(
-            self.directory,
-            options=ocp.CheckpointManagerOptions(
-                max_to_keep=max_to_keep, create=True,
-                # Synchronous: when save returns, the checkpoint is complete.
-                enable_async_checkpointing=False,
-            ),
-            # Named, so that a fresh manager can read a checkpoint's metadata.
-            item_handlers=ocp.StandardCheckpointHandler(),
-        )
+        try:
+            self._manager = _manager_class(ocp)(
+                self.directory,
+                options=ocp.CheckpointManagerOptions(
+                    max_to_keep=max_to_keep, create=True,
+                    # Synchronous: when save returns, the checkpoint is complete.
+                    enable_async_checkpointing=False,
+                ),
+                # Named, so that a fresh manager can read a checkpoint's metadata.
+                item_handlers=ocp.StandardCheckpointHandler(),
+            )
+        except BaseException:
+            if self._lock is not None:  # else this process would hold it for good
+                self._lock.release()
+            raise
 
     def save(self, state, position, seed):
         """Write `state` and `position`; returns when the checkpoint is complete.

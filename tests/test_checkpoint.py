@@ -813,3 +813,21 @@ def test_the_preemption_sync_step_ids_keep_growing_across_fits(monkeypatch):
         with preemption.SyncedPreemption() as watcher:
             assert [watcher.requested for _ in range(3)] == [False] * 3
     assert given == sorted(given) and len(set(given)) == 6
+
+
+def test_a_manager_that_fails_to_open_leaves_the_directory_unlocked(tmp_path, monkeypatch):
+    # The lock was taken, then orbax's manager raised, and the lock stayed:
+    # the next fit on the directory in this process was refused as a run
+    # that holds it (naming this process).
+    import orbax.checkpoint as ocp
+
+    real = ocp.CheckpointManager.__init__
+
+    def fails(self, *args, **kwargs):
+        raise OSError("the filesystem went away")
+
+    monkeypatch.setattr(ocp.CheckpointManager, "__init__", fails)
+    with pytest.raises(OSError, match="the filesystem went away"):
+        checkpoint_lib.Checkpoints(tmp_path)
+    monkeypatch.setattr(ocp.CheckpointManager, "__init__", real)
+    checkpoint_lib.Checkpoints(tmp_path).close()  # not DirectoryInUseError
