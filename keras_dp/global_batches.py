@@ -56,7 +56,8 @@ class MultiProcessPlacement(Placement):
 
     Attributes:
         exchange: its `keras_dp.exchange.Exchange`; `exchange.rounds`
-            counts the host round trips made (one per array epoch).
+            counts every host round trip it made (an array epoch's plan,
+            `shard`, `any_process`, the fit's agreement rounds).
     """
 
     multiprocess = True

@@ -3,7 +3,8 @@
 They run as `keras_dp.inference` runs one model: Keras's callback hooks
 around each compiled call (a progress bar unless `verbose=0`), the
 non-trainable values carried from batch to batch, and each call's results
-read to the host before the next is dispatched, as XLA:CPU needs. The model
+read to the host before the next is dispatched (one call in flight, on every
+platform: what XLA:CPU needs, and elsewhere a limit of these loops). The model
 the callbacks see is the averaging model; the batch logs they get are the
 members' means, as in `fit`. Each takes the `EnsembleTrainer` whose parts it
 runs.

@@ -159,7 +159,9 @@ def train_epoch(trainer, live, sources, epoch, callbacks):
 
     Each call's logs are read to the host before the next call is
     dispatched (the progress bar and callbacks get floats), so one call is
-    in flight at a time, as XLA:CPU needs.
+    in flight at a time, on every platform: what XLA:CPU needs, and on an
+    accelerator a limit of the ensemble's loop (`ShardedTrainer` keeps two
+    in flight there).
 
     Raises:
         FloatingPointError: a member's loss was NaN or Inf (unless a
