@@ -205,7 +205,11 @@ def _absent(call):
         f"process to call {call} too, and process {process} did not. Across "
         f"processes, call {call} on every process, each with its own share of the "
         "data, and print or save its result on process 0 only "
-        f"(keras_dp.distributed.is_primary()). {_NO_LONGER}")
+        f"(keras_dp.distributed.is_primary()). If process {process} did call it: "
+        "every process must also make the same trainers in the same order "
+        "(a ShardedTrainer; each fit_sharded call makes one), since their rounds "
+        "are named by that order: a trainer "
+        f"made on some processes only shifts the names. {_NO_LONGER}")
 
 
 _NO_LONGER = ("This process can no longer work with the others: let the error end it. "

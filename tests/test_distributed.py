@@ -481,7 +481,11 @@ def test_process_0_alone_writes_the_callbacks_files_and_evaluate_on_one_process_
         "NotEveryProcess: evaluate on process 0 waited 3 s for every process to call "
         "evaluate too, and process 1 did not. Across processes, call evaluate on every "
         "process, each with its own share of the data, and print or save its result on "
-        "process 0 only (keras_dp.distributed.is_primary()). This process can no longer "
+        "process 0 only (keras_dp.distributed.is_primary()). If process 1 did call it: "
+        "every process must also make the same trainers in the same order "
+        "(a ShardedTrainer; each fit_sharded call makes one), since their rounds "
+        "are named by that order: a trainer made on some "
+        "processes only shifts the names. This process can no longer "
         "work with the others: let the error end it. (KERAS_DP_AGREEMENT_TIMEOUT sets how "
         "long a process waits.)"]
     # Every process restores the backup process 0 wrote (epochs 1-2 done), or,
