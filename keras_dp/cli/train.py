@@ -30,7 +30,7 @@ def train(args):
     # from the cache too (`benchmarks/compile_cache.py`).
     keras_dp.compilation_cache.enable(min_compile_time_s=0.1)
     _compat.set_random_seed(args.seed)  # Keras's, without importing TensorFlow
-    data = load_mnist(args.data_dir, args.train_samples)
+    data = load_data(args.data_dir, args.train_samples)
     epochs = epochs_for(args, data)
     print = builtins.print if distributed.is_primary() else _silent  # noqa: A001
     model = keras_dp.models.compile_classifier(
@@ -73,7 +73,7 @@ def _silent(*args, **kwargs):
     """`print` on processes other than 0: the report comes from process 0."""
 
 
-def load_mnist(data_dir, train_samples):
+def load_data(data_dir, train_samples):
     """MNIST as the convnet takes it, and where it came from (`Mnist`).
 
     Images keep their `(28, 28, 1)` uint8 pixels: uint8 keeps
@@ -174,7 +174,7 @@ def train_ensemble(args):
 
     import keras_dp
 
-    data = load_mnist(args.data_dir, args.train_samples)
+    data = load_data(args.data_dir, args.train_samples)
     (x_train, y_train), (x_test, y_test) = data.train, data.test
 
     def build_model():
