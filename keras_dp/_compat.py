@@ -269,6 +269,19 @@ def distributed_client():
     return distributed.global_state.client
 
 
+def key_value_timed_out(error):
+    """Whether a `JaxRuntimeError` of `blocking_key_value_get` is its wait running out.
+
+    The coordination service says so only in the text ("DEADLINE_EXCEEDED").
+    """
+    return "DEADLINE_EXCEEDED" in str(error)
+
+
+def key_value_not_found(error):
+    """Whether a `JaxRuntimeError` of `key_value_try_get` says the key is not there ("NOT_FOUND")."""
+    return "NOT_FOUND" in str(error)
+
+
 def loss_function(loss):
     """The function a Keras `Loss` object wraps (`LossFunctionWrapper.fn`), else `loss` itself.
 

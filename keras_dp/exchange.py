@@ -117,7 +117,7 @@ class Channel:
             try:
                 return self._exchange._client.blocking_key_value_get(key, wait_ms)
             except jax.errors.JaxRuntimeError as error:
-                if "DEADLINE_EXCEEDED" not in str(error):
+                if not _compat.key_value_timed_out(error):
                     raise
             if self._closed is not None and self._closed.is_set():
                 raise Closed(key)
@@ -150,7 +150,7 @@ class Notice:
         try:
             return self._client.key_value_try_get(self._key)
         except jax.errors.JaxRuntimeError as error:
-            if "NOT_FOUND" in str(error):
+            if _compat.key_value_not_found(error):
                 return None
             raise Closed(self._key) from None
 

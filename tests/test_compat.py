@@ -271,3 +271,39 @@ def test_loss_function_is_the_function_a_keras_loss_wraps():
     assert _compat.loss_function(keras.losses.get("mse")) is keras.losses.mean_squared_error
     custom = lambda y, p: y  # noqa: E731
     assert _compat.loss_function(custom) is custom
+
+
+def test_the_coordination_services_errors_say_what_keras_dp_reads_in_them(tmp_path):
+    # exchange.py tells a wait that ran out, and a key not there, only from
+    # the text of JAX's errors: if it changed, every read would count as the
+    # service gone, and the failure reports across processes would stop.
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    script = f"""
+import jax
+jax.distributed.initialize("127.0.0.1:{port}", num_processes=1, process_id=0)
+from keras_dp import _compat
+client = _compat.distributed_client()
+try:
+    client.blocking_key_value_get("keras_dp/test/missing", 50)
+except jax.errors.JaxRuntimeError as error:
+    print("timed out:", _compat.key_value_timed_out(error))
+try:
+    client.key_value_try_get("keras_dp/test/missing")
+except jax.errors.JaxRuntimeError as error:
+    print("not found:", _compat.key_value_not_found(error))
+client.key_value_set("keras_dp/test/there", "1")
+print("read:", client.key_value_try_get("keras_dp/test/there"))
+jax.distributed.shutdown()
+"""
+    env = {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, env=dict(env, JAX_PLATFORMS="cpu", PYTHONPATH=root))
+    assert done.stdout.split("\n")[:3] == ["timed out: True", "not found: True", "read: 1"], (
+        done.stdout + done.stderr[-2000:])
