@@ -373,16 +373,23 @@ def validate(run, val):
     and what a callback changed in the model is honoured: at the last
     batch's end it is scored and trained on; in `on_test_begin` it is
     scored (`SwapEMAWeights` swaps the moving averages in), and what
-    `on_test_end` leaves (the averages swapped out) is trained on.
+    `on_test_end` leaves (the averages swapped out, a changed BatchNorm
+    statistic) is trained on: the model gets the test steps' values before
+    `on_test_end`, as Keras's evaluate gives them.
     """
     live, read = run.live, run.trainer.init_state
     any_process = run.trainer.placement.any_process if run.trainer.multiprocess else None
-    logs, non_trainable, metrics = inference.evaluate(
+
+    def before_end(non_trainable, metrics):
+        # As after model.fit's validation, the metrics hold its results until the next epoch.
+        live.stepped(live.current(read, any_process)._replace(non_trainable=non_trainable,
+                                                              metrics=metrics))
+        if callbacks_lib.beyond_logs(run.callbacks):  # a closure over the model reads it too
+            live.sync()
+
+    logs, _, _ = inference.evaluate(
         run.trainer, lambda: live.current(read, any_process).weights, val, run.callbacks,
-        run.validation)
-    # As after model.fit's validation, the metrics hold its results until the next epoch.
-    live.stepped(live.current(read, any_process)._replace(non_trainable=non_trainable,
-                                                          metrics=metrics))
+        run.validation, before_end=before_end)
     return {f"val_{name}": value for name, value in logs.items()}
 
 

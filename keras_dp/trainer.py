@@ -562,12 +562,14 @@ class ShardedTrainer:
                                                      steps=steps)
         callbacks = callbacks_lib.callback_list(callbacks, self.model, verbose, history=False,
                                                epochs=1, steps=batches.steps)
+        # As model.evaluate does: the model keeps what the test steps left,
+        # given to it before on_test_end, so what a callback changes there stays.
+        keep = lambda non_trainable, metrics: write_back(  # noqa: E731
+            TrainState(None, non_trainable, None, metrics), self.model)
         with peers.watch(self.placement, "evaluate"):
-            logs, non_trainable, metrics = inference.evaluate(  # read after on_test_begin
+            logs, _, _ = inference.evaluate(  # read after on_test_begin
                 self, lambda: model_weights(self.model, self.mesh, self.state_layout()),
-                batches, callbacks)
-        # As model.evaluate does: the model keeps what the test steps left.
-        write_back(TrainState(None, non_trainable, None, metrics), self.model)
+                batches, callbacks, before_end=keep)
         if return_dict:
             return dict(sorted(logs.items()))
         return callbacks_lib.in_evaluate_order(logs, self.model)

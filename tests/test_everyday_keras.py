@@ -386,3 +386,31 @@ def test_the_state_is_written_back_each_epoch_only_for_callbacks_that_may_read_t
                                  devices=devices(2))
         counts[name] = written.call_count
     assert counts == {"logs only": 3, "a lambda": 6}, counts
+
+
+class SetStatisticsOnTestEnd(keras.callbacks.Callback):
+    """Sets the BatchNormalization layer's moving mean in `on_test_end`, as a user might."""
+
+    def on_test_end(self, logs=None):
+        layer = next(layer for layer in self.model.layers
+                     if isinstance(layer, keras.layers.BatchNormalization))
+        layer.moving_mean.assign(np.full(layer.moving_mean.shape, 0.25, "float32"))
+
+
+def test_a_statistic_a_callback_sets_in_on_test_end_is_kept_as_under_keras():
+    # The test steps' non-trainable values replaced, after on_test_end, what
+    # a callback set there (validation in fit, and evaluate): Keras gives
+    # them to the model before on_test_end, so the callback's value stays.
+    x, y = rows()
+    keras_model, keras_history, model, history = fit_both(
+        functools.partial(classifier, batch_norm=True), x, y, epochs=2,
+        validation_data=(x[:20], y[:20]), make_callbacks=lambda: [SetStatisticsOnTestEnd()])
+    assert_same_training(keras_model, keras_history, model, history)
+    [mean] = [layer.moving_mean for layer in model.layers
+              if isinstance(layer, keras.layers.BatchNormalization)]
+    np.testing.assert_array_equal(np.asarray(mean), np.full(8, 0.25, "float32"))
+    # Standalone evaluate: the model keeps the callback's value too, as Keras's does.
+    mean.assign(np.zeros(8, "float32"))
+    keras_dp.ShardedTrainer(model, devices=devices(3)).evaluate(
+        x, y, batch_size=BATCH, verbose=0, callbacks=[SetStatisticsOnTestEnd()])
+    np.testing.assert_array_equal(np.asarray(mean), np.full(8, 0.25, "float32"))
