@@ -153,8 +153,9 @@ class Checkpoints:
             failed = (f"Saving the checkpoint {_of(position)} in {self.directory} failed "
                       f"({guard.short(error)}). The model holds the weights it trained; "
                       "the newest complete checkpoint there is unchanged.")
-            if isinstance(error, OSError) or getattr(error, "errno", None):
-                raise OSError(getattr(error, "errno", None) or errno.EIO,
+            code = getattr(error, "errno", None)
+            if isinstance(error, OSError) or code:
+                raise OSError(code or errno.EIO,
                               f"{failed} Free space or fix the directory, then rerun the "
                               "same fit to resume.") from None
             # Not the disk's or the directory's, as far as the error says: its
@@ -456,7 +457,7 @@ def _plan_tree(plan):
 
 def _of(position):
     """`position.at()` after "the checkpoint": "of the end of epoch 2", "after 5 steps ..."."""
-    return "of " + position.at()[len("at "):] if position.steps == 0 else position.at()
+    return f"of the end of epoch {position.epoch}" if position.steps == 0 else position.at()
 
 
 def _process_index():

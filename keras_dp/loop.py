@@ -248,10 +248,8 @@ def run_epoch(run, epoch, skip, val):
         run.live.sync()
     run.timer.lap("other_s")
     if val is not None and logs is not None:
-        epoch_logs.update(validate(run, val))
+        epoch_logs.update(validate(run, val))  # syncs again before on_test_end
         run.timer.lap("validation_s")
-        if user_callbacks:
-            run.live.sync()  # the validation's non-trainable values and metrics
     run.callbacks.on_epoch_end(epoch, epoch_logs)
     run.timer.lap("callbacks_s")
     run.trainer.timings.append(run.timer.result(run.feed.flops))

@@ -113,8 +113,7 @@ def plan(trainer, batch, step=None, arguments=None):
     if arguments is None:
         arguments = (placement.abstract_batch(batch, pipeline.batch_rows(batch), trainer.mesh),)
     else:  # the resident arrays come first, whole on every device
-        resident_data = sum(np.dtype(leaf.dtype).itemsize * int(np.prod(leaf.shape))
-                            for leaf in jax.tree.leaves(arguments[0]))
+        resident_data = sum(map(layout.bytes_per_device, jax.tree.leaves(arguments[0])))
     step = trainer.programs.train_step if step is None else step
     analysis = step.lower(state, *arguments).compile().memory_analysis()
     peak = (analysis.argument_size_in_bytes + analysis.output_size_in_bytes

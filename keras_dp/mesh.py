@@ -249,19 +249,17 @@ def local_copies(arrays, likes):
     program copies a device's shards together.
     """
     copies = [None] * len(arrays)
-    replicated = {}  # the shards' sharding (their device) -> [(position, shard)]
+    shards = {}  # position -> one local shard of a replicated array
     for position, (array, like) in enumerate(zip(arrays, likes, strict=True)):
         if isinstance(array, jax.Array) and array.sharding.is_fully_replicated:
-            shard = array.addressable_data(0)
-            replicated.setdefault(shard.sharding, []).append((position, shard))
+            shards[position] = array.addressable_data(0)
         else:
             copies[position] = local_copy(array, like)
-    for group in replicated.values():
-        for (position, _), copy in zip(group, _copy_all([shard for _, shard in group])):
-            like = likes[position]
-            if isinstance(like, jax.Array) and like.sharding != copy.sharding:
-                copy = jax.device_put(copy, like.sharding)
-            copies[position] = copy
+    for position, copy in zip(shards, _fresh_copies(list(shards.values()))):
+        like = likes[position]
+        if isinstance(like, jax.Array) and like.sharding != copy.sharding:
+            copy = jax.device_put(copy, like.sharding)
+        copies[position] = copy
     return copies
 
 

@@ -27,26 +27,36 @@ class Preemption:
 
     def __init__(self):
         self.requested = False
-        self._installed = False
-        self._previous = None
+        self._handling = contextlib.ExitStack()
 
     def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
-            self._installed = True
+        self._handling.enter_context(handling_sigterm(self._handle))
         return self
 
     def __exit__(self, *exc_info):
-        if self._installed:
-            # None: the handler before was set outside Python and cannot be
-            # put back; the default action (end the process) is, rather than
-            # this watcher, which records a signal no one will read.
-            previous = signal.SIG_DFL if self._previous is None else self._previous
-            signal.signal(signal.SIGTERM, previous)
-            self._installed, self._previous = False, None
+        self._handling.close()
 
     def _handle(self, signum, frame):
         self.requested = True
+
+
+@contextlib.contextmanager
+def handling_sigterm(handler):
+    """Call `handler(signum, frame)` on SIGTERM inside the block, then put back the one before.
+
+    Outside the main thread, where Python cannot install handlers, nothing
+    is installed. Where the handler before was set outside Python
+    (`signal.signal` returns None), it cannot be put back: the default
+    action (end the process) is, rather than `handler`, whose owner is gone.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def preemption(multiprocess, saving=True):

@@ -246,17 +246,15 @@ def abstract_arguments(batches, mesh):
     """
     replicated = mesh_lib.replicated(mesh)
 
-    def like(array, shape=None):
-        array = np.asarray(array)
-        return jax.ShapeDtypeStruct(array.shape if shape is None else shape,
-                                    jax.dtypes.canonicalize_dtype(array.dtype),
+    def like(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, jax.dtypes.canonicalize_dtype(dtype),
                                     sharding=replicated)
 
     total = batches.num_samples
-    order = like(np.zeros((), np.int32), (total,))
-    start = like(np.zeros((), np.int32))
-    return (jax.tree.map(like, batches.arrays),
-            Rows(order, start, min(batches.batch_size, total)))
+    arrays = jax.tree.map(lambda array: like(np.shape(array), np.asarray(array).dtype),
+                          batches.arrays)
+    return arrays, Rows(like((total,), np.int32), like((), np.int32),
+                        min(batches.batch_size, total))
 
 
 def make_steps(model, mesh, unroll=1, state_sharding="replicated", donate=True):

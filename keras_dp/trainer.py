@@ -334,13 +334,12 @@ class ShardedTrainer:
         on_cpu = self.mesh.devices.flat[0].platform == "cpu"  # the choice needs no plan there
         host_plan = None if on_cpu else memory_lib.plan(self, batch)
         programs = self._train_programs_for(
-            not memory_lib.keep_last_good(self, host_plan)) if on_cpu else None
+            not on_cpu or not memory_lib.keep_last_good(self, host_plan))
         if data_on_device is not False:
             batches = self._batches(x, y, sample_weight, batch_size, False)
             keep, why_not = resident.decide(self, batches, host_plan, data_on_device)
             if keep:
-                step = (programs or self._train_programs_for(True))["resident_step"]
-                return memory_lib.plan(self, batch, step,
+                return memory_lib.plan(self, batch, programs["resident_step"],
                                        resident.abstract_arguments(batches, self.mesh))
             if data_on_device is True:
                 raise resident.refusal(why_not)

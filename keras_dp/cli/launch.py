@@ -11,7 +11,6 @@ child, which saves and exits as a fit does on SIGTERM (status 143), and the
 launcher waits for them all.
 """
 
-import contextlib
 import os
 import signal
 import socket
@@ -22,6 +21,7 @@ import time
 
 from keras_dp import _compat
 from keras_dp import distributed
+from keras_dp import preemption
 
 # Commands of keras-dp itself; anything else after `--` runs as a program.
 KERAS_DP_COMMANDS = ("train",)
@@ -76,7 +76,14 @@ def launch(command, processes, cpu_devices=None, port=None, grace_seconds=5.0):
     for stream in streams:
         stream.start()
     terminated = threading.Event()
-    with _forwarding_sigterm(children, terminated):
+
+    def forward(signum, frame):  # the children save and exit as they decide: waited for
+        terminated.set()
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+
+    with preemption.handling_sigterm(forward):
         try:
             status = _wait(children, terminated)
         finally:
@@ -85,31 +92,6 @@ def launch(command, processes, cpu_devices=None, port=None, grace_seconds=5.0):
             for stream in streams:
                 stream.join(timeout=grace_seconds)
     return status
-
-
-@contextlib.contextmanager
-def _forwarding_sigterm(children, terminated):
-    """Pass a SIGTERM to the launcher on to every child still running; set `terminated`.
-
-    The children then save and exit as they decide (a fit with
-    `checkpoint_dir` saves first): they are waited for, not killed after a
-    grace period. Outside the main thread, where Python cannot install
-    handlers, nothing is forwarded.
-    """
-    def forward(signum, frame):
-        terminated.set()
-        for child in children:
-            if child.poll() is None:
-                child.send_signal(signal.SIGTERM)
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, forward)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def child_environment(index, processes, address, cpu_devices=None):
