@@ -448,6 +448,27 @@ def test_an_error_caught_on_one_process_only_ends_every_process_with_its_reason(
     print(f"both ended {elapsed:.1f} s after the start")
 
 
+def test_an_error_on_one_process_as_the_fit_opens_its_checkpoints_ends_every_process(
+        tmp_path):
+    # Opening the checkpoints (the lock, the write check, the restore) runs
+    # inside the span whose errors stop every process: process 1 failing
+    # there, and catching it, must not leave process 0 waiting for it in
+    # its first collective until the heartbeat or the agreement times out.
+    start = time.monotonic()
+    codes, logs = run_pair(tmp_path, timeout=90, env={distributed.HEARTBEAT_ENV: "5"},
+                           command=[sys.executable, str(MISMATCH_WORKER), "unwritable",
+                                    str(tmp_path / "checkpoints")])
+    elapsed = time.monotonic() - start
+    assert codes == [1, 1], logs[0][-3000:] + logs[1][-3000:]
+    reason = f"checkpoint_dir {tmp_path / 'checkpoints'} cannot be written to on process 1"
+    assert f"CAUGHT {reason}\ndone\n" in logs[1], logs[1][-3000:]
+    assert ("keras_dp: process 1 left fit with an error while this process (process 0) "
+            f"was still in it: PermissionError: {reason}\n") in logs[0], logs[0][-3000:]
+    assert "done" not in logs[0] and "fatal errors" not in logs[0]
+    assert elapsed < 80, elapsed
+    print(f"both ended {elapsed:.1f} s after the start")
+
+
 CALLBACKS_WORKER = WORKER.parent / "process_callbacks_worker.py"
 
 

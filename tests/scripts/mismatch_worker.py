@@ -12,7 +12,8 @@ The argument is a directory for process 1's `checkpoint_dir` case; with
 epoch 1, and nothing catches it; with `caught`, process 1 alone catches
 it, prints `CAUGHT <message>` and ends with status 0 (`caught 0`: process
 0 fails and catches), after a fit in which every process raises and catches
-(`CASE after an error on every process: ...`).
+(`CASE after an error on every process: ...`); with `unwritable DIR`,
+process 1 alone fails to open `checkpoint_dir=DIR` and catches that.
 """
 
 import os
@@ -68,7 +69,7 @@ def case(name, width=4, rows=16, callbacks=(), **fit):
         print(f"CASE {name}: {type(error).__name__}: {error}", flush=True)
 
 
-FAILING = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+FAILING = int(sys.argv[2]) if sys.argv[1] == "caught" and len(sys.argv) > 2 else 1
 
 
 class RaiseOn(keras.callbacks.Callback):
@@ -101,6 +102,25 @@ if sys.argv[1] == "caught":
     except RuntimeError as error:
         if ME != FAILING:
             raise
+        print(f"CAUGHT {error}", flush=True)
+    print("done", flush=True)
+    sys.exit(0)
+if sys.argv[1] == "unwritable":
+    # Process 1 alone cannot write the shared checkpoint directory (another
+    # user's mount, say): its fit fails as it opens the checkpoints, and it
+    # catches that and goes on, while process 0 opens them and trains.
+    from keras_dp import checkpoint_guard
+
+    def refuse(directory):
+        raise PermissionError(f"checkpoint_dir {directory} cannot be written to on process {ME}")
+
+    if ME == 1:
+        checkpoint_guard.check_writable = refuse
+    print("training", flush=True)
+    try:
+        keras_dp.fit_sharded(make_model(), *data(), batch_size=8, epochs=2, verbose=0,
+                             checkpoint_dir=sys.argv[2])
+    except PermissionError as error:
         print(f"CAUGHT {error}", flush=True)
     print("done", flush=True)
     sys.exit(0)
