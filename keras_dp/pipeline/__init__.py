@@ -97,12 +97,7 @@ def make_batches(x, y=None, sample_weight=None, *, batch_size=None, shuffle=Fals
     if class_weight is not None:  # once here, not at every dataset batch
         check_class_ids(class_weight)
     if is_array_data(x, y):
-        if isinstance(x, tuple) and y is None:
-            x, y, sample_weight = unpack(x)
-        x, y, sample_weight = densify((x, y, sample_weight))
-        check_frames(x, y, sample_weight)
-        check_not_ragged(x)
-        check_not_scalars(x, y, sample_weight)
+        x, y, sample_weight = checked_arrays(x, y, sample_weight)
         return ArrayBatches(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
                             seed=seed, class_weight=class_weight, what=what)
     if y is not None or sample_weight is not None:
@@ -118,6 +113,23 @@ def make_batches(x, y=None, sample_weight=None, *, batch_size=None, shuffle=Fals
         )
     return IterableBatches(x, class_weight=class_weight, shuffle=shuffle, seed=seed,
                            what=what)
+
+
+def checked_arrays(x, y, sample_weight):
+    """`(x, y, sample_weight)` of array data, dense and checked.
+
+    A tuple `x` without `y` is unpacked as `(x, y, sample_weight)`, as
+    `model.fit` reads it; sparse matrices become dense; data frames with
+    columns that are not numbers, ragged arrays and scalars are refused with
+    the fix (a `ValueError`).
+    """
+    if isinstance(x, tuple) and y is None:
+        x, y, sample_weight = unpack(x)
+    x, y, sample_weight = densify((x, y, sample_weight))
+    check_frames(x, y, sample_weight)
+    check_not_ragged(x)
+    check_not_scalars(x, y, sample_weight)
+    return x, y, sample_weight
 
 
 def predict_inputs(x, model):
@@ -267,13 +279,7 @@ def split_validation(x, y, sample_weight, validation_split, validation_data=None
             "split without reading it. Pass `validation_data=` instead. "
             f"Received x of type {type(x).__name__}."
         )
-    if isinstance(x, tuple) and y is None:
-        x, y, sample_weight = unpack(x)
-    x, y, sample_weight = densify((x, y, sample_weight))
-    check_frames(x, y, sample_weight)
-    check_not_ragged(x)
-    check_not_scalars(x, y, sample_weight)
-    arrays = jax.tree.map(np.asarray, (x, y, sample_weight))
+    arrays = jax.tree.map(np.asarray, checked_arrays(x, y, sample_weight))
     total = array_rows(*arrays)
     split = int(np.floor(total * (1 - validation_split)))
     if split == 0 or split == total:
