@@ -38,12 +38,16 @@ def _inputs(name, data):
     return {"image": images, "label": labels} if name == "add_loss_model" else images
 
 
-def _assert_variables_close(reference, ours, scale_tolerance):
-    """Every variable within `scale_tolerance` of its own largest value."""
+def _assert_variables_close(reference, ours, scale_tolerance, floor=0.0):
+    """Every variable within `scale_tolerance` of its own largest value, or within `floor`."""
     for a, b in zip(reference.variables, ours.variables, strict=True):
         a, b = np.asarray(a.value, np.float64), np.asarray(b.value, np.float64)
         if a.size:
-            assert_close_to_scale(b, a, scale=scale_tolerance)
+            largest = float(np.max(np.abs(a)))
+            if floor > scale_tolerance * largest:
+                np.testing.assert_allclose(b, a, rtol=0, atol=floor, err_msg=reference.name)
+            else:
+                assert_close_to_scale(b, a, scale=scale_tolerance)
 
 
 # float32 here on 2 or 3 devices; all three on 3 devices in float64 below.
@@ -59,7 +63,13 @@ def test_a_custom_step_model_trains_as_keras_fit_on_one_device(data, name, n_dev
     assert sorted(history.history) == sorted(expected)
     for key, values in expected.items():
         np.testing.assert_allclose(history.history[key], values, rtol=1e-5)
-    _assert_variables_close(reference, ours, 1e-4)  # add_loss_model: measured 4.3e-6
+    # add_loss_model: measured 4.3e-6 of scale. The GAN's biases start at 0
+    # and hold only Adam's steps (3e-4 each), and Adam takes a whole step
+    # even where the gradient is as small as its float32 rounding (the
+    # generator's border pixels): on an Intel Xeon an entry was 8e-6 apart,
+    # 3.5e-3 of its variable's scale. There, within a tenth of one step;
+    # exactness is the float64 test's (below: 1e-10).
+    _assert_variables_close(reference, ours, 1e-4, floor=3e-5 if name == "dcgan" else 0.0)
     if name == "dcgan":  # both optimizers stepped, the latent draws advanced exactly
         assert int(ours.d_optimizer.iterations.value) == 8
         assert int(ours.g_optimizer.iterations.value) == 8

@@ -850,7 +850,9 @@ def test_a_model_that_turns_off_jit_keeps_its_own_errors():
     # augmentation in the input pipeline": an error of the running step
     # (out of memory) too; and an error with an empty message became
     # "IndexError: list index out of range".
-    model = keras.Sequential([keras.Input((28, 28, 1)), keras.layers.RandomRotation(0.1),
+    # Named: Keras numbers a default name after the layers made before it in the process.
+    model = keras.Sequential([keras.Input((28, 28, 1)),
+                              keras.layers.RandomRotation(0.1, name="random_rotation"),
                               keras.layers.Flatten(), keras.layers.Dense(10)])
     out_of_memory = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory")
     with pytest.raises(jax.errors.JaxRuntimeError) as raised:
