@@ -1005,3 +1005,53 @@ def test_an_ensemble_turns_the_compilation_cache_on_as_a_sharded_trainer_does(mo
     trainer = keras_dp.EnsembleTrainer(build_mlp, 2, devices=devices(2))
     keras_dp.EnsembleTrainer(build_mlp, 2, devices=devices(2), compilation_cache=False)
     assert asked == [True, False] and trainer.compilation_cache_dir == "/cache"
+
+
+def build_batch_norm():
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                              keras.layers.BatchNormalization(), keras.layers.Dense(3)])
+    model.compile(keras.optimizers.Adam(0.01),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model
+
+
+def moving_means(model):
+    """The BatchNormalization layers' moving means of `model` (a member or the averaging model)."""
+    return [layer.moving_mean for layer in model._flatten_layers()
+            if isinstance(layer, keras.layers.BatchNormalization)]
+
+
+class SetMovingMeanOnTestEnd(keras.callbacks.Callback):
+    """Sets every BatchNormalization moving mean in `on_test_end`, as a user might."""
+
+    def on_test_end(self, logs=None):
+        for mean in moving_means(self.model):
+            mean.assign(np.full(mean.shape, 0.25, "float32"))
+
+
+def test_a_statistic_a_callback_sets_in_on_test_end_is_kept_as_under_keras():
+    # The test steps' non-trainable values were written into the members
+    # after on_test_end (fit's validation and evaluate), over what a callback
+    # set there; Keras's evaluate gives them to the model before on_test_end.
+    x, y = small_data(48)
+    options = dict(batch_size=16, epochs=2, shuffle=False, verbose=0,
+                   validation_data=(x[:20], y[:20]))
+    trainer = keras_dp.EnsembleTrainer(build_batch_norm, 2, seed=6, devices=devices(2))
+    history = trainer.fit(x, y, callbacks=[SetMovingMeanOnTestEnd()], **options)
+    for i, member in enumerate(trainer.members):
+        reference = alone(6 + i, build_batch_norm)
+        expected = reference.fit(x, y, callbacks=[SetMovingMeanOnTestEnd()], **options).history
+        assert_member_history(trainer.member_history, i, expected)  # epoch 2 trained on it
+        assert_members_close(member, reference, rtol=1e-5)
+        [mean] = moving_means(member)
+        np.testing.assert_array_equal(np.asarray(mean), np.full(16, 0.25, "float32"))
+    assert history.history["val_loss"][1] == pytest.approx(
+        np.mean(trainer.member_history["val_loss"][1]), rel=1e-6)
+    # Standalone evaluate: the members keep the callback's value too.
+    for member in trainer.members:
+        moving_means(member)[0].assign(np.zeros(16, "float32"))
+    trainer.evaluate(x, y, batch_size=16, verbose=0, callbacks=[SetMovingMeanOnTestEnd()])
+    for member in trainer.members:
+        np.testing.assert_array_equal(np.asarray(moving_means(member)[0]),
+                                      np.full(16, 0.25, "float32"))

@@ -196,11 +196,20 @@ def validate(trainer, live, val, callbacks):
     carry into the next epoch, the members' metrics hold the validation's
     results until the next epoch resets them, and a member a callback
     changed (at the last batch's end, or in `on_test_begin`) is scored as
-    changed.
+    changed, and what one changes in `on_test_end` (a BatchNormalization
+    statistic) is kept and trained on.
     """
-    scores, non_trainable, metrics = ensemble_inference.evaluate(
-        trainer, lambda: live.current(trainer.init_state).weights, val, callbacks)
-    live.stepped(live.state._replace(non_trainable=non_trainable, metrics=metrics))
+    def before_end(non_trainable, metrics):
+        # As after model.fit's validation, the metrics hold its results until
+        # the next epoch; given before on_test_end, so what it changes stays.
+        live.stepped(live.current(trainer.init_state)._replace(non_trainable=non_trainable,
+                                                               metrics=metrics))
+        if callbacks_lib.beyond_logs(callbacks):  # a closure over a member reads it too
+            live.sync()
+
+    scores, _, _ = ensemble_inference.evaluate(
+        trainer, lambda: live.current(trainer.init_state).weights, val, callbacks,
+        before_end=before_end)
     return {f"val_{name}": value for name, value in scores.items()}
 
 

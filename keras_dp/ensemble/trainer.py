@@ -256,12 +256,13 @@ class EnsembleTrainer:
         callbacks = callbacks_lib.callback_list(
             callbacks, self.averaging_model(), verbose, history=False, epochs=1,
             steps=batches.steps)
+        # As model.evaluate: the members keep what the test steps left, given
+        # to them before on_test_end, so what a callback changes there stays.
+        keep = lambda non_trainable, metrics: members_lib.write_back_members(  # noqa: E731
+            TrainState(None, non_trainable, None, metrics), self.members)
         with callbacks_lib.released_on_error(callbacks):  # on_test_end may not come
-            scores, non_trainable, metrics = ensemble_inference.evaluate(
-                self, self._weights, batches, callbacks)
-        # As model.evaluate: the members keep what the test steps left.
-        members_lib.write_back_members(TrainState(None, non_trainable, None, metrics),
-                                       self.members)
+            scores, _, _ = ensemble_inference.evaluate(
+                self, self._weights, batches, callbacks, before_end=keep)
         if return_dict:
             return scores
         return callbacks_lib.in_evaluate_order(scores, self.members[0])
