@@ -266,21 +266,17 @@ def test_members_must_fit_the_devices():
 
 def test_members_must_share_one_architecture(mnist):
     (x, y), _ = mnist
-    widths = iter([32, 16])
-
-    def build():
-        model = keras.Sequential([keras.Input((28, 28, 1)), keras.layers.Flatten(),
-                                  keras.layers.Dense(next(widths)), keras.layers.Dense(10)])
-        return keras_dp.models.compile_classifier(model)
-
-    trainer = keras_dp.EnsembleTrainer(build, 2, devices=devices(2))
+    trainer = keras_dp.EnsembleTrainer(build_mlp, 2, devices=devices(2))
     with pytest.raises(ValueError, match="not built.*trainer.build"):
         trainer.init_state()
     with pytest.raises(ValueError, match="Fit or build the ensemble"):
         trainer.averaging_model()
-    trainer.build((x[:8], y[:8]))
+    # Variables the configs do not show (a subclassed layer's) are compared too.
+    models = [keras_dp.models.compile_classifier(keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(width), keras.layers.Dense(3)]))
+        for width in (8, 6)]
     with pytest.raises(ValueError, match="Member 1's variables differ from member 0's"):
-        trainer.init_state()
+        keras_dp.ensemble.members.stack_state(models, trainer.mesh)
 
 
 def test_member_shuffle_needs_shuffled_arrays_and_scoring_needs_labels(mnist):
@@ -1055,3 +1051,58 @@ def test_a_statistic_a_callback_sets_in_on_test_end_is_kept_as_under_keras():
     for member in trainer.members:
         np.testing.assert_array_equal(np.asarray(moving_means(member)[0]),
                                       np.full(16, 0.25, "float32"))
+
+
+def varied_members(**settings):
+    """A `build_model` whose member `i` takes the `i`-th value of each setting given."""
+    calls = iter(range(100))
+
+    def build():
+        i = next(calls)
+        pick = {name: values[i % len(values)] for name, values in settings.items()}
+        model = keras.Sequential([
+            keras.Input((pick.get("features", 8),)),
+            keras.layers.Dense(16, activation=pick.get("activation", "relu")),
+            keras.layers.Dropout(pick.get("dropout", 0.0), seed=i),  # seeds may differ
+            keras.layers.Dense(3)])
+        optimizer = keras.optimizers.SGD(pick.get("learning_rate", 0.05),
+                                         momentum=pick.get("momentum", 0.9))
+        model.compile(optimizer, pick.get("loss", keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True)), metrics=["accuracy"])
+        return model
+
+    return build
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(activation=["relu", "tanh"]),
+     r"Member 1 differs from member 0 in layer 'dense(_\d+)?' \(Dense\): activation='tanh' "
+     r"where member 0 has activation='relu'\..*traced from member 0"),
+    (dict(dropout=[0.1, 0.5]), r"Member 1 .* \(Dropout\): rate=0.5 where member 0 has rate=0.1"),
+    (dict(momentum=[0.9, 0.5]), r"in the optimizer: momentum=0.5 where member 0 has momentum=0.9"),
+    (dict(features=[8, 9]), r"\(InputLayer\): batch_shape=\(None, 9\) where member 0"),
+    (dict(loss=["sparse_categorical_crossentropy", keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True)]), r"in the compile settings: loss="),
+])
+def test_members_that_differ_beyond_their_variables_are_refused_when_made(settings, message):
+    # The step is traced from member 0: a member with another activation,
+    # dropout rate or momentum (the same variables) trained silently as
+    # member 0 (member 1 with tanh ended 0.13 away from its own model.fit).
+    with pytest.raises(ValueError, match=message):
+        keras_dp.EnsembleTrainer(varied_members(**settings), 2, devices=devices(2))
+
+
+def test_members_with_their_own_learning_rates_train_as_their_own_model_fit():
+    # A float learning rate is an optimizer variable: each member's own.
+    x, y = small_data(48)
+    build = varied_members(learning_rate=[0.05, 0.001])
+    options = dict(batch_size=16, epochs=2, shuffle=False, verbose=0)
+    result = keras_dp.fit_ensemble(build, x, y, members=2, seed=2, devices=devices(2),
+                                   **options)
+    build = varied_members(learning_rate=[0.05, 0.001])  # member i takes value i again
+    for i, member in enumerate(result.members):
+        reference = alone(2 + i, build)
+        expected = reference.fit(x, y, **options).history
+        assert_member_history(result.member_history, i, expected)
+        assert_members_close(member, reference, rtol=1e-5)
+        assert float(member.optimizer.learning_rate) == pytest.approx([0.05, 0.001][i])

@@ -13,6 +13,7 @@ from keras_dp import state as state_lib
 from keras_dp.ensemble import inference as ensemble_inference
 from keras_dp.ensemble import loop as ensemble_loop
 from keras_dp.ensemble import members as members_lib
+from keras_dp.ensemble import recipe
 from keras_dp.ensemble import steps as ensemble_steps
 from keras_dp.state import TrainState
 
@@ -50,8 +51,10 @@ class EnsembleTrainer:
             returned something that is not a `keras.Model`; or `seed` is
             not an integer.
         ValueError: `seed` is negative, the members do not fit the devices,
-            `build_model` returned an uncompiled model, one model twice or a
-            keras_hub task with a preprocessor
+            `build_model` returned an uncompiled model, one model twice,
+            members whose layers, loss, metrics or optimizer settings differ
+            (`keras_dp.ensemble.recipe.check_same_recipe`; a float learning
+            rate may differ), a keras_hub task with a preprocessor
             (`model_checks.check_no_preprocessor`), or the loss does not tell
             whether the outputs are logits or is a Keras loss that is not a
             multi-class one (`members.check_classifier`).
@@ -64,6 +67,7 @@ class EnsembleTrainer:
         self.seed = pipeline.check_count("seed", seed, 0)  # before any member is built
         count, self.mesh = members_lib.member_mesh(members, mesh, devices)
         self.members = members_lib.make_members(build_model, count, self.seed)
+        recipe.check_same_recipe(self.members)  # the step is traced from member 0
         model_checks.check_no_preprocessor(self.members[0])
         members_lib.check_classifier(self.members[0])
         self.from_logits = members_lib.read_from_logits(self.members[0], from_logits)
