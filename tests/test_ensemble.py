@@ -523,21 +523,44 @@ def test_members_whose_call_takes_no_training_argument_predict():
     assert 0 <= result.history.history["val_ensemble_accuracy"][0] <= 1
 
 
-def test_tensorboard_logs_and_learning_rate_callbacks_are_refused_before_training(tmp_path):
+def test_tensorboard_logs_beside_a_learning_rate_scheduler(tmp_path):
     x = np.random.default_rng(0).uniform(size=(16, 28, 28, 1)).astype("float32")
     y = np.arange(16) % 10
-    for callback in [keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr),
-                     keras.callbacks.ReduceLROnPlateau()]:
-        trainer = keras_dp.EnsembleTrainer(build_mlp, 2, devices=devices(2))
-        with pytest.raises(ValueError, match="sets model.optimizer's learning rate.*schedule"):
-            trainer.fit(x, y, batch_size=8, verbose=0, callbacks=[callback])
-        assert all(m.optimizer.iterations.numpy() == 0 for m in trainer.members)
+    callbacks = [keras.callbacks.TensorBoard(str(tmp_path)),
+                 keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr / 2)]
     result = keras_dp.fit_ensemble(build_mlp, x, y, members=2, batch_size=8, verbose=0,
-                                   devices=devices(2),
-                                   callbacks=[keras.callbacks.TensorBoard(str(tmp_path))])
+                                   devices=devices(2), callbacks=callbacks)
     assert result.model.optimizer is None
     assert [m.optimizer.iterations.numpy() for m in result.members] == [2, 2]
     assert len(list((tmp_path / "train").iterdir())) == 1  # its event file
+
+
+@pytest.mark.parametrize("make_callback", [
+    lambda: keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr if epoch == 0 else lr / 2),
+    lambda: keras.callbacks.ReduceLROnPlateau("loss", factor=0.5, patience=0, min_delta=10),
+], ids=["LearningRateScheduler", "ReduceLROnPlateau"])
+def test_learning_rate_callbacks_set_every_members_rate_as_its_model_fit(make_callback):
+    # Both were refused before training ("a schedule in each member's
+    # optimizer instead"): the averaging model callbacks get has no optimizer.
+    # They now get the members' optimizers, listed as Keras lists a model's
+    # several optimizers, and each member trains as its own model.fit does
+    # (ReduceLROnPlateau with min_delta=10 reduces after every epoch, so the
+    # members' mean and each member's own loss agree on when).
+    x, y = small_data(48)
+    options = dict(batch_size=16, epochs=3, shuffle=False, verbose=0)
+    result = keras_dp.fit_ensemble(build_small, x, y, members=2, seed=8, devices=devices(2),
+                                   callbacks=[make_callback()], **options)
+    for i, member in enumerate(result.members):
+        reference = alone(8 + i, build_small)
+        expected = reference.fit(x, y, callbacks=[make_callback()], **options).history
+        rates = expected.pop("learning_rate")
+        assert rates[-1] < rates[0]
+        np.testing.assert_allclose(result.history.history[f"learning_rate_member_{i}"], rates,
+                                   rtol=1e-6)
+        assert_member_history(result.member_history, i, expected)
+        assert_members_close(member, reference, rtol=1e-5)
+        assert float(member.optimizer.learning_rate) == pytest.approx(
+            float(reference.optimizer.learning_rate), rel=1e-6)
 
 
 def test_members_with_named_dict_inputs_average_without_a_warning_and_reload(tmp_path):

@@ -194,7 +194,7 @@ class EnsembleTrainer:
 
         Raises:
             ValueError: `member_shuffle` without shuffled array data, a
-                callback that sets the learning rate
+                `SwapEMAWeights` callback
                 (`keras_dp.ensemble.loop.check_callbacks`), or bad
                 `validation_split`, `class_weight` or `initial_epoch`.
             FloatingPointError: a member's loss became NaN or Inf.
@@ -222,6 +222,7 @@ class EnsembleTrainer:
         callbacks = callbacks_lib.callback_list(
             callbacks, self.averaging_model(), verbose, epochs=epochs,
             steps=sources[0].steps)
+        ensemble_loop.give_learning_rate_callbacks_the_members(callbacks, self.members)
         return ensemble_loop.fit(self, sources, val, callbacks, epochs=epoch_range,
                                  validation_freq=validation_freq)
 
