@@ -228,9 +228,11 @@ def test_scores_on_one_hot_labels_and_sample_weights():
     np.testing.assert_allclose(accuracy, [1.0, 0.0])
     np.testing.assert_allclose(loss, [-(np.log(0.7) + np.log(0.6)) / 2,
                                       -(np.log(0.2) + np.log(0.1)) / 2])
+    # As Keras's compiled loss and metrics=["accuracy"]: the loss weighs
+    # rows and divides by their count, the accuracy counts every row alike.
     loss, accuracy = classification_scores(probabilities[0], np.array([0, 0]), np.array([3.0, 1.0]))
-    assert accuracy == pytest.approx(0.75)
-    assert loss == pytest.approx(-(3 * np.log(0.7) + np.log(0.4)) / 4)
+    assert accuracy == pytest.approx(0.5)
+    assert loss == pytest.approx(-(3 * np.log(0.7) + np.log(0.4)) / 2)
     with pytest.raises(ValueError, match=r"class ids of shape \(N,\).*Received labels of shape \(2, 3\)"):
         classification_scores(probabilities, np.zeros((2, 3)))
 
@@ -1129,3 +1131,26 @@ def test_members_with_their_own_learning_rates_train_as_their_own_model_fit():
         assert_member_history(result.member_history, i, expected)
         assert_members_close(member, reference, rtol=1e-5)
         assert float(member.optimizer.learning_rate) == pytest.approx([0.05, 0.001][i])
+
+
+def test_the_ensembles_scores_are_keras_evaluate_of_the_averaging_model():
+    # With sample weights, ensemble_loss divided by the weights' sum and
+    # ensemble_accuracy weighed rows, where Keras's loss divides by the row
+    # count and metrics=["accuracy"] ignores weights: val_ensemble_loss was
+    # on another scale than the members' val_loss logged beside it (0.90
+    # against 0.48 with weights from 0 to 1).
+    x, y = small_data(48)
+    weights = np.linspace(0, 1, 20).astype("float32")
+    validation = (x[:20], y[:20], weights)
+    trainer = keras_dp.EnsembleTrainer(build_small, 2, seed=9, devices=devices(2))
+    history = trainer.fit(x, y, batch_size=16, epochs=1, verbose=0,
+                          validation_data=validation).history
+    scores = trainer.evaluate(*validation[:2], sample_weight=weights, batch_size=16, verbose=0)
+    model = trainer.averaging_model()
+    model.compile(loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    expected = model.evaluate(*validation[:2], sample_weight=weights, batch_size=16,
+                              verbose=0, return_dict=True)
+    model.optimizer = None  # as the trainer left it
+    for name in ("loss", "accuracy"):
+        assert scores[f"ensemble_{name}"] == pytest.approx(expected[name], rel=1e-5), name
+        assert history[f"val_ensemble_{name}"][0] == pytest.approx(expected[name], rel=1e-5)

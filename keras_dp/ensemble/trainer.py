@@ -235,9 +235,11 @@ class EnsembleTrainer:
         included) and every compiled metric, by Keras's own test step (or
         the member's `test_step`). The ensemble's are computed from the
         members' mean probabilities (`keras_dp.ensemble.scores`): labels
-        are class ids or one-hot rows, the loss is their cross-entropy and
-        the accuracy the share of rows whose most probable class is the
-        label, both means over rows weighted by `sample_weight` when given.
+        are class ids or one-hot rows, and the scores are what Keras's
+        `evaluate` gives for the averaging model compiled with a
+        cross-entropy loss and `metrics=["accuracy"]`: the loss weighs rows
+        by `sample_weight` and divides by their count, the accuracy counts
+        every row alike.
         As `model.evaluate`: with `steps`, over the first `steps` batches
         only; `verbose` and `callbacks` (given the averaging model, batch
         logs the members' means); each member keeps the non-trainable
