@@ -228,9 +228,11 @@ def test_scores_on_one_hot_labels_and_sample_weights():
     np.testing.assert_allclose(accuracy, [1.0, 0.0])
     np.testing.assert_allclose(loss, [-(np.log(0.7) + np.log(0.6)) / 2,
                                       -(np.log(0.2) + np.log(0.1)) / 2])
+    # As Keras's compiled loss and metrics=["accuracy"]: the loss weighs
+    # rows and divides by their count, the accuracy counts every row alike.
     loss, accuracy = classification_scores(probabilities[0], np.array([0, 0]), np.array([3.0, 1.0]))
-    assert accuracy == pytest.approx(0.75)
-    assert loss == pytest.approx(-(3 * np.log(0.7) + np.log(0.4)) / 4)
+    assert accuracy == pytest.approx(0.5)
+    assert loss == pytest.approx(-(3 * np.log(0.7) + np.log(0.4)) / 2)
     with pytest.raises(ValueError, match=r"class ids of shape \(N,\).*Received labels of shape \(2, 3\)"):
         classification_scores(probabilities, np.zeros((2, 3)))
 
@@ -266,21 +268,17 @@ def test_members_must_fit_the_devices():
 
 def test_members_must_share_one_architecture(mnist):
     (x, y), _ = mnist
-    widths = iter([32, 16])
-
-    def build():
-        model = keras.Sequential([keras.Input((28, 28, 1)), keras.layers.Flatten(),
-                                  keras.layers.Dense(next(widths)), keras.layers.Dense(10)])
-        return keras_dp.models.compile_classifier(model)
-
-    trainer = keras_dp.EnsembleTrainer(build, 2, devices=devices(2))
+    trainer = keras_dp.EnsembleTrainer(build_mlp, 2, devices=devices(2))
     with pytest.raises(ValueError, match="not built.*trainer.build"):
         trainer.init_state()
     with pytest.raises(ValueError, match="Fit or build the ensemble"):
         trainer.averaging_model()
-    trainer.build((x[:8], y[:8]))
+    # Variables the configs do not show (a subclassed layer's) are compared too.
+    models = [keras_dp.models.compile_classifier(keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(width), keras.layers.Dense(3)]))
+        for width in (8, 6)]
     with pytest.raises(ValueError, match="Member 1's variables differ from member 0's"):
-        trainer.init_state()
+        keras_dp.ensemble.members.stack_state(models, trainer.mesh)
 
 
 def test_member_shuffle_needs_shuffled_arrays_and_scoring_needs_labels(mnist):
@@ -527,21 +525,44 @@ def test_members_whose_call_takes_no_training_argument_predict():
     assert 0 <= result.history.history["val_ensemble_accuracy"][0] <= 1
 
 
-def test_tensorboard_logs_and_learning_rate_callbacks_are_refused_before_training(tmp_path):
+def test_tensorboard_logs_beside_a_learning_rate_scheduler(tmp_path):
     x = np.random.default_rng(0).uniform(size=(16, 28, 28, 1)).astype("float32")
     y = np.arange(16) % 10
-    for callback in [keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr),
-                     keras.callbacks.ReduceLROnPlateau()]:
-        trainer = keras_dp.EnsembleTrainer(build_mlp, 2, devices=devices(2))
-        with pytest.raises(ValueError, match="sets model.optimizer's learning rate.*schedule"):
-            trainer.fit(x, y, batch_size=8, verbose=0, callbacks=[callback])
-        assert all(m.optimizer.iterations.numpy() == 0 for m in trainer.members)
+    callbacks = [keras.callbacks.TensorBoard(str(tmp_path)),
+                 keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr / 2)]
     result = keras_dp.fit_ensemble(build_mlp, x, y, members=2, batch_size=8, verbose=0,
-                                   devices=devices(2),
-                                   callbacks=[keras.callbacks.TensorBoard(str(tmp_path))])
+                                   devices=devices(2), callbacks=callbacks)
     assert result.model.optimizer is None
     assert [m.optimizer.iterations.numpy() for m in result.members] == [2, 2]
     assert len(list((tmp_path / "train").iterdir())) == 1  # its event file
+
+
+@pytest.mark.parametrize("make_callback", [
+    lambda: keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr if epoch == 0 else lr / 2),
+    lambda: keras.callbacks.ReduceLROnPlateau("loss", factor=0.5, patience=0, min_delta=10),
+], ids=["LearningRateScheduler", "ReduceLROnPlateau"])
+def test_learning_rate_callbacks_set_every_members_rate_as_its_model_fit(make_callback):
+    # Both were refused before training ("a schedule in each member's
+    # optimizer instead"): the averaging model callbacks get has no optimizer.
+    # They now get the members' optimizers, listed as Keras lists a model's
+    # several optimizers, and each member trains as its own model.fit does
+    # (ReduceLROnPlateau with min_delta=10 reduces after every epoch, so the
+    # members' mean and each member's own loss agree on when).
+    x, y = small_data(48)
+    options = dict(batch_size=16, epochs=3, shuffle=False, verbose=0)
+    result = keras_dp.fit_ensemble(build_small, x, y, members=2, seed=8, devices=devices(2),
+                                   callbacks=[make_callback()], **options)
+    for i, member in enumerate(result.members):
+        reference = alone(8 + i, build_small)
+        expected = reference.fit(x, y, callbacks=[make_callback()], **options).history
+        rates = expected.pop("learning_rate")
+        assert rates[-1] < rates[0]
+        np.testing.assert_allclose(result.history.history[f"learning_rate_member_{i}"], rates,
+                                   rtol=1e-6)
+        assert_member_history(result.member_history, i, expected)
+        assert_members_close(member, reference, rtol=1e-5)
+        assert float(member.optimizer.learning_rate) == pytest.approx(
+            float(reference.optimizer.learning_rate), rel=1e-6)
 
 
 def test_members_with_named_dict_inputs_average_without_a_warning_and_reload(tmp_path):
@@ -1005,3 +1026,131 @@ def test_an_ensemble_turns_the_compilation_cache_on_as_a_sharded_trainer_does(mo
     trainer = keras_dp.EnsembleTrainer(build_mlp, 2, devices=devices(2))
     keras_dp.EnsembleTrainer(build_mlp, 2, devices=devices(2), compilation_cache=False)
     assert asked == [True, False] and trainer.compilation_cache_dir == "/cache"
+
+
+def build_batch_norm():
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                              keras.layers.BatchNormalization(), keras.layers.Dense(3)])
+    model.compile(keras.optimizers.Adam(0.01),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model
+
+
+def moving_means(model):
+    """The BatchNormalization layers' moving means of `model` (a member or the averaging model)."""
+    return [layer.moving_mean for layer in model._flatten_layers()
+            if isinstance(layer, keras.layers.BatchNormalization)]
+
+
+class SetMovingMeanOnTestEnd(keras.callbacks.Callback):
+    """Sets every BatchNormalization moving mean in `on_test_end`, as a user might."""
+
+    def on_test_end(self, logs=None):
+        for mean in moving_means(self.model):
+            mean.assign(np.full(mean.shape, 0.25, "float32"))
+
+
+def test_a_statistic_a_callback_sets_in_on_test_end_is_kept_as_under_keras():
+    # The test steps' non-trainable values were written into the members
+    # after on_test_end (fit's validation and evaluate), over what a callback
+    # set there; Keras's evaluate gives them to the model before on_test_end.
+    x, y = small_data(48)
+    options = dict(batch_size=16, epochs=2, shuffle=False, verbose=0,
+                   validation_data=(x[:20], y[:20]))
+    trainer = keras_dp.EnsembleTrainer(build_batch_norm, 2, seed=6, devices=devices(2))
+    history = trainer.fit(x, y, callbacks=[SetMovingMeanOnTestEnd()], **options)
+    for i, member in enumerate(trainer.members):
+        reference = alone(6 + i, build_batch_norm)
+        expected = reference.fit(x, y, callbacks=[SetMovingMeanOnTestEnd()], **options).history
+        assert_member_history(trainer.member_history, i, expected)  # epoch 2 trained on it
+        assert_members_close(member, reference, rtol=1e-5)
+        [mean] = moving_means(member)
+        np.testing.assert_array_equal(np.asarray(mean), np.full(16, 0.25, "float32"))
+    assert history.history["val_loss"][1] == pytest.approx(
+        np.mean(trainer.member_history["val_loss"][1]), rel=1e-6)
+    # Standalone evaluate: the members keep the callback's value too.
+    for member in trainer.members:
+        moving_means(member)[0].assign(np.zeros(16, "float32"))
+    trainer.evaluate(x, y, batch_size=16, verbose=0, callbacks=[SetMovingMeanOnTestEnd()])
+    for member in trainer.members:
+        np.testing.assert_array_equal(np.asarray(moving_means(member)[0]),
+                                      np.full(16, 0.25, "float32"))
+
+
+def varied_members(**settings):
+    """A `build_model` whose member `i` takes the `i`-th value of each setting given."""
+    calls = iter(range(100))
+
+    def build():
+        i = next(calls)
+        pick = {name: values[i % len(values)] for name, values in settings.items()}
+        model = keras.Sequential([
+            keras.Input((pick.get("features", 8),)),
+            keras.layers.Dense(16, activation=pick.get("activation", "relu")),
+            keras.layers.Dropout(pick.get("dropout", 0.0), seed=i),  # seeds may differ
+            keras.layers.Dense(3)])
+        optimizer = keras.optimizers.SGD(pick.get("learning_rate", 0.05),
+                                         momentum=pick.get("momentum", 0.9))
+        model.compile(optimizer, pick.get("loss", keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True)), metrics=["accuracy"])
+        return model
+
+    return build
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(activation=["relu", "tanh"]),
+     r"Member 1 differs from member 0 in layer 'dense(_\d+)?' \(Dense\): activation='tanh' "
+     r"where member 0 has activation='relu'\..*traced from member 0"),
+    (dict(dropout=[0.1, 0.5]), r"Member 1 .* \(Dropout\): rate=0.5 where member 0 has rate=0.1"),
+    (dict(momentum=[0.9, 0.5]), r"in the optimizer: momentum=0.5 where member 0 has momentum=0.9"),
+    (dict(features=[8, 9]), r"\(InputLayer\): batch_shape=\(None, 9\) where member 0"),
+    (dict(loss=["sparse_categorical_crossentropy", keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True)]), r"in the compile settings: loss="),
+])
+def test_members_that_differ_beyond_their_variables_are_refused_when_made(settings, message):
+    # The step is traced from member 0: a member with another activation,
+    # dropout rate or momentum (the same variables) trained silently as
+    # member 0 (member 1 with tanh ended 0.13 away from its own model.fit).
+    with pytest.raises(ValueError, match=message):
+        keras_dp.EnsembleTrainer(varied_members(**settings), 2, devices=devices(2))
+
+
+def test_members_with_their_own_learning_rates_train_as_their_own_model_fit():
+    # A float learning rate is an optimizer variable: each member's own.
+    x, y = small_data(48)
+    build = varied_members(learning_rate=[0.05, 0.001])
+    options = dict(batch_size=16, epochs=2, shuffle=False, verbose=0)
+    result = keras_dp.fit_ensemble(build, x, y, members=2, seed=2, devices=devices(2),
+                                   **options)
+    build = varied_members(learning_rate=[0.05, 0.001])  # member i takes value i again
+    for i, member in enumerate(result.members):
+        reference = alone(2 + i, build)
+        expected = reference.fit(x, y, **options).history
+        assert_member_history(result.member_history, i, expected)
+        assert_members_close(member, reference, rtol=1e-5)
+        assert float(member.optimizer.learning_rate) == pytest.approx([0.05, 0.001][i])
+
+
+def test_the_ensembles_scores_are_keras_evaluate_of_the_averaging_model():
+    # With sample weights, ensemble_loss divided by the weights' sum and
+    # ensemble_accuracy weighed rows, where Keras's loss divides by the row
+    # count and metrics=["accuracy"] ignores weights: val_ensemble_loss was
+    # on another scale than the members' val_loss logged beside it (0.90
+    # against 0.48 with weights from 0 to 1).
+    x, y = small_data(48)
+    weights = np.linspace(0, 1, 20).astype("float32")
+    validation = (x[:20], y[:20], weights)
+    trainer = keras_dp.EnsembleTrainer(build_small, 2, seed=9, devices=devices(2))
+    history = trainer.fit(x, y, batch_size=16, epochs=1, verbose=0,
+                          validation_data=validation).history
+    scores = trainer.evaluate(*validation[:2], sample_weight=weights, batch_size=16, verbose=0)
+    model = trainer.averaging_model()
+    model.compile(loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    expected = model.evaluate(*validation[:2], sample_weight=weights, batch_size=16,
+                              verbose=0, return_dict=True)
+    model.optimizer = None  # as the trainer left it
+    for name in ("loss", "accuracy"):
+        assert scores[f"ensemble_{name}"] == pytest.approx(expected[name], rel=1e-5), name
+        assert history[f"val_ensemble_{name}"][0] == pytest.approx(expected[name], rel=1e-5)

@@ -53,14 +53,13 @@ class MembersLive(LiveModel):
 
 
 def check_callbacks(callbacks):
-    """Refuse Keras callbacks that set `model.optimizer`'s learning rate or swap its EMA weights.
+    """Refuse Keras's `SwapEMAWeights`, which swaps `model.optimizer`'s EMA weights in.
 
     Each member has its own optimizer, and the averaging model that
     callbacks are given has none (`optimizer` is `None`).
 
     Raises:
-        ValueError: a `LearningRateScheduler`, `ReduceLROnPlateau` or
-            `SwapEMAWeights`.
+        ValueError: a `SwapEMAWeights`.
     """
     for callback in callbacks or ():
         if isinstance(callback, keras.callbacks.SwapEMAWeights):
@@ -71,15 +70,65 @@ def check_callbacks(callbacks):
                 "member whose optimizer has use_ema=True ends fit with its moving "
                 "averages as its weights, as under model.fit."
             )
+
+
+def give_learning_rate_callbacks_the_members(callbacks, members):
+    """Let `LearningRateScheduler` and `ReduceLROnPlateau` set every member's learning rate.
+
+    Each such callback of the `CallbackList` gets a view of the averaging
+    model whose `optimizer` lists the members' optimizers in `optimizers`:
+    Keras's callbacks set the learning rate of each optimizer so listed
+    (as for a model with several optimizers) and log each as
+    `learning_rate_member_<i>`. The averaging model itself keeps no
+    optimizer (see `EnsembleTrainer.averaging_model`).
+    """
+    for callback in callbacks.callbacks:
         if isinstance(callback, (keras.callbacks.LearningRateScheduler,
                                  keras.callbacks.ReduceLROnPlateau)):
-            raise ValueError(
-                f"{type(callback).__name__} sets model.optimizer's learning rate, "
-                "but an ensemble's members each have their own optimizer and the "
-                "averaging model given to callbacks has none. Give each member a "
-                "schedule in build_model instead, e.g. keras.optimizers.Adam("
-                "keras.optimizers.schedules.CosineDecay(1e-3, decay_steps))."
-            )
+            callback.set_model(_WithMembersOptimizers(callbacks.model, members))
+
+
+class _MemberOptimizer:
+    """Member `index`'s optimizer as Keras's learning-rate callbacks read it: named `member_<index>`."""
+
+    def __init__(self, optimizer, index):
+        self._optimizer = optimizer
+        self.name = f"member_{index}"
+
+    @property
+    def learning_rate(self):
+        return self._optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, value):
+        self._optimizer.learning_rate = value  # Keras raises for a schedule, as under fit
+
+
+class _MembersOptimizers:
+    """The members' optimizers, listed as Keras lists a model's several optimizers."""
+
+    def __init__(self, members):
+        self.optimizers = [_MemberOptimizer(member.optimizer, index)
+                           for index, member in enumerate(members)]
+
+
+class _WithMembersOptimizers:
+    """The averaging model, but for its `optimizer`: the members' (`_MembersOptimizers`).
+
+    Everything else is read from and written to the averaging model, whose
+    `jax_state_sync` (what Keras's `Callback.model` calls) keeps the members
+    current and notes that a callback looked.
+    """
+
+    def __init__(self, model, members):
+        object.__setattr__(self, "_model", model)
+        object.__setattr__(self, "optimizer", _MembersOptimizers(members))
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._model, name, value)
 
 
 def resolve_monitors(callbacks, member):
@@ -196,11 +245,20 @@ def validate(trainer, live, val, callbacks):
     carry into the next epoch, the members' metrics hold the validation's
     results until the next epoch resets them, and a member a callback
     changed (at the last batch's end, or in `on_test_begin`) is scored as
-    changed.
+    changed, and what one changes in `on_test_end` (a BatchNormalization
+    statistic) is kept and trained on.
     """
-    scores, non_trainable, metrics = ensemble_inference.evaluate(
-        trainer, lambda: live.current(trainer.init_state).weights, val, callbacks)
-    live.stepped(live.state._replace(non_trainable=non_trainable, metrics=metrics))
+    def before_end(non_trainable, metrics):
+        # As after model.fit's validation, the metrics hold its results until
+        # the next epoch; given before on_test_end, so what it changes stays.
+        live.stepped(live.current(trainer.init_state)._replace(non_trainable=non_trainable,
+                                                               metrics=metrics))
+        if callbacks_lib.beyond_logs(callbacks):  # a closure over a member reads it too
+            live.sync()
+
+    scores, _, _ = ensemble_inference.evaluate(
+        trainer, lambda: live.current(trainer.init_state).weights, val, callbacks,
+        before_end=before_end)
     return {f"val_{name}": value for name, value in scores.items()}
 
 

@@ -1,7 +1,12 @@
 """Classification scores from probabilities, computed on the host.
 
-The ensemble's members and their average are scored the same way, from
-class probabilities, so that their numbers can be compared directly.
+The ensemble's averaged probabilities are scored as Keras's `evaluate`
+scores a model compiled with `loss="sparse_categorical_crossentropy"` (or
+`"categorical_crossentropy"`) and `metrics=["accuracy"]`, the way a
+classifier's own `val_loss` and `val_accuracy`, logged beside them, are
+computed: the loss weighs each row by its sample weight and divides by the
+row count (Keras's `"sum_over_batch_size"`), and `"accuracy"`, a metric
+given in `metrics` rather than `weighted_metrics`, counts every row alike.
 """
 
 import numpy as np
@@ -22,9 +27,11 @@ def classification_scores(probabilities, y, sample_weight=None):
 
     Returns:
         Arrays of shape `probabilities.shape[:-2]`: the cross-entropy of
-        the labels under the clipped probabilities, and the share of rows
-        whose most probable class is the label (the first, on ties). Both
-        are means over rows, weighted by `sample_weight` when given.
+        the labels under the clipped probabilities, each row's times its
+        `sample_weight` when given, summed and divided by `N` (as Keras's
+        compiled loss); and the share of rows whose most probable class is
+        the label (the first, on ties), not weighted (as Keras's
+        `metrics=["accuracy"]`).
 
     Raises:
         ValueError: labels of any other shape.
@@ -46,5 +53,4 @@ def classification_scores(probabilities, y, sample_weight=None):
     losses = -(targets * np.log(clipped)).sum(axis=-1)
     correct = probabilities.argmax(axis=-1) == targets.argmax(axis=-1)
     weights = np.ones(len(y)) if sample_weight is None else np.reshape(sample_weight, -1)
-    total = weights.sum()
-    return (losses * weights).sum(axis=-1) / total, (correct * weights).sum(axis=-1) / total
+    return (losses * weights).sum(axis=-1) / len(y), correct.mean(axis=-1)

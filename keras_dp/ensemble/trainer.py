@@ -13,6 +13,7 @@ from keras_dp import state as state_lib
 from keras_dp.ensemble import inference as ensemble_inference
 from keras_dp.ensemble import loop as ensemble_loop
 from keras_dp.ensemble import members as members_lib
+from keras_dp.ensemble import recipe
 from keras_dp.ensemble import steps as ensemble_steps
 from keras_dp.state import TrainState
 
@@ -50,8 +51,10 @@ class EnsembleTrainer:
             returned something that is not a `keras.Model`; or `seed` is
             not an integer.
         ValueError: `seed` is negative, the members do not fit the devices,
-            `build_model` returned an uncompiled model, one model twice or a
-            keras_hub task with a preprocessor
+            `build_model` returned an uncompiled model, one model twice,
+            members whose layers, loss, metrics or optimizer settings differ
+            (`keras_dp.ensemble.recipe.check_same_recipe`; a float learning
+            rate may differ), a keras_hub task with a preprocessor
             (`model_checks.check_no_preprocessor`), or the loss does not tell
             whether the outputs are logits or is a Keras loss that is not a
             multi-class one (`members.check_classifier`).
@@ -64,6 +67,7 @@ class EnsembleTrainer:
         self.seed = pipeline.check_count("seed", seed, 0)  # before any member is built
         count, self.mesh = members_lib.member_mesh(members, mesh, devices)
         self.members = members_lib.make_members(build_model, count, self.seed)
+        recipe.check_same_recipe(self.members)  # the step is traced from member 0
         model_checks.check_no_preprocessor(self.members[0])
         members_lib.check_classifier(self.members[0])
         self.from_logits = members_lib.read_from_logits(self.members[0], from_logits)
@@ -190,7 +194,7 @@ class EnsembleTrainer:
 
         Raises:
             ValueError: `member_shuffle` without shuffled array data, a
-                callback that sets the learning rate
+                `SwapEMAWeights` callback
                 (`keras_dp.ensemble.loop.check_callbacks`), or bad
                 `validation_split`, `class_weight` or `initial_epoch`.
             FloatingPointError: a member's loss became NaN or Inf.
@@ -218,6 +222,7 @@ class EnsembleTrainer:
         callbacks = callbacks_lib.callback_list(
             callbacks, self.averaging_model(), verbose, epochs=epochs,
             steps=sources[0].steps)
+        ensemble_loop.give_learning_rate_callbacks_the_members(callbacks, self.members)
         return ensemble_loop.fit(self, sources, val, callbacks, epochs=epoch_range,
                                  validation_freq=validation_freq)
 
@@ -230,9 +235,11 @@ class EnsembleTrainer:
         included) and every compiled metric, by Keras's own test step (or
         the member's `test_step`). The ensemble's are computed from the
         members' mean probabilities (`keras_dp.ensemble.scores`): labels
-        are class ids or one-hot rows, the loss is their cross-entropy and
-        the accuracy the share of rows whose most probable class is the
-        label, both means over rows weighted by `sample_weight` when given.
+        are class ids or one-hot rows, and the scores are what Keras's
+        `evaluate` gives for the averaging model compiled with a
+        cross-entropy loss and `metrics=["accuracy"]`: the loss weighs rows
+        by `sample_weight` and divides by their count, the accuracy counts
+        every row alike.
         As `model.evaluate`: with `steps`, over the first `steps` batches
         only; `verbose` and `callbacks` (given the averaging model, batch
         logs the members' means); each member keeps the non-trainable
@@ -256,12 +263,13 @@ class EnsembleTrainer:
         callbacks = callbacks_lib.callback_list(
             callbacks, self.averaging_model(), verbose, history=False, epochs=1,
             steps=batches.steps)
+        # As model.evaluate: the members keep what the test steps left, given
+        # to them before on_test_end, so what a callback changes there stays.
+        keep = lambda non_trainable, metrics: members_lib.write_back_members(  # noqa: E731
+            TrainState(None, non_trainable, None, metrics), self.members)
         with callbacks_lib.released_on_error(callbacks):  # on_test_end may not come
-            scores, non_trainable, metrics = ensemble_inference.evaluate(
-                self, self._weights, batches, callbacks)
-        # As model.evaluate: the members keep what the test steps left.
-        members_lib.write_back_members(TrainState(None, non_trainable, None, metrics),
-                                       self.members)
+            scores, _, _ = ensemble_inference.evaluate(
+                self, self._weights, batches, callbacks, before_end=keep)
         if return_dict:
             return scores
         return callbacks_lib.in_evaluate_order(scores, self.members[0])
