@@ -1117,6 +1117,33 @@ def test_members_that_differ_beyond_their_variables_are_refused_when_made(settin
         keras_dp.EnsembleTrainer(varied_members(**settings), 2, devices=devices(2))
 
 
+def test_members_with_wrapped_layers_are_compared_layer_by_layer():
+    # A Bidirectional's or TimeDistributed's config holds its inner layers'
+    # configs, names included (lstm, lstm_1): every such ensemble was
+    # refused as differing. The inner layers are compared as layers.
+    def build(activation=("tanh", "tanh")):
+        calls = iter(range(100))
+
+        def make():
+            model = keras.Sequential([
+                keras.Input((5, 3)),
+                keras.layers.TimeDistributed(keras.layers.Dense(4)),
+                keras.layers.Bidirectional(keras.layers.LSTM(
+                    4, activation=activation[next(calls) % 2])),
+                keras.layers.Dense(3)])
+            model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            return model
+
+        return make
+
+    trainer = keras_dp.EnsembleTrainer(build(), 2, devices=devices(2))
+    assert len(trainer.members) == 2
+    with pytest.raises(ValueError, match=(
+            r"^Member 1 differs from member 0 in layer '(forward|backward)_lstm(_\d+)?' \(LSTM\): "
+            r"activation='relu' where member 0 has activation='tanh'\.")):
+        keras_dp.EnsembleTrainer(build(("tanh", "relu")), 2, devices=devices(2))
+
+
 def test_members_with_their_own_learning_rates_train_as_their_own_model_fit():
     # A float learning rate is an optimizer variable: each member's own.
     x, y = small_data(48)

@@ -64,9 +64,19 @@ def _recipe(model):
 def _layer_settings(layer):
     settings = {"class": type(layer).__qualname__, **_config(layer)}
     # Names differ between calls (dense, dense_1); initializers and seeds
-    # only set the initial values, which are each member's own.
+    # only set the initial values, which are each member's own. A wrapped
+    # layer (Bidirectional's, TimeDistributed's) is a layer of its own in
+    # the list, compared there, its name left out.
     return {key: value for key, value in settings.items()
-            if key not in ("name", "seed") and not key.endswith("_initializer")}
+            if key not in ("name", "seed") and not key.endswith("_initializer")
+            and not _holds_layers(value)}
+
+
+def _holds_layers(value):
+    """Whether `value` is a serialised layer (a config with `trainable`), or a list of them."""
+    if isinstance(value, (list, tuple)):
+        return bool(value) and all(map(_holds_layers, value))
+    return isinstance(value, dict) and "trainable" in (value.get("config") or {})
 
 
 def _compile_settings(model):
@@ -97,9 +107,14 @@ def _first_difference(first, other):
                 if not _same(ours.get(key), theirs.get(key))]
         if keys:
             key = keys[0]
-            return (f"{what}: {key}={theirs.get(key)!r} where member 0 has "
-                    f"{key}={ours.get(key)!r}")
+            return (f"{what}: {key}={_short(theirs.get(key))} where member 0 has "
+                    f"{key}={_short(ours.get(key))}")
     return None
+
+
+def _short(value, limit=200):
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _same(a, b):
