@@ -245,6 +245,28 @@ def test_a_nan_or_inf_input_row_stops_at_its_batch_where_kerass_weights_go_nan(d
         fit(mlp(), data[0], y, sample_weight=weights)
 
 
+def test_under_terminate_on_nan_the_epochs_metrics_log_nan_where_kerass_count_the_bad_step(data):
+    # README said "the same History" as Keras's: the loss is nan in both, but
+    # keras_dp sets the running metrics to NaN at the bad step (so that the
+    # steps after it keep the state), where Keras's accuracy counts that step.
+    x, y = data
+    x = x.copy()
+    x[19, 2] = np.nan  # batch 2
+
+    def build():
+        model = mlp()
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=model.loss, metrics=["accuracy"])
+        return model
+
+    ours, theirs = build(), build()
+    history = fit(ours, x, y, callbacks=[keras.callbacks.TerminateOnNaN()]).history
+    expected = theirs.fit(x, y, callbacks=[keras.callbacks.TerminateOnNaN()], **FIT).history
+    assert sorted(history) == sorted(expected) == ["accuracy", "loss"]
+    assert np.isnan(history["loss"]).all() and np.isnan(expected["loss"]).all()
+    assert np.isnan(history["accuracy"]).all()
+    np.testing.assert_allclose(expected["accuracy"], [0.25])  # 6 of the 24 rows read
+
+
 def test_an_empty_grain_dataset_is_named_as_grain(data):
     grain = pytest.importorskip("grain")
     x, y = data
