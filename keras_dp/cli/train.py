@@ -28,7 +28,7 @@ def train(args):
 
     # Before the model exists, so a rerun loads its initializers' programs
     # from the cache too (`benchmarks/compile_cache.py`).
-    keras_dp.compilation_cache.enable(min_compile_time_s=0.1)
+    keras_dp.compilation_cache.enable(min_compile_time_s=0)
     _compat.set_random_seed(args.seed)  # Keras's, without importing TensorFlow
     data = load_data(args.data_dir, args.train_samples)
     epochs = epochs_for(args, data)
