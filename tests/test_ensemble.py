@@ -912,6 +912,26 @@ def test_backup_and_restore_resumes_at_the_epoch_after_the_backup(tmp_path):
             np.testing.assert_array_equal(a, b)
 
 
+def test_checkpoint_dir_is_refused_before_any_member_is_built_naming_backup_and_restore(
+        tmp_path):
+    # It was Python's "unexpected keyword argument" TypeError.
+    built = []
+
+    def build():
+        built.append(1)
+        return build_small()
+
+    message = r"^checkpoint_dir is not supported for ensembles.*BackupAndRestore\(backup_dir\)"
+    with pytest.raises(ValueError, match=message):
+        keras_dp.fit_ensemble(build, *small_data(16), members=2, devices=devices(2),
+                              checkpoint_dir=str(tmp_path))
+    assert built == []
+    trainer = keras_dp.EnsembleTrainer(build, 2, devices=devices(2))
+    with pytest.raises(ValueError, match=message):
+        trainer.fit(*small_data(16), checkpoint_dir=str(tmp_path))
+    assert int(trainer.members[0].optimizer.iterations) == 0
+
+
 def build_ema():
     model = build_small()
     model.compile(keras.optimizers.Adam(0.01, use_ema=True), model.loss, metrics=["accuracy"])

@@ -14,6 +14,7 @@ from typing import NamedTuple
 import keras
 
 from keras_dp.ensemble.trainer import EnsembleTrainer
+from keras_dp.ensemble import trainer as ensemble_trainer
 
 __all__ = ["EnsembleResult", "EnsembleTrainer", "fit_ensemble"]
 
@@ -43,7 +44,8 @@ def fit_ensemble(build_model, x=None, y=None, *, members=None, batch_size=None,
                  class_weight=None, sample_weight=None, initial_epoch=0,
                  steps_per_epoch=None, validation_steps=None, validation_batch_size=None,
                  validation_freq=1, steps_per_execution=None, from_logits=None,
-                 seed=0, mesh=None, devices=None, compilation_cache=True):
+                 seed=0, mesh=None, devices=None, compilation_cache=True,
+                 checkpoint_dir=None):
     """Train an ensemble, one member per device, that averages probabilities.
 
     Member `i` is `build_model()` called right after
@@ -95,6 +97,9 @@ def fit_ensemble(build_model, x=None, y=None, *, members=None, batch_size=None,
         mesh, devices: where to train (default: all of JAX's devices).
         compilation_cache: JAX's persistent compilation cache, as for
             `ShardedTrainer`: a rerun loads the compiled steps from disk.
+        checkpoint_dir: not supported for ensembles: anything but None
+            raises a `ValueError` before any member is built, naming
+            `keras.callbacks.BackupAndRestore` to use instead.
 
     Returns:
         `EnsembleResult(members, model, history, member_history)`.
@@ -110,6 +115,7 @@ def fit_ensemble(build_model, x=None, y=None, *, members=None, batch_size=None,
     probabilities = result.model.predict(x_test)  # the members' mean
     ```
     """
+    ensemble_trainer.refuse_checkpoint_dir(checkpoint_dir)  # before the members are built
     trainer = EnsembleTrainer(
         build_model, members, seed=seed, mesh=mesh, devices=devices,
         from_logits=from_logits, steps_per_execution=steps_per_execution,
@@ -122,7 +128,7 @@ def fit_ensemble(build_model, x=None, y=None, *, members=None, batch_size=None,
         class_weight=class_weight, sample_weight=sample_weight, initial_epoch=initial_epoch,
         steps_per_epoch=steps_per_epoch,
         validation_steps=validation_steps, validation_batch_size=validation_batch_size,
-        validation_freq=validation_freq,
+        validation_freq=validation_freq, checkpoint_dir=checkpoint_dir,
     )
     return EnsembleResult(trainer.members, trainer.averaging_model(), history,
                           trainer.member_history)

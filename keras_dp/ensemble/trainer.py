@@ -175,7 +175,7 @@ class EnsembleTrainer:
             callbacks=None, validation_split=0.0, validation_data=None, shuffle=True,
             member_shuffle=False, class_weight=None, sample_weight=None, initial_epoch=0,
             steps_per_epoch=None, validation_steps=None, validation_batch_size=None,
-            validation_freq=1):
+            validation_freq=1, checkpoint_dir=None):
         """Train every member for `epochs` epochs (see `fit_ensemble`).
 
         As `model.fit` runs: Keras callbacks (given the averaging model,
@@ -195,10 +195,13 @@ class EnsembleTrainer:
         Raises:
             ValueError: `member_shuffle` without shuffled array data, a
                 `SwapEMAWeights` callback
-                (`keras_dp.ensemble.loop.check_callbacks`), or bad
-                `validation_split`, `class_weight` or `initial_epoch`.
+                (`keras_dp.ensemble.loop.check_callbacks`), bad
+                `validation_split`, `class_weight` or `initial_epoch`, or
+                a `checkpoint_dir` (not supported for ensembles: the error
+                says what to use instead).
             FloatingPointError: a member's loss became NaN or Inf.
         """
+        refuse_checkpoint_dir(checkpoint_dir)
         epochs = pipeline.check_count("epochs", epochs)
         initial_epoch = pipeline.check_count("initial_epoch", initial_epoch)
         callbacks_lib.check_validation_freq(validation_freq)
@@ -428,3 +431,16 @@ def _check_placed(batch):
 def _stack(batches):
     """K host batches `(x, y, sample_weight)` as one, stacked on a new axis 0."""
     return jax.tree.map(lambda *arrays: np.stack(arrays), *map(pipeline.unpack, batches))
+
+
+def refuse_checkpoint_dir(checkpoint_dir):
+    """Raise a `ValueError` naming the alternative unless `checkpoint_dir` is None."""
+    if checkpoint_dir is not None:
+        raise ValueError(
+            "checkpoint_dir is not supported for ensembles: keras_dp's "
+            "checkpoints (and saving on SIGTERM) hold one model's state. To "
+            "resume an ensemble after a crash, pass "
+            "keras.callbacks.BackupAndRestore(backup_dir) in callbacks: a "
+            "rerun restores every member from the last epoch's backup and "
+            "resumes at the epoch after it. Received: "
+            f"checkpoint_dir={checkpoint_dir!r}.")
