@@ -932,6 +932,24 @@ def test_checkpoint_dir_is_refused_before_any_member_is_built_naming_backup_and_
     assert int(trainer.members[0].optimizer.iterations) == 0
 
 
+def test_a_callback_that_sets_model_optimizer_learning_rate_is_told_where_the_members_are():
+    # A warmup written the usual way (self.model.optimizer.learning_rate =)
+    # set an attribute of the members' view and changed nothing.
+    class Warmup(keras.callbacks.LearningRateScheduler):
+        def on_train_batch_begin(self, batch, logs=None):
+            self.model.optimizer.learning_rate = 1e-6
+
+    with pytest.raises(AttributeError, match=(
+            r"^An ensemble's callbacks see model.optimizer as the members' optimizers, in "
+            r"model.optimizer.optimizers; set learning_rate on each of those")):
+        keras_dp.fit_ensemble(build_small, *small_data(16), members=2, devices=devices(2),
+                              verbose=0, callbacks=[Warmup(lambda epoch, lr: lr)])
+    with pytest.raises(ValueError, match=r"^TensorBoard\(write_steps_per_second=True\) counts"):
+        keras_dp.fit_ensemble(build_small, *small_data(16), members=2, devices=devices(2),
+                              verbose=0, callbacks=[keras.callbacks.TensorBoard(
+                                  "unused", write_steps_per_second=True)])
+
+
 def build_ema():
     model = build_small()
     model.compile(keras.optimizers.Adam(0.01, use_ema=True), model.loss, metrics=["accuracy"])
@@ -1162,6 +1180,80 @@ def test_members_with_wrapped_layers_are_compared_layer_by_layer():
             r"^Member 1 differs from member 0 in layer '(forward|backward)_lstm(_\d+)?' \(LSTM\): "
             r"activation='relu' where member 0 has activation='tanh'\.")):
         keras_dp.EnsembleTrainer(build(("tanh", "relu")), 2, devices=devices(2))
+
+
+def test_names_keras_numbers_and_nan_settings_are_not_differences():
+    # Metrics, losses and optimizers made without a name are numbered
+    # (auc, auc_1; adam, adam_1) inside the compile and optimizer configs;
+    # mixed_float16 wraps a string optimizer in a LossScaleOptimizer that
+    # holds the inner one's numbered name: all three were refused, and NaN
+    # (Masking's mask_value) was unequal to itself. A float learning rate
+    # inside a LossScaleOptimizer stays each member's own.
+    rates = iter([0.01, 0.02])
+
+    def build():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Masking(float("nan")),
+                                  keras.layers.Dense(3)])
+        optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(next(rates)))
+        model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy", keras.metrics.SparseTopKCategoricalAccuracy(2)])
+        return model
+
+    assert len(keras_dp.EnsembleTrainer(build, 2, devices=devices(2)).members) == 2
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        trainer = keras_dp.EnsembleTrainer(build_small, 2, devices=devices(2))
+    finally:
+        keras.config.set_dtype_policy(previous)
+    assert type(trainer.members[1].optimizer).__name__ == "LossScaleOptimizer"
+
+
+def test_members_adapted_to_other_data_or_holding_other_arrays_are_refused():
+    # Normalization's adapted statistics are variables, but call() reads
+    # constants made from them: member 1 adapted on other data trained with
+    # member 0's (its loss 5.5 where its own evaluate gave 3.4). And arrays
+    # in a config were compared by their repr, which numpy cuts with "..."
+    # above 1,000 entries: one entry apart in 5,000 passed.
+    def build(data):
+        datas = iter(data)
+
+        def make():
+            normalization = keras.layers.Normalization()
+            normalization.adapt(next(datas))
+            model = keras.Sequential([keras.Input((4,)), normalization, keras.layers.Dense(3)])
+            model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            return model
+
+        return make
+
+    x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
+    keras_dp.EnsembleTrainer(build([x, x]), 2, devices=devices(2))  # the same data: accepted
+    with pytest.raises(ValueError, match=(
+            r"^Member 1 differs from member 0 in layer 'normalization(_\d+)?' "
+            r"\(Normalization\): it was adapted to other values .* than member 0's\. Adapt")):
+        keras_dp.EnsembleTrainer(build([x, x + 1]), 2, devices=devices(2))
+
+    class Offsets(keras.layers.Layer):
+        def __init__(self, offsets, **kwargs):
+            super().__init__(**kwargs)
+            self.offsets = np.asarray(offsets, "float32")
+
+        def call(self, inputs):
+            return inputs + self.offsets[:4]
+
+        def get_config(self):
+            return {**super().get_config(), "offsets": self.offsets}
+
+    arrays = iter([np.zeros(5000), np.eye(1, 5000, 2500)[0]])
+
+    def with_offsets():
+        model = keras.Sequential([keras.Input((4,)), Offsets(next(arrays)), keras.layers.Dense(3)])
+        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    with pytest.raises(ValueError, match=r"\(Offsets\): offsets=array"):
+        keras_dp.EnsembleTrainer(with_offsets, 2, devices=devices(2))
 
 
 def test_members_with_their_own_learning_rates_train_as_their_own_model_fit():

@@ -56,12 +56,22 @@ def check_callbacks(callbacks):
     """Refuse Keras's `SwapEMAWeights`, which swaps `model.optimizer`'s EMA weights in.
 
     Each member has its own optimizer, and the averaging model that
-    callbacks are given has none (`optimizer` is `None`).
+    callbacks are given has none (`optimizer` is `None`; the learning-rate
+    callbacks see the members' optimizers instead, see
+    `give_learning_rate_callbacks_the_members`).
 
     Raises:
-        ValueError: a `SwapEMAWeights`.
+        ValueError: a `SwapEMAWeights`, or a `TensorBoard` with
+            `write_steps_per_second=True` (it reads `model.optimizer`).
     """
     for callback in callbacks or ():
+        if isinstance(callback, keras.callbacks.TensorBoard) and callback.write_steps_per_second:
+            raise ValueError(
+                "TensorBoard(write_steps_per_second=True) counts steps with "
+                "model.optimizer.iterations, but an ensemble's members each have "
+                "their own optimizer and the averaging model given to callbacks has "
+                "none. Drop write_steps_per_second: the other logs are written as "
+                "under model.fit.")
         if isinstance(callback, keras.callbacks.SwapEMAWeights):
             raise ValueError(
                 "SwapEMAWeights swaps model.optimizer's moving averages into the "
@@ -77,10 +87,11 @@ def give_learning_rate_callbacks_the_members(callbacks, members):
 
     Each such callback of the `CallbackList` gets a view of the averaging
     model whose `optimizer` lists the members' optimizers in `optimizers`:
-    Keras's callbacks set the learning rate of each optimizer so listed
-    (as for a model with several optimizers) and log each as
-    `learning_rate_member_<i>`. The averaging model itself keeps no
-    optimizer (see `EnsembleTrainer.averaging_model`).
+    Keras's callbacks set the learning rate of each optimizer so listed,
+    as for a model with several optimizers, and log each as
+    `learning_rate_member_<i>`; its `iterations` are the members' steps.
+    The averaging model itself keeps no optimizer (see
+    `EnsembleTrainer.averaging_model`).
     """
     for callback in callbacks.callbacks:
         if isinstance(callback, (keras.callbacks.LearningRateScheduler,
@@ -89,7 +100,13 @@ def give_learning_rate_callbacks_the_members(callbacks, members):
 
 
 class _MemberOptimizer:
-    """Member `index`'s optimizer as Keras's learning-rate callbacks read it: named `member_<index>`."""
+    """Member `index`'s optimizer as Keras's learning-rate callbacks read it: named `member_<index>`.
+
+    Reads go to the optimizer; of the writes, only `learning_rate`
+    (another attribute set here would change nothing, so it raises).
+    """
+
+    __slots__ = ("_optimizer", "name")
 
     def __init__(self, optimizer, index):
         self._optimizer = optimizer
@@ -103,13 +120,30 @@ class _MemberOptimizer:
     def learning_rate(self, value):
         self._optimizer.learning_rate = value  # Keras raises for a schedule, as under fit
 
+    def __getattr__(self, name):
+        return getattr(self._optimizer, name)
+
 
 class _MembersOptimizers:
     """The members' optimizers, listed as Keras lists a model's several optimizers."""
 
     def __init__(self, members):
-        self.optimizers = [_MemberOptimizer(member.optimizer, index)
-                           for index, member in enumerate(members)]
+        object.__setattr__(self, "optimizers", [_MemberOptimizer(member.optimizer, index)
+                                                for index, member in enumerate(members)])
+        object.__setattr__(self, "_first", members[0].optimizer)
+
+    @property
+    def iterations(self):
+        """The steps taken: every member takes each one."""
+        return self._first.iterations
+
+    def __setattr__(self, name, value):
+        # A callback that sets model.optimizer.learning_rate itself would
+        # change nothing: say where the members' optimizers are.
+        raise AttributeError(
+            f"An ensemble's callbacks see model.optimizer as the members' optimizers, "
+            f"in model.optimizer.optimizers; set {name} on each of those (as Keras's "
+            "LearningRateScheduler does for a model with several optimizers).")
 
 
 class _WithMembersOptimizers:

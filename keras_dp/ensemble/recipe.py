@@ -14,6 +14,7 @@ import numbers
 import warnings
 
 import keras
+import numpy as np
 
 from keras_dp import _compat
 
@@ -21,16 +22,25 @@ from keras_dp import _compat
 def check_same_recipe(models):
     """Refuse members whose layers, loss, metrics or optimizer differ from member 0's.
 
-    Initial values (initializers, seeds) and a float learning rate may
-    differ; layer and optimizer names are ignored.
+    Compared: each layer's config, the compile config and the optimizer's
+    config, as Keras serialises them, and the values a preprocessing layer
+    was adapted to (constants of the traced step, not each member's own).
+    Initial values (initializers, seeds), a float learning rate (an
+    optimizer variable, also inside a `LossScaleOptimizer`), and the names
+    Keras numbers (`dense_1`, `auc_1`, `adam_1`) may differ. What no config
+    shows (a subclassed layer without `get_config`, a loss function's
+    closure, a subclassed model's own attributes) is not compared.
 
     Raises:
-        ValueError: member `i` differs from member 0 in a layer's settings,
-            its compile settings (loss, metrics, ...) or its optimizer's.
+        ValueError: member `i` differs from member 0 in a layer's settings
+            or adapted values, its compile settings (loss, metrics, ...) or
+            its optimizer's.
     """
     first = _recipe(models[0])
     for index, model in enumerate(models[1:], start=1):
         difference = _first_difference(first, _recipe(model))
+        if difference is None:
+            difference = _adapted_difference(models[0], model)
         if difference is not None:
             raise ValueError(
                 f"Member {index} differs from member 0 in {difference}. The ensemble "
@@ -53,23 +63,47 @@ def _recipe(model):
              for layer in _compat.all_layers(model) if not isinstance(layer, keras.Model)]
     parts.append(("the compile settings", _compile_settings(model)))
     optimizer = model.optimizer
-    settings = {"class": type(optimizer).__qualname__, **_config(optimizer)}
-    settings.pop("name", None)
-    if isinstance(settings.get("learning_rate"), numbers.Number):
-        del settings["learning_rate"]  # a variable of the optimizer's: each member's own
+    settings = _without_identity({"class": type(optimizer).__qualname__, **_config(optimizer)},
+                                 float_learning_rate=True)
     parts.append(("the optimizer", settings))
     return parts
 
 
 def _layer_settings(layer):
     settings = {"class": type(layer).__qualname__, **_config(layer)}
-    # Names differ between calls (dense, dense_1); initializers and seeds
-    # only set the initial values, which are each member's own. A wrapped
-    # layer (Bidirectional's, TimeDistributed's) is a layer of its own in
-    # the list, compared there, its name left out.
-    return {key: value for key, value in settings.items()
-            if key not in ("name", "seed") and not key.endswith("_initializer")
-            and not _holds_layers(value)}
+    # Initializers and seeds only set the initial values, which are each
+    # member's own. A wrapped layer (Bidirectional's, TimeDistributed's) is
+    # a layer of its own in the list, compared there.
+    settings = {key: value for key, value in settings.items()
+                if key != "seed" and not key.endswith("_initializer")
+                and not _holds_layers(value)}
+    return _without_identity(settings)
+
+
+def _without_identity(value, float_learning_rate=False):
+    """A serialised config without the names Keras numbers per object (at any depth).
+
+    `name` goes everywhere but in a dtype policy, where it is the policy
+    ("mixed_float16"). With `float_learning_rate`, a `learning_rate` that is
+    a number goes too: it is an optimizer variable, each member's own.
+    """
+    if isinstance(value, dict):
+        kept = {}
+        for key, item in value.items():
+            if key == "name" and not _is_policy(value):
+                continue
+            if float_learning_rate and key == "learning_rate" and isinstance(
+                    item, numbers.Number):
+                continue
+            kept[key] = item if key == "dtype" else _without_identity(item, float_learning_rate)
+        return kept
+    if isinstance(value, (list, tuple)):
+        return type(value)(_without_identity(item, float_learning_rate) for item in value)
+    return value
+
+
+def _is_policy(config):
+    return "Policy" in str(config.get("class_name", ""))
 
 
 def _holds_layers(value):
@@ -86,8 +120,11 @@ def _compile_settings(model):
             settings = dict(model.get_compile_config() or {})
     except Exception:  # noqa: BLE001 - a loss Keras cannot serialise: nothing to compare
         return {}
-    settings.pop("optimizer", None)  # compared on its own, without its name
-    return settings
+    settings.pop("optimizer", None)  # compared on its own
+    # How Keras runs the step, not what it computes: keras_dp traces it once.
+    for key in ("jit_compile", "run_eagerly", "steps_per_execution", "auto_scale_loss"):
+        settings.pop(key, None)
+    return _without_identity(settings)
 
 
 def _config(obj):
@@ -97,19 +134,61 @@ def _config(obj):
         return {}
 
 
+def _adapted_difference(first, other):
+    """A phrase naming a preprocessing layer adapted to other values than member 0's, or None.
+
+    A layer with `adapt` (Normalization, Discretization) keeps what it was
+    adapted to in variables, but `call` reads constants made from them
+    (`finalize_state`), so the step traced from member 0 holds member 0's.
+    """
+    for ours, theirs in zip(_compat.all_layers(first), _compat.all_layers(other)):
+        if not hasattr(ours, "adapt") or isinstance(ours, keras.Model):
+            continue
+        for a, b in zip(ours.variables, theirs.variables):
+            if not np.array_equal(np.asarray(a.value), np.asarray(b.value), equal_nan=True):
+                return (f"layer {theirs.name!r} ({type(theirs).__name__}): it was adapted to "
+                        f"other values ({b.path}) than member 0's. Adapt the layer once, "
+                        "outside build_model, and use that one layer in every member, or "
+                        "adapt every member's on the same data")
+    return None
+
+
 def _first_difference(first, other):
     """A phrase naming the first part of `other` that differs from `first`, or None."""
     if [ours["class"] for _, ours in first[:-2]] != [theirs["class"] for _, theirs in other[:-2]]:
         return (f"its layers: {[theirs['class'] for _, theirs in other[:-2]]} where member 0 "
                 f"has {[ours['class'] for _, ours in first[:-2]]}")
     for (what, ours), (_, theirs) in zip(first, other):
-        keys = [key for key in sorted(set(ours) | set(theirs))
-                if not _same(ours.get(key), theirs.get(key))]
-        if keys:
-            key = keys[0]
-            return (f"{what}: {key}={_short(theirs.get(key))} where member 0 has "
-                    f"{key}={_short(ours.get(key))}")
+        found = _leaf_difference(ours, theirs, "")
+        if found is not None:
+            path, our_value, their_value = found
+            return (f"{what}: {path}={_short(their_value)} where member 0 has "
+                    f"{path}={_short(our_value)}")
     return None
+
+
+def _leaf_difference(ours, theirs, path):
+    """`(path, ours, theirs)` at the first place two configs differ, or None.
+
+    Dicts and lists holding dicts or lists are walked into; other lists,
+    arrays and scalars are compared whole (`_same`).
+    """
+    if isinstance(ours, dict) and isinstance(theirs, dict):
+        for key in sorted(set(ours) | set(theirs), key=str):
+            found = _leaf_difference(ours.get(key), theirs.get(key),
+                                     f"{path}.{key}" if path else str(key))
+            if found is not None:
+                return found
+        return None
+    if (isinstance(ours, (list, tuple)) and isinstance(theirs, (list, tuple))
+            and len(ours) == len(theirs)
+            and any(isinstance(item, (dict, list, tuple)) for item in (*ours, *theirs))):
+        for index, (a, b) in enumerate(zip(ours, theirs)):
+            found = _leaf_difference(a, b, f"{path}[{index}]")
+            if found is not None:
+                return found
+        return None
+    return None if _same(ours, theirs) else (path, ours, theirs)
 
 
 def _short(value, limit=200):
@@ -118,7 +197,14 @@ def _short(value, limit=200):
 
 
 def _same(a, b):
+    """Equal values; arrays element by element, and NaN equal to NaN."""
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        a, b = np.asarray(a), np.asarray(b)
+        return (a.shape == b.shape and a.dtype == b.dtype
+                and np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"))
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True  # NaN (Masking's mask_value, say)
     try:
         return bool(a == b)
-    except Exception:  # noqa: BLE001 - arrays in a config: compare their text
+    except Exception:  # noqa: BLE001 - an object without a clear equality
         return repr(a) == repr(b)
