@@ -260,12 +260,8 @@ class EnsembleTrainer:
             `{"loss": [M floats], <each compiled metric>: [M floats],
             "ensemble_loss": float, "ensemble_accuracy": float}`.
         """
-        batches = self._batches(x, y, sample_weight, batch_size, False, self.seed, steps=steps)
-        pipeline.check_ends(batches, "x", "steps")
-        self.build(batches.peek())
-        callbacks = callbacks_lib.callback_list(
-            callbacks, self.averaging_model(), verbose, history=False, epochs=1,
-            steps=batches.steps)
+        batches, callbacks = self._inference_input(x, y, sample_weight, batch_size, steps,
+                                                   callbacks, verbose)
         # As model.evaluate: the members keep what the test steps left, given
         # to them before on_test_end, so what a callback changes there stays.
         keep = lambda non_trainable, metrics: members_lib.write_back_members(  # noqa: E731
@@ -276,6 +272,15 @@ class EnsembleTrainer:
         if return_dict:
             return scores
         return callbacks_lib.in_evaluate_order(scores, self.members[0])
+
+    def _inference_input(self, x, y, sample_weight, batch_size, steps, callbacks, verbose):
+        """`(batches, callbacks)` of an `evaluate` or `predict` call, the members built."""
+        batches = self._batches(x, y, sample_weight, batch_size, False, self.seed, steps=steps)
+        pipeline.check_ends(batches, "x", "steps")
+        self.build(batches.peek())
+        return batches, callbacks_lib.callback_list(
+            callbacks, self.averaging_model(), verbose, history=False, epochs=1,
+            steps=batches.steps)
 
     def predict_members(self, x, *, batch_size=None, verbose="auto", steps=None,
                         callbacks=None):
@@ -288,13 +293,9 @@ class EnsembleTrainer:
         from batch to batch: a layer that draws random numbers in inference
         mode draws new ones each batch and each call.
         """
-        batches = self._batches(pipeline.predict_inputs(x, self.members[0]), None, None,
-                                batch_size, False, self.seed, steps=steps)
-        pipeline.check_ends(batches, "x", "steps")
-        self.build(batches.peek())
-        callbacks = callbacks_lib.callback_list(
-            callbacks, self.averaging_model(), verbose, history=False, epochs=1,
-            steps=batches.steps)
+        batches, callbacks = self._inference_input(
+            pipeline.predict_inputs(x, self.members[0]), None, None, batch_size, steps,
+            callbacks, verbose)
         with callbacks_lib.released_on_error(callbacks):  # on_predict_end may not come
             probabilities, non_trainable = ensemble_inference.predict(
                 self, self._weights, batches, callbacks)
