@@ -7,7 +7,9 @@ rate, the loss, the metrics, the optimizer's type and settings (momentum,
 `beta_1`, a learning-rate schedule). A member that differs there would train
 silently as member 0. What lives in variables may differ: the initial
 values, and the learning rate when it is a float (the optimizer keeps it in a
-variable, so member `i` trains with its own).
+variable, so member `i` trains with its own); but not what a preprocessing
+layer was adapted to, which it keeps in variables and reads, in `call`, as
+constants made from them.
 """
 
 import numbers
