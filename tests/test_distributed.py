@@ -302,6 +302,27 @@ def test_initialize_after_jax_started_says_to_call_it_first():
         distributed.initialize("127.0.0.1:1", 2, 0)
 
 
+def test_a_launched_process_that_never_called_initialize_is_refused_before_training(
+        monkeypatch):
+    # Under `keras-dp launch` without initialize(), each process ran alone on
+    # its 2 devices: two unrelated trainings, both writing the same files.
+    monkeypatch.setenv("KERAS_DP_COORDINATOR", "127.0.0.1:1")
+    monkeypatch.setenv("KERAS_DP_NUM_PROCESSES", "2")
+    monkeypatch.setenv("KERAS_DP_PROCESS_ID", "1")
+    import keras
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    message = ("started as process 1 of 2 .*JAX runs it alone: "
+               "keras_dp.distributed.initialize\\(\\) was not called")
+    for start in (lambda: keras_dp.make_mesh(), lambda: keras_dp.ShardedTrainer(model),
+                  lambda: keras_dp.fit_sharded(model, np.zeros((4, 3)), np.zeros(4))):
+        with pytest.raises(RuntimeError, match=message):
+            start()
+    monkeypatch.setenv("KERAS_DP_NUM_PROCESSES", "1")  # `keras-dp launch --processes 1`
+    assert keras_dp.make_mesh().devices.size == len(jax.devices())
+
+
 @pytest.mark.slow
 def test_a_peer_that_never_arrives_raises_a_python_timeout_naming_the_coordinator():
     # Real rendezvous for 2 processes, each on its own port so that neither
