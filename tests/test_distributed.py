@@ -296,6 +296,32 @@ def test_a_bad_agreement_timeout_is_refused_naming_the_variable(monkeypatch):
             agreement.timeout()
 
 
+def test_the_same_training_arrays_on_every_process_are_warned_of(recwarn):
+    # Passed whole to fit on every process (no process_share), the arrays
+    # trained each row P times per epoch, silently. Here the settings round's
+    # values of 2 processes are made in one: the whole data on both, then shares.
+    from keras_dp import agreement
+    from keras_dp.pipeline.arrays import ArrayBatches
+
+    x, y = np.arange(40.0).reshape(20, 2), np.arange(20.0)
+
+    def round_of(*shares):
+        codes = [agreement._rows_fingerprint(ArrayBatches(
+            *share, None, batch_size=4, shuffle=False, seed=0, class_weight=None))
+            for share in shares]
+        mine = [(agreement._SAME_ROWS, codes[0])]
+        agreement._check([[0, agreement._code(code)] for code in codes], mine, "fit")
+
+    with pytest.warns(UserWarning, match="Every process passed fit the same training "
+                                         "arrays.*each row is trained 2 times per epoch"
+                                         ".*keras_dp.distributed.process_share"):
+        round_of((x, y), (x, y))
+    recwarn.clear()
+    round_of((x[:10], y[:10]), (x[10:], y[10:]))  # each its own share
+    round_of((x[:10], y[:10]), (x[:10], y[:10] + 1))  # the same x, other labels
+    assert not recwarn.list
+
+
 def test_initialize_after_jax_started_says_to_call_it_first():
     jax.devices()  # this test process's backend is running
     with pytest.raises(RuntimeError, match="already started.*initialize\\(\\) first"):
