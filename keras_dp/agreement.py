@@ -22,6 +22,7 @@ import warnings
 import zlib
 
 import jax
+import numpy as np
 
 from keras_dp import exchange as exchange_lib
 
@@ -30,6 +31,11 @@ _MESSAGE_BYTES = 400
 _FAILED, _READY = 1, 0
 TIMEOUT_ENV = "KERAS_DP_AGREEMENT_TIMEOUT"
 DEFAULT_TIMEOUT = 300
+# Not a setting but a fingerprint of the training arrays, which should
+# differ between processes: equal on every process, it is warned of.
+_SAME_ROWS = "the training rows"
+# How many rows, evenly spaced, the fingerprint reads (all, if fewer).
+_FINGERPRINT_ROWS = 64
 
 
 class Disagreement(ValueError):
@@ -88,7 +94,25 @@ def settings(trainer, batches, *, batch_size, epochs, initial_epoch, shuffle, va
         *_model(trainer.model.variables),
         ("the optimizer", f"{type(optimizer).__name__} {sorted(config.items())!r}"),
         ("the optimizer's variables (shapes, dtypes)", _shapes(optimizer.variables)),
+        (_SAME_ROWS, _rows_fingerprint(batches)),
     ]
+
+
+def _rows_fingerprint(batches):
+    """A CRC-32 of array data's row count and of up to 64 evenly spaced rows (None: not arrays).
+
+    Reading a sample keeps it cheap for data of any size; rows equal on
+    every process are then very likely the whole data passed to each.
+    """
+    arrays = getattr(batches, "arrays", None)
+    if arrays is None:
+        return None
+    rows = batches.num_samples
+    picked = np.unique(np.linspace(0, rows - 1, min(rows, _FINGERPRINT_ROWS)).astype(int))
+    code = zlib.crc32(str(rows).encode())
+    for leaf in jax.tree.leaves(arrays):
+        code = zlib.crc32(np.ascontiguousarray(np.asarray(leaf)[picked]).tobytes(), code)
+    return code
 
 
 def inference_settings(trainer, batches, *, batch_size, steps):
@@ -236,8 +260,22 @@ def _check(gathered, found, call):
         ) from None
     for index, (name, mine) in enumerate(found):
         values = [values[1 + index] for values in gathered]
-        if len(set(values)) > 1:
+        if name == _SAME_ROWS:
+            if mine is not None and len(set(values)) == 1 and jax.process_index() == 0:
+                warnings.warn(_same_rows(len(values)), stacklevel=5)
+        elif len(set(values)) > 1:
             raise Disagreement(_differs(call, name, mine, values)) from None
+
+
+def _same_rows(processes):
+    return (
+        f"Every process passed fit the same training arrays (the same row count, and "
+        f"the rows sampled from them are equal on all {processes} processes). Across "
+        "processes, each process's arrays are its own share of the data, so each row "
+        f"is trained {processes} times per epoch, in every global batch as many times. "
+        "Pass each process its own rows: x, y = keras_dp.distributed.process_share(x, y) "
+        "(README, Many hosts). If the shares are meant to be equal, ignore this warning."
+    )
 
 
 def _differs(call, name, mine, values):

@@ -216,6 +216,35 @@ def requested_by_environment():
     return COORDINATOR_ENV in os.environ
 
 
+def check_joined():
+    """Raise if the `KERAS_DP_*` variables ask for several processes and JAX runs this one alone.
+
+    `keras-dp launch` (or a scheduler's script) sets them, but only
+    `initialize` joins the processes: a program that never calls it runs as
+    one process of its own in each, every one training alone on all it
+    reads and writing the same files, with no error.
+
+    Raises:
+        RuntimeError: `KERAS_DP_NUM_PROCESSES` is above 1 and JAX sees one
+            process.
+    """
+    if not requested_by_environment():
+        return
+    expected = _int_arg(None, NUM_PROCESSES_ENV)
+    if expected is None or expected <= 1 or jax.process_count() > 1:
+        return
+    raise RuntimeError(
+        f"This process was started as process {os.environ.get(PROCESS_ID_ENV, '?')} of "
+        f"{expected} ({COORDINATOR_ENV}={os.environ[COORDINATOR_ENV]}, "
+        f"{NUM_PROCESSES_ENV}={expected}, as keras-dp launch sets them), but JAX "
+        "runs it alone: keras_dp.distributed.initialize() was not called, so each "
+        "process would train by itself on all the data it reads. Call "
+        "keras_dp.distributed.initialize() first thing in the program, before any "
+        "jax.devices(), array or model creation; or unset "
+        f"{COORDINATOR_ENV} to run one process alone."
+    )
+
+
 def is_primary():
     """Whether this is process 0, the one that prints and writes files."""
     return jax.process_index() == 0

@@ -14,6 +14,8 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
+from keras_dp import distributed
+
 BATCH_AXIS = "batch"
 
 
@@ -37,7 +39,11 @@ def make_mesh(devices=None, mesh=None):
     Raises:
         ValueError: both arguments given, an empty device list, a device
             listed twice, or a mesh with more than one axis.
+        RuntimeError: the `KERAS_DP_*` variables ask for several processes
+            (`keras-dp launch`), but `keras_dp.distributed.initialize()`
+            was not called (`keras_dp.distributed.check_joined`).
     """
+    distributed.check_joined()
     if mesh is not None:
         if devices is not None:
             raise ValueError(

@@ -296,10 +296,57 @@ def test_a_bad_agreement_timeout_is_refused_naming_the_variable(monkeypatch):
             agreement.timeout()
 
 
+def test_the_same_training_arrays_on_every_process_are_warned_of(recwarn):
+    # Passed whole to fit on every process (no process_share), the arrays
+    # trained each row P times per epoch, silently. Here the settings round's
+    # values of 2 processes are made in one: the whole data on both, then shares.
+    from keras_dp import agreement
+    from keras_dp.pipeline.arrays import ArrayBatches
+
+    x, y = np.arange(40.0).reshape(20, 2), np.arange(20.0)
+
+    def round_of(*shares):
+        codes = [agreement._rows_fingerprint(ArrayBatches(
+            *share, None, batch_size=4, shuffle=False, seed=0, class_weight=None))
+            for share in shares]
+        mine = [(agreement._SAME_ROWS, codes[0])]
+        agreement._check([[0, agreement._code(code)] for code in codes], mine, "fit")
+
+    with pytest.warns(UserWarning, match="Every process passed fit the same training "
+                                         "arrays.*each row is trained 2 times per epoch"
+                                         ".*keras_dp.distributed.process_share"):
+        round_of((x, y), (x, y))
+    recwarn.clear()
+    round_of((x[:10], y[:10]), (x[10:], y[10:]))  # each its own share
+    round_of((x[:10], y[:10]), (x[:10], y[:10] + 1))  # the same x, other labels
+    assert not recwarn.list
+
+
 def test_initialize_after_jax_started_says_to_call_it_first():
     jax.devices()  # this test process's backend is running
     with pytest.raises(RuntimeError, match="already started.*initialize\\(\\) first"):
         distributed.initialize("127.0.0.1:1", 2, 0)
+
+
+def test_a_launched_process_that_never_called_initialize_is_refused_before_training(
+        monkeypatch):
+    # Under `keras-dp launch` without initialize(), each process ran alone on
+    # its 2 devices: two unrelated trainings, both writing the same files.
+    monkeypatch.setenv("KERAS_DP_COORDINATOR", "127.0.0.1:1")
+    monkeypatch.setenv("KERAS_DP_NUM_PROCESSES", "2")
+    monkeypatch.setenv("KERAS_DP_PROCESS_ID", "1")
+    import keras
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    message = ("started as process 1 of 2 .*JAX runs it alone: "
+               "keras_dp.distributed.initialize\\(\\) was not called")
+    for start in (lambda: keras_dp.make_mesh(), lambda: keras_dp.ShardedTrainer(model),
+                  lambda: keras_dp.fit_sharded(model, np.zeros((4, 3)), np.zeros(4))):
+        with pytest.raises(RuntimeError, match=message):
+            start()
+    monkeypatch.setenv("KERAS_DP_NUM_PROCESSES", "1")  # `keras-dp launch --processes 1`
+    assert keras_dp.make_mesh().devices.size == len(jax.devices())
 
 
 @pytest.mark.slow

@@ -43,5 +43,6 @@ def shard_for_processes(dataset):
             ".to_iter_dataset().") from None
     raise TypeError(
         "shard_for_processes takes a tf.data.Dataset or a grain.MapDataset. "
-        f"Received: {type(dataset).__name__}. Arrays need no sharding: pass "
-        "each process's own rows to fit (see README, Many hosts).")
+        f"Received: {type(dataset).__name__}. For arrays, pass fit each "
+        "process's own rows: x, y = keras_dp.distributed.process_share(x, y) "
+        "(see README, Many hosts).")
