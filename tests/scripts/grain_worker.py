@@ -69,7 +69,7 @@ class Sigterm(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         if self.sent:
-            time.sleep(0.3)  # JAX's runtime looks for SIGTERM once a second
+            time.sleep(1.0)  # JAX notices SIGTERM within a second or so; loaded, later
         elif self.at is not None and (self.epoch, batch + 1) >= self.at:
             self.sent = True
             os.kill(os.getpid(), 15)
