@@ -8,7 +8,7 @@ import pytest
 import keras_dp
 from keras_dp import pipeline
 from keras_dp import placement
-from conftest import BatchEnds, devices, mlp
+from conftest import BatchEnds, assert_close_to_scale, devices, mlp
 
 
 @pytest.mark.parametrize("on_device, programs", [
@@ -163,3 +163,23 @@ def test_a_leftover_validation_batch_is_its_own_call_where_keras_reports_a_short
                    validation_batch_size=8, callbacks=[record])
         ends[fit] = record.test
     assert ends == {"sharded": [1, 2], "keras": [1, 3]}
+
+
+def test_steps_fewer_than_k_read_exactly_that_many_batches_where_keras_runs_a_whole_call():
+    # steps=2 with steps_per_execution=3: Keras 3.15.1's predict returns 3
+    # batches' rows (15) and its evaluate scores 3 batches; keras_dp reads
+    # exactly 2, as model.predict and model.evaluate do with K=1.
+    def build(k):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        model.compile("sgd", "mse", steps_per_execution=k)
+        return model
+
+    x = np.random.default_rng(0).random((40, 4)).astype("float32")
+    y = np.zeros((40, 3), "float32")
+    options = dict(batch_size=5, steps=2, verbose=0)
+    assert build(3).predict(x, **options).shape == (15, 3)  # Keras: a whole call
+    trainer = keras_dp.ShardedTrainer(build(3), devices=devices(2))
+    assert_close_to_scale(trainer.predict(x, **options), build(1).predict(x, **options))
+    np.testing.assert_allclose(trainer.evaluate(x, y, **options),
+                               build(1).evaluate(x, y, **options), rtol=1e-6)
