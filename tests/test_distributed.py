@@ -322,6 +322,16 @@ def test_the_same_training_arrays_on_every_process_are_warned_of(recwarn):
     assert not recwarn.list
 
 
+def test_two_processes_passing_the_same_arrays_are_warned_on_process_0_only(tmp_path):
+    # The round above, across 2 real processes: the warning comes from the
+    # settings round every fit runs, on process 0, and not for shares.
+    codes, logs = run_pair(tmp_path, timeout=90,
+                           command=[sys.executable, str(MISMATCH_WORKER), "same_rows"])
+    assert codes == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    assert "WARNED whole 1\nWARNED shares 0\n" in logs[0], logs[0][-3000:]
+    assert "WARNED whole 0\nWARNED shares 0\n" in logs[1], logs[1][-3000:]
+
+
 def test_initialize_after_jax_started_says_to_call_it_first():
     jax.devices()  # this test process's backend is running
     with pytest.raises(RuntimeError, match="already started.*initialize\\(\\) first"):

@@ -13,7 +13,8 @@ epoch 1, and nothing catches it; with `caught`, process 1 alone catches
 it, prints `CAUGHT <message>` and ends with status 0 (`caught 0`: process
 0 fails and catches), after a fit in which every process raises and catches
 (`CASE after an error on every process: ...`); with `unwritable DIR`,
-process 1 alone fails to open `checkpoint_dir=DIR` and catches that.
+process 1 alone fails to open `checkpoint_dir=DIR` and catches that; with
+`same_rows`, every process passes the same arrays, then its own.
 """
 
 import os
@@ -104,6 +105,20 @@ if sys.argv[1] == "caught":
             raise
         print(f"CAUGHT {error}", flush=True)
     print("done", flush=True)
+    sys.exit(0)
+if sys.argv[1] == "same_rows":
+    # The whole data passed on every process (no process_share), then each
+    # process's own rows: prints how many same-rows warnings each fit gave.
+    import warnings
+
+    whole = np.random.default_rng(7).normal(size=(16, 3)).astype("float32")
+    for name, x in [("whole", whole), ("shares", data()[0])]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            keras_dp.fit_sharded(make_model(), x, x.sum(axis=1, keepdims=True), batch_size=8,
+                                 epochs=1, verbose=0)
+        same = [w for w in caught if "the same training arrays" in str(w.message)]
+        print(f"WARNED {name} {len(same)}", flush=True)
     sys.exit(0)
 if sys.argv[1] == "unwritable":
     # Process 1 alone cannot write the shared checkpoint directory (another
