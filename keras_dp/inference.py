@@ -21,7 +21,7 @@ from keras_dp import programs as programs_lib
 from keras_dp.state import fresh_metrics
 
 
-def evaluate(trainer, weights, batches, callbacks, programs=None, before_end=None):
+def evaluate(trainer, weights, batches, callbacks, before_end, programs=None):
     """Score `batches` with `weights` (`(trainable, non_trainable)`, or a function giving them).
 
     A function is called after `on_test_begin`, as Keras's evaluate reads
@@ -33,19 +33,17 @@ def evaluate(trainer, weights, batches, callbacks, programs=None, before_end=Non
     fewer than K) one by one, as `fit` does; callbacks see each call.
     The calls run through `programs` (a `programs.EvalPrograms` of
     `batches`, made here if None), which compiles each call shape's
-    program once, ahead of its first call where it can. `before_end`, if
-    given, is called with the non-trainable and metric values the last
-    step left before `on_test_end`: where Keras's evaluate gives them to
-    the model, so that what a callback changes there is kept.
+    program once, ahead of its first call where it can.
+    `before_end(non_trainable, metrics)` gets the values the last test step
+    left, before `on_test_end`: where Keras's evaluate gives them to the
+    model, so that what a callback changes there is kept.
 
     Returns:
-        `(logs, non_trainable, metrics)`: the final logs as python floats in
-        Keras's order, and the non-trainable and metric values the last test
-        step left.
+        The final logs as python floats, in Keras's order.
     """
     if programs is None:  # its own: what it compiles ahead ends with it
         with contextlib.closing(programs_lib.EvalPrograms(trainer, batches)) as programs:
-            return evaluate(trainer, weights, batches, callbacks, programs, before_end)
+            return evaluate(trainer, weights, batches, callbacks, before_end, programs)
     labels_lib.check_data(trainer.model, (batches, "the data"))
     metrics = fresh_metrics(trainer.model, trainer.mesh, trainer.state_layout().metrics)
     throttle = inflight.Throttle(trainer.steps_in_flight)
@@ -65,10 +63,9 @@ def evaluate(trainer, weights, batches, callbacks, programs=None, before_end=Non
             callbacks.on_test_batch_end(index - 1, logs)
     throttle.drain()
     logs = callbacks_lib.to_python(logs, trainer.model, metrics, "test_step")
-    if before_end is not None:
-        before_end(non_trainable, metrics)
+    before_end(non_trainable, metrics)
     callbacks.on_test_end(logs)
-    return logs, non_trainable, metrics
+    return logs
 
 
 def predict(trainer, weights, batches, callbacks):

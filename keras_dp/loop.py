@@ -17,6 +17,7 @@ and `steps_in_flight`.
 
 import contextlib
 import dataclasses
+import functools
 import os
 
 from keras_dp import _compat
@@ -378,16 +379,11 @@ def validate(run, val):
     live, read = run.live, run.trainer.init_state
     any_process = run.trainer.placement.any_process if run.trainer.multiprocess else None
 
-    def before_end(non_trainable, metrics):
-        # As after model.fit's validation, the metrics hold its results until the next epoch.
-        live.stepped(live.current(read, any_process)._replace(non_trainable=non_trainable,
-                                                              metrics=metrics))
-        if callbacks_lib.beyond_logs(run.callbacks):  # a closure over the model reads it too
-            live.sync()
-
-    logs, _, _ = inference.evaluate(
+    tested = functools.partial(live.tested, read, any_process=any_process,
+                               model_read=callbacks_lib.beyond_logs(run.callbacks))
+    logs = inference.evaluate(
         run.trainer, lambda: live.current(read, any_process).weights, val, run.callbacks,
-        run.validation, before_end=before_end)
+        tested, run.validation)
     return {f"val_{name}": value for name, value in logs.items()}
 
 

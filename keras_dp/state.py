@@ -330,6 +330,23 @@ class LiveModel:
             self.position = position
         self._last_good.dispatched(state, self.position)
 
+    def tested(self, read, non_trainable, metrics, *, model_read, any_process=None):
+        """Take the non-trainable and metric values a validation's test steps left.
+
+        As after `model.fit`'s validation: they carry into the next epoch
+        (a seed generator advanced in inference mode), and the metrics hold
+        the validation's results until the epoch after resets them. The
+        weights are the run's (`current(read, any_process)`). With
+        `model_read` (a callback may read the model, through `self.model` or
+        a closure), they are written into the model now: called before
+        `on_test_end`, as Keras's evaluate gives them to the model, so that
+        what a callback changes there is what the next epoch trains on.
+        """
+        self.stepped(self.current(read, any_process)._replace(non_trainable=non_trainable,
+                                                              metrics=metrics))
+        if model_read:
+            self.sync()
+
     def sync(self):
         """Write the live state into the model if it is behind (Keras calls this)."""
         self.touched = True

@@ -566,9 +566,9 @@ class ShardedTrainer:
         keep = lambda non_trainable, metrics: write_back(  # noqa: E731
             TrainState(None, non_trainable, None, metrics), self.model)
         with peers.watch(self.placement, "evaluate"):
-            logs, _, _ = inference.evaluate(  # read after on_test_begin
+            logs = inference.evaluate(  # read after on_test_begin
                 self, lambda: model_weights(self.model, self.mesh, self.state_layout()),
-                batches, callbacks, before_end=keep)
+                batches, callbacks, keep)
         if return_dict:
             return dict(sorted(logs.items()))
         return callbacks_lib.in_evaluate_order(logs, self.model)

@@ -20,24 +20,22 @@ from keras_dp.ensemble import members as members_lib
 from keras_dp.ensemble.scores import classification_scores
 
 
-def evaluate(trainer, weights, batches, callbacks, before_end=None):
+def evaluate(trainer, weights, batches, callbacks, before_end):
     """Score `batches` with `weights` (a function giving the stacked `(trainable, non_trainable)`).
 
     `weights` is called after `on_test_begin`, as Keras's evaluate reads
     the model only then. Each member runs `model.evaluate`'s test step from
     reset metrics; its scores are what `model.evaluate` reports
     (`logs_lib.member_logs`). The ensemble is scored on the host from
-    the mean probabilities (`keras_dp.ensemble.scores`). `before_end`, if
-    given, is called with the stacked non-trainable and metric values the
-    last step left before `on_test_end`: where Keras's evaluate gives them
-    to the model, so that what a callback changes there is kept (as
+    the mean probabilities (`keras_dp.ensemble.scores`).
+    `before_end(non_trainable, metrics)` gets the stacked values the last
+    step left, before `on_test_end`: where Keras's evaluate gives them to
+    the model, so that what a callback changes there is kept (as
     `keras_dp.inference.evaluate` does for one model).
 
     Returns:
-        `(scores, non_trainable, metrics)`: `{name: [M values]}` for each
-        member's log plus the floats `ensemble_loss` and
-        `ensemble_accuracy`; and the stacked non-trainable and metric
-        values the last step left.
+        `{name: [M values]}` for each member's log, plus the floats
+        `ensemble_loss` and `ensemble_accuracy`.
 
     Raises:
         ValueError: the batches have no labels.
@@ -61,10 +59,9 @@ def evaluate(trainer, weights, batches, callbacks, before_end=None):
     scores = logs_lib.member_logs(trainer, logs, metrics, "test_step")
     scores.update(_ensemble_scores(np.concatenate(parts, axis=1).mean(axis=0), labels,
                                    sample_weights))
-    if before_end is not None:
-        before_end(non_trainable, metrics)
+    before_end(non_trainable, metrics)
     callbacks.on_test_end(logs_lib.mean_logs(scores))
-    return scores, non_trainable, metrics
+    return scores
 
 
 def check_labels(batches, name="x"):

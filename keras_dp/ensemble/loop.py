@@ -14,6 +14,8 @@ averaged probabilities. Each member's own
 values are kept per epoch in `EnsembleTrainer.member_history`.
 """
 
+import functools
+
 import jax
 import keras
 import numpy as np
@@ -282,17 +284,10 @@ def validate(trainer, live, val, callbacks):
     changed, and what one changes in `on_test_end` (a BatchNormalization
     statistic) is kept and trained on.
     """
-    def before_end(non_trainable, metrics):
-        # As after model.fit's validation, the metrics hold its results until
-        # the next epoch; given before on_test_end, so what it changes stays.
-        live.stepped(live.current(trainer.init_state)._replace(non_trainable=non_trainable,
-                                                               metrics=metrics))
-        if callbacks_lib.beyond_logs(callbacks):  # a closure over a member reads it too
-            live.sync()
-
-    scores, _, _ = ensemble_inference.evaluate(
-        trainer, lambda: live.current(trainer.init_state).weights, val, callbacks,
-        before_end=before_end)
+    tested = functools.partial(live.tested, trainer.init_state,
+                               model_read=callbacks_lib.beyond_logs(callbacks))
+    scores = ensemble_inference.evaluate(
+        trainer, lambda: live.current(trainer.init_state).weights, val, callbacks, tested)
     return {f"val_{name}": value for name, value in scores.items()}
 
 

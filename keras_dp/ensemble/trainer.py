@@ -267,8 +267,7 @@ class EnsembleTrainer:
         keep = lambda non_trainable, metrics: members_lib.write_back_members(  # noqa: E731
             TrainState(None, non_trainable, None, metrics), self.members)
         with callbacks_lib.released_on_error(callbacks):  # on_test_end may not come
-            scores, _, _ = ensemble_inference.evaluate(
-                self, self._weights, batches, callbacks, before_end=keep)
+            scores = ensemble_inference.evaluate(self, self._weights, batches, callbacks, keep)
         if return_dict:
             return scores
         return callbacks_lib.in_evaluate_order(scores, self.members[0])
