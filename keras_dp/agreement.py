@@ -25,15 +25,19 @@ import jax
 import numpy as np
 
 from keras_dp import exchange as exchange_lib
+from keras_dp import pipeline
 
 # An error's text travels as its bytes; this much of it is enough to say what.
 _MESSAGE_BYTES = 400
 _FAILED, _READY = 1, 0
 TIMEOUT_ENV = "KERAS_DP_AGREEMENT_TIMEOUT"
 DEFAULT_TIMEOUT = 300
-# Not a setting but a fingerprint of the training arrays, which should
-# differ between processes: equal on every process, it is warned of.
+# Not settings but fingerprints of the training data, which should differ
+# between processes: equal on every process, they are warned of. Arrays are
+# sampled whole; other data (a tf.data.Dataset, Grain, an iterable) by the
+# first batch, which fit has read already to build the model.
 _SAME_ROWS = "the training rows"
+_SAME_FIRST_BATCH = "the first training batch"
 # How many rows, evenly spaced, the fingerprint reads (all, if fewer).
 _FINGERPRINT_ROWS = 64
 
@@ -94,23 +98,30 @@ def settings(trainer, batches, *, batch_size, epochs, initial_epoch, shuffle, va
         *_model(trainer.model.variables),
         ("the optimizer", f"{type(optimizer).__name__} {sorted(config.items())!r}"),
         ("the optimizer's variables (shapes, dtypes)", _shapes(optimizer.variables)),
-        (_SAME_ROWS, _rows_fingerprint(batches)),
+        _fingerprint(batches),
     ]
 
 
-def _rows_fingerprint(batches):
-    """A CRC-32 of array data's row count and of up to 64 evenly spaced rows (None: not arrays).
+def _fingerprint(batches):
+    """`(name, CRC-32)` of the training data's rows (see `_SAME_ROWS`).
 
-    Reading a sample keeps it cheap for data of any size; rows equal on
-    every process are then very likely the whole data passed to each.
+    Arrays: their row count and up to 64 evenly spaced rows. Other data:
+    its first batch's row count and up to 64 of its rows. Reading a sample
+    keeps it cheap for data of any size; rows equal on every process are
+    then very likely the whole data passed to each (for other data: read
+    in the same order, so an unseeded shuffle escapes it).
     """
     arrays = getattr(batches, "arrays", None)
-    if arrays is None:
-        return None
-    rows = batches.num_samples
+    if arrays is not None:
+        return _SAME_ROWS, _rows_fingerprint(arrays, batches.num_samples)
+    first = batches.peek()
+    return _SAME_FIRST_BATCH, _rows_fingerprint(first, pipeline.batch_rows(first))
+
+
+def _rows_fingerprint(tree, rows):
     picked = np.unique(np.linspace(0, rows - 1, min(rows, _FINGERPRINT_ROWS)).astype(int))
     code = zlib.crc32(str(rows).encode())
-    for leaf in jax.tree.leaves(arrays):
+    for leaf in jax.tree.leaves(tree):
         code = zlib.crc32(np.ascontiguousarray(np.asarray(leaf)[picked]).tobytes(), code)
     return code
 
@@ -260,21 +271,31 @@ def _check(gathered, found, call):
         ) from None
     for index, (name, mine) in enumerate(found):
         values = [values[1 + index] for values in gathered]
-        if name == _SAME_ROWS:
-            if mine is not None and len(set(values)) == 1 and jax.process_index() == 0:
-                warnings.warn(_same_rows(len(values)), stacklevel=5)
+        if name in (_SAME_ROWS, _SAME_FIRST_BATCH):
+            if len(set(values)) == 1 and jax.process_index() == 0:
+                warnings.warn(_same_rows(name, len(values)), stacklevel=5)
         elif len(set(values)) > 1:
             raise Disagreement(_differs(call, name, mine, values)) from None
 
 
-def _same_rows(processes):
+def _same_rows(name, processes):
+    if name == _SAME_ROWS:
+        return (
+            f"Every process passed fit the same training arrays (the same row count, and "
+            f"the rows sampled from them are equal on all {processes} processes). Across "
+            "processes, each process's arrays are its own share of the data, so each row "
+            f"is trained {processes} times per epoch, in every global batch as many times. "
+            "Pass each process its own rows: x, y = keras_dp.distributed.process_share(x, y) "
+            "(README, Many hosts). If the shares are meant to be equal, ignore this warning."
+        )
     return (
-        f"Every process passed fit the same training arrays (the same row count, and "
-        f"the rows sampled from them are equal on all {processes} processes). Across "
-        "processes, each process's arrays are its own share of the data, so each row "
-        f"is trained {processes} times per epoch, in every global batch as many times. "
-        "Pass each process its own rows: x, y = keras_dp.distributed.process_share(x, y) "
-        "(README, Many hosts). If the shares are meant to be equal, ignore this warning."
+        f"The first training batch is the same on all {processes} processes. Across "
+        "processes, a dataset or iterable is read as it is, as each process's own share "
+        "of every global batch: if every process reads the whole data, each row is "
+        f"trained {processes} times per epoch. Shard it per process: "
+        "keras_dp.shard_for_processes(dataset) (a tf.data.Dataset or Grain dataset), or "
+        "dataset.shard(jax.process_count(), jax.process_index()) (README, Many hosts). "
+        "If the shares are meant to start alike, ignore this warning."
     )
 
 

@@ -296,40 +296,48 @@ def test_a_bad_agreement_timeout_is_refused_naming_the_variable(monkeypatch):
             agreement.timeout()
 
 
-def test_the_same_training_arrays_on_every_process_are_warned_of(recwarn):
-    # Passed whole to fit on every process (no process_share), the arrays
-    # trained each row P times per epoch, silently. Here the settings round's
-    # values of 2 processes are made in one: the whole data on both, then shares.
+def test_the_same_training_data_on_every_process_is_warned_of(recwarn):
+    # Passed whole to fit on every process (no process_share, no dataset
+    # shard), the data trained each row P times per epoch, silently. Here
+    # the settings round's values of 2 processes are made in one: the whole
+    # data on both, then shares; arrays, then lists of batches.
     from keras_dp import agreement
-    from keras_dp.pipeline.arrays import ArrayBatches
+    from keras_dp import pipeline
 
     x, y = np.arange(40.0).reshape(20, 2), np.arange(20.0)
+    arrays = lambda x, y: dict(x=x, y=y, batch_size=4)
+    listed = lambda x, y: dict(x=[(x[i:i + 4], y[i:i + 4]) for i in range(0, len(x), 4)])
 
-    def round_of(*shares):
-        codes = [agreement._rows_fingerprint(ArrayBatches(
-            *share, None, batch_size=4, shuffle=False, seed=0, class_weight=None))
-            for share in shares]
-        mine = [(agreement._SAME_ROWS, codes[0])]
-        agreement._check([[0, agreement._code(code)] for code in codes], mine, "fit")
+    def round_of(*shares, kind=arrays):
+        found = [agreement._fingerprint(pipeline.make_batches(**kind(*share)))
+                 for share in shares]
+        agreement._check([[0, agreement._code(code)] for _, code in found], found[:1], "fit")
 
     with pytest.warns(UserWarning, match="Every process passed fit the same training "
                                          "arrays.*each row is trained 2 times per epoch"
                                          ".*keras_dp.distributed.process_share"):
         round_of((x, y), (x, y))
+    with pytest.warns(UserWarning, match="The first training batch is the same on all 2 "
+                                         "processes.*each row is trained 2 times per epoch"
+                                         ".*keras_dp.shard_for_processes"):
+        round_of((x, y), (x, y), kind=listed)
     recwarn.clear()
-    round_of((x[:10], y[:10]), (x[10:], y[10:]))  # each its own share
-    round_of((x[:10], y[:10]), (x[:10], y[:10] + 1))  # the same x, other labels
+    for kind in (arrays, listed):
+        round_of((x[:10], y[:10]), (x[10:], y[10:]), kind=kind)  # each its own share
+        round_of((x[:10], y[:10]), (x[:10], y[:10] + 1), kind=kind)  # the same x, other labels
     assert not recwarn.list
 
 
-def test_two_processes_passing_the_same_arrays_are_warned_on_process_0_only(tmp_path):
+def test_two_processes_passing_the_same_data_are_warned_on_process_0_only(tmp_path):
     # The round above, across 2 real processes: the warning comes from the
     # settings round every fit runs, on process 0, and not for shares.
     codes, logs = run_pair(tmp_path, timeout=90,
                            command=[sys.executable, str(MISMATCH_WORKER), "same_rows"])
     assert codes == [0, 0], logs[0][-3000:] + logs[1][-3000:]
-    assert "WARNED whole 1\nWARNED shares 0\n" in logs[0], logs[0][-3000:]
-    assert "WARNED whole 0\nWARNED shares 0\n" in logs[1], logs[1][-3000:]
+    expected = ("WARNED whole arrays {0}\nWARNED whole batches {0}\n"
+                "WARNED shares arrays 0\nWARNED shares batches 0\n")
+    assert expected.format(1) in logs[0], logs[0][-3000:]
+    assert expected.format(0) in logs[1], logs[1][-3000:]
 
 
 def test_initialize_after_jax_started_says_to_call_it_first():

@@ -14,7 +14,7 @@ it, prints `CAUGHT <message>` and ends with status 0 (`caught 0`: process
 0 fails and catches), after a fit in which every process raises and catches
 (`CASE after an error on every process: ...`); with `unwritable DIR`,
 process 1 alone fails to open `checkpoint_dir=DIR` and catches that; with
-`same_rows`, every process passes the same arrays, then its own.
+`same_rows`, every process passes the same arrays (then batches), then its own.
 """
 
 import os
@@ -107,18 +107,23 @@ if sys.argv[1] == "caught":
     print("done", flush=True)
     sys.exit(0)
 if sys.argv[1] == "same_rows":
-    # The whole data passed on every process (no process_share), then each
-    # process's own rows: prints how many same-rows warnings each fit gave.
+    # The whole data passed on every process (no process_share, no shard),
+    # then each process's own rows, as arrays and as a list of batches:
+    # prints how many same-data warnings each fit gave.
     import warnings
 
     whole = np.random.default_rng(7).normal(size=(16, 3)).astype("float32")
     for name, x in [("whole", whole), ("shares", data()[0])]:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            keras_dp.fit_sharded(make_model(), x, x.sum(axis=1, keepdims=True), batch_size=8,
-                                 epochs=1, verbose=0)
-        same = [w for w in caught if "the same training arrays" in str(w.message)]
-        print(f"WARNED {name} {len(same)}", flush=True)
+        y = x.sum(axis=1, keepdims=True)
+        listed = [(x[i:i + 4], y[i:i + 4]) for i in range(0, len(x), 4)]
+        for kind, arguments in [("arrays", dict(x=x, y=y, batch_size=8)),
+                                ("batches", dict(x=listed))]:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                keras_dp.fit_sharded(make_model(), epochs=1, verbose=0, **arguments)
+            same = [w for w in caught if "the same training arrays" in str(w.message)
+                    or "first training batch is the same" in str(w.message)]
+            print(f"WARNED {name} {kind} {len(same)}", flush=True)
     sys.exit(0)
 if sys.argv[1] == "unwritable":
     # Process 1 alone cannot write the shared checkpoint directory (another
