@@ -139,11 +139,11 @@ def build(model, batch, for_training=True, data="the data"):
             "is compiled without one: model.compile(optimizer=...)."
         )
     if _compat.has_call(model):
-        y_pred = _trace(model, x)
+        y_pred = _trace(model, x, data=data)
         if for_training:
             check_no_metric_updates_in_call(model, x)
         if for_training and not all(layer.built for layer in _compat.all_layers(model)):
-            _trace(model, x, training=True)  # layers called only in training mode
+            _trace(model, x, training=True, data=data)  # layers called only in training mode
         if for_training:
             model_checks.check_metrics_per_output(model, y_pred)
         if for_training and y is not None and _compat.compiled_loss(model) is not None:
@@ -193,8 +193,7 @@ def _untraceable_error(error, what):
     if not reported:
         return None
     # Innermost last: Keras re-raises a layer's error with its own frames cut.
-    frames = [frame for link in chain for frame, _ in traceback.walk_tb(link.__traceback__)
-              if not frame.f_globals.get("__name__", "").startswith(_LIBRARIES)]
+    frames = _user_frames(error)
     if not frames:  # Keras's or JAX's own code: not this mistake
         return None
     where = (f"{frames[-1].f_code.co_qualname}, line {frames[-1].f_lineno} of "
@@ -287,7 +286,10 @@ def first_line(error, limit=300):
     Without Keras's wrapping: its colour codes, and the "Exception
     encountered when calling ..." line it puts before a layer's own error.
     """
-    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))
+    text = str(error)
+    if isinstance(error, KeyError) and len(error.args) == 1 and isinstance(error.args[0], str):
+        text = error.args[0]  # str() of a KeyError is its repr, newlines escaped
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text)
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     lines = [line for line in lines if not line.startswith("Exception encountered")]
     line = lines[0] if lines else type(error).__name__
@@ -329,7 +331,18 @@ def check_no_metric_updates_in_call(model, x):
                     "compile(metrics=[...]).")
 
 
-def _trace(model, x, training=False):
+def _trace(model, x, training=False, data="the data"):
+    """Trace `model` on `x`, building its layers; a failure names `data` and the fix.
+
+    A model already built (with `keras.Input`, by `build()` or an earlier
+    fit) is not built here, only called: a failure is `data`'s x not
+    fitting it, and its message says so, not "could not be built" with a
+    `model.build()` fix that does not apply. The Keras error is chained
+    only when a frame of its traceback is the user's own code (a custom
+    layer's `call()`); Keras's and JAX's frames alone are left out, as in
+    `explain_shape_change`.
+    """
+    built = model.built
     try:
         return _compat.compute_output_spec(model, x, training=training)
     except Exception as error:
@@ -337,12 +350,59 @@ def _trace(model, x, training=False):
         if untraceable is not None:
             raise untraceable from None
         mode = " in training mode (training=True)" if training else ""
-        raise ValueError(
-            f"The model could not be built on the data's x{mode} (shapes "
-            f"{jax.tree.map(lambda s: tuple(s.shape), x)}). Check that x matches "
-            "the model's inputs, or build the model yourself with "
-            f"model.build(input_shape). Keras reported: {error}"
-        ) from error
+        shapes = jax.tree.map(lambda s: tuple(s.shape), x)
+        user = _user_frames(error)
+        where = (f" It was raised in your code ({user[-1].f_code.co_qualname}, line "
+                 f"{user[-1].f_lineno} of {user[-1].f_code.co_filename}); its traceback "
+                 "is chained above." if user else "")
+        if built:
+            refused = ValueError(
+                f"The model, built{_input_shapes(model)}, fails on {data}'s x{mode} "
+                f"(shapes {shapes}): {type(error).__name__}: {first_line(error)}{where} "
+                f"{'Fix it there, or, if x is not what the model takes, give' if user else 'Give'} "
+                "x the shapes and structure of the model's inputs (with "
+                "keras.Input, only dimensions given as None may vary)"
+                f"{_one_sample_fix(model, x)}.")
+        else:
+            refused = ValueError(
+                f"The model could not be built on {data}'s x{mode} (shapes {shapes}): "
+                f"{type(error).__name__}: {first_line(error)}{where} Check that x "
+                "matches the model's inputs, or build the model yourself with "
+                "model.build(input_shape).")
+        raise refused from (error if user else None)
+
+
+def _input_shapes(model):
+    """`" for inputs of shape ..."` from a functional model's `keras.Input`s, else `""`."""
+    try:
+        inputs = model.inputs
+    except (AttributeError, ValueError):  # a subclassed model has none
+        return ""
+    if not inputs:
+        return ""
+    shapes = [tuple(tensor.shape) for tensor in inputs]
+    return (f" for inputs of shape {shapes[0]}" if len(shapes) == 1
+            else f" for inputs of shapes {shapes}")
+
+
+def _one_sample_fix(model, x):
+    """`"; ..., x[None]"` when `x` is one array one dimension short of the model's one input."""
+    try:
+        inputs = model.inputs
+    except (AttributeError, ValueError):
+        return ""
+    if (inputs and len(inputs) == 1 and not isinstance(x, (dict, list, tuple))
+            and len(x.shape) == len(inputs[0].shape) - 1):
+        return (f"; x of shape {tuple(x.shape)} has no batch dimension: for one "
+                "sample pass x[None], a batch of one")
+    return ""
+
+
+def _user_frames(error):
+    """The frames of `error`'s chain that are not Keras's, JAX's or keras_dp's code."""
+    return [frame for link in _error_chain(error)
+            for frame, _ in traceback.walk_tb(link.__traceback__)
+            if not frame.f_globals.get("__name__", "").startswith(_LIBRARIES)]
 
 
 def _mark_built(model):

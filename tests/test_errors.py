@@ -62,12 +62,71 @@ def test_an_uncompiled_model_without_optimizer_and_loss_is_refused():
         keras_dp.fit_sharded(model, x, np.ones((5, 2)), verbose=0)
 
 
-def test_an_unbuildable_model_is_refused_with_the_fix(mnist):
-    (x, y), _ = mnist
-    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(10)])
+def test_an_unbuildable_model_is_refused_with_the_fix():
+    model = keras.Sequential([keras.layers.Reshape((4, 5)), keras.layers.Dense(10)])
     keras_dp.models.compile_classifier(model)
-    with pytest.raises(ValueError, match="could not be built.*x matches"):
-        keras_dp.fit_sharded(model, x[:64], y[:64], batch_size=64, verbose=0)
+    with pytest.raises(ValueError, match=(
+            r"could not be built on the data's x \(shapes \(8, 18\)\): ValueError: "
+            r"The total size of the tensor must be unchanged.*build the model yourself")):
+        keras_dp.fit_sharded(model, np.ones((8, 18), "float32"), np.zeros(8), verbose=0,
+                             devices=devices(2))
+
+
+class FailsInCall(keras.layers.Layer):
+    """Fails once `failing` is set: on data, not in the Sequential that builds it."""
+
+    failing = False
+
+    def call(self, x):
+        if self.failing:
+            raise KeyError("a bug of the user's")
+        return x
+
+
+@pytest.mark.parametrize("case", ["width", "validation", "one sample", "user code"])
+def test_x_that_a_built_model_fails_on_is_named_without_a_build_fix(case):
+    # Was "The model could not be built on the data's x ... or build the model
+    # yourself with model.build(input_shape)" for a model built with
+    # keras.Input, with Keras's internals chained under it (61 lines), and
+    # "the data's" for the validation data's x.
+    user_layer = FailsInCall()
+    model = keras.Sequential([keras.Input((4,))] + [user_layer] * (case == "user code")
+                             + [keras.layers.Dense(3)])
+    user_layer.failing = True
+    keras_dp.models.compile_classifier(model)
+    x, y = np.ones((8, 4), "float32"), np.zeros(8)
+    trainer = keras_dp.ShardedTrainer(model, devices=devices(2))
+    with pytest.raises(ValueError) as raised:
+        if case == "width":
+            trainer.fit(x[:, :3], y, verbose=0)
+        elif case == "validation":
+            trainer.fit(x, y, validation_data=({"a": x}, y), verbose=0)
+        elif case == "one sample":
+            trainer.predict(x[0], verbose=0)
+        else:
+            trainer.fit(x, y, verbose=0)
+    message = str(raised.value)
+    assert "model.build" not in message and "could not be built" not in message
+    assert message.startswith("The model, built for inputs of shape (None, 4), fails on ")
+    expected = {
+        "width": r"the data's x \(shapes \(8, 3\)\): ValueError: Input 0 .* expected axis "
+                 r"-1 of input shape to have value 4, but received input with shape \(8, 3\) "
+                 r"Give x the shapes and structure of the model's inputs",
+        "validation": r"the validation data's x \(shapes \{'a': \(8, 4\)\}\): ValueError: "
+                      r"The structure of `inputs` doesn't match",
+        "one sample": r"x of shape \(4,\) has no batch dimension: for one sample pass "
+                      r"x\[None\]",
+        "user code": r"KeyError: a bug of the user's It was raised in your code "
+                     r"\(FailsInCall.call, line \d+ of .*test_errors.py\); its traceback is "
+                     r"chained above. Fix it there, or",
+    }[case]
+    assert re.search(expected, message), message
+    assert "Exception encountered" not in message and "\x1b" not in message
+    if case == "user code":  # the user's frame is kept, under Keras's own error
+        assert isinstance(raised.value.__cause__, KeyError)
+    else:
+        assert raised.value.__cause__ is None and raised.value.__suppress_context__
+    assert int(model.optimizer.iterations.numpy()) == 0
 
 
 def test_init_state_of_an_unbuilt_model_names_the_fix():
