@@ -464,7 +464,7 @@ class ShardedTrainer:
             checkpoint_dir = checkpoint_lib.check_dir(checkpoint_dir, "checkpoint_dir")
             checkpoint_lib.check_dir(profile_dir, "profile_dir")
             epochs = pipeline.check_count("epochs", epochs)
-            initial_epoch = pipeline.check_count("initial_epoch", initial_epoch)
+            initial_epoch = pipeline.check_count("initial_epoch", initial_epoch, 0)
             checkpoints_to_keep = pipeline.check_count(
                 "checkpoints_to_keep", checkpoints_to_keep, 1)
             if validation_split:

@@ -312,6 +312,35 @@ def test_a_count_that_is_not_an_integer_is_refused_not_rounded(argument, value):
     assert error.value.__cause__ is None and error.value.__suppress_context__
 
 
+@pytest.mark.parametrize("fit", ["fit_sharded", "fit_ensemble"])
+def test_a_negative_initial_epoch_is_refused_before_any_step(fit):
+    # Was "ValueError: expected non-negative integer" from inside the epoch
+    # loop, noted "the model holds the weights after 0 steps of epoch 0".
+    # Keras's fit runs range(-1, epochs), an epoch "-1" more than asked.
+    x, y = np.zeros((8, 4), "float32"), np.zeros(8, "int32")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile("sgd", "sparse_categorical_crossentropy")
+    with pytest.raises(ValueError) as error:
+        getattr(keras_dp, fit)(model, x, y, initial_epoch=-1, epochs=2, verbose=0, devices=devices(2))
+    assert str(error.value) == "`initial_epoch` must be at least 0. Received: initial_epoch=-1."
+    assert not getattr(error.value, "__notes__", None)
+
+
+@pytest.mark.parametrize("given", [["y"], ["sample_weight"], ["y", "sample_weight"]])
+def test_y_or_sample_weight_beside_a_dataset_is_named_as_given(given):
+    # Said "Received x of type list_iterator and y." for a sample_weight alone.
+    x, y = np.zeros((8, 4), "float32"), np.zeros(8, "int32")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile("sgd", "sparse_categorical_crossentropy")
+    arrays = {"y": y, "sample_weight": np.ones(8)}
+    with pytest.raises(ValueError, match=(
+            r"^`y` and `sample_weight` go with array inputs only; a dataset carries its own. "
+            rf"Received x of type list_iterator and {' and '.join(given)}: put them in its "
+            r"batches")):
+        keras_dp.fit_sharded(model, iter([(x, y)]), verbose=0, devices=devices(2),
+                             **{name: arrays[name] for name in given})
+
+
 def test_integer_counts_of_numpy_types_are_accepted():
     x, y = np.zeros((32, 28, 28, 1), "float32"), np.zeros(32, "int32")
     history = keras_dp.fit_sharded(mlp(), x, y, batch_size=np.int64(8), epochs=np.int32(1),

@@ -203,7 +203,7 @@ class EnsembleTrainer:
         """
         refuse_checkpoint_dir(checkpoint_dir)
         epochs = pipeline.check_count("epochs", epochs)
-        initial_epoch = pipeline.check_count("initial_epoch", initial_epoch)
+        initial_epoch = pipeline.check_count("initial_epoch", initial_epoch, 0)
         callbacks_lib.check_validation_freq(validation_freq)
         ensemble_loop.check_callbacks(callbacks)
         if validation_split:

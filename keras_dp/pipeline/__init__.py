@@ -101,9 +101,12 @@ def make_batches(x, y=None, sample_weight=None, *, batch_size=None, shuffle=Fals
         return ArrayBatches(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
                             seed=seed, class_weight=class_weight, what=what)
     if y is not None or sample_weight is not None:
+        given = " and ".join(name for name, value in (("y", y), ("sample_weight", sample_weight))
+                             if value is not None)
         raise ValueError(
             "`y` and `sample_weight` go with array inputs only; a dataset "
-            f"carries its own. Received x of type {type(x).__name__} and y."
+            f"carries its own. Received x of type {type(x).__name__} and {given}: "
+            "put them in its batches, (x, y) or (x, y, sample_weight)."
         )
     if batch_size is not None:
         raise ValueError(
