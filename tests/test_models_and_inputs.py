@@ -382,6 +382,34 @@ def test_several_inputs_as_a_list_or_tuple_train_and_validate_as_model_fit(pack)
                                model.evaluate(x, y, verbose=0), rtol=1e-5)
 
 
+def _nested_inputs():
+    keras.utils.set_random_seed(0)
+    a, b, c = keras.Input((4,)), keras.Input((5,)), keras.Input((6,))
+    model = keras.Model([[a, b], c], keras.layers.Dense(3)(keras.layers.Concatenate()([a, b, c])))
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+@pytest.mark.parametrize("group", [list, tuple])
+def test_nested_inputs_as_a_list_of_a_list_train_as_model_fit(group):
+    # Was refused before any step: "x is a Python list of 2 items of
+    # different lengths (2 to 16) ... pad them ... keras.utils.pad_sequences",
+    # the 2 being the inner group's length.
+    rng = np.random.default_rng(0)
+    first, second, third = (rng.normal(size=(16, n)).astype("float32") for n in (4, 5, 6))
+    x, y = [group([first, second]), third], rng.integers(0, 3, 16)
+    reference = _nested_inputs()
+    expected = reference.fit(x, y, batch_size=8, shuffle=False, verbose=0).history
+    model = _nested_inputs()
+    history = keras_dp.fit_sharded(model, x, y, batch_size=8, shuffle=False, verbose=0,
+                                   devices=devices(2)).history
+    np.testing.assert_allclose(history["loss"], expected["loss"], rtol=1e-5)
+    assert_weights_close(model, reference)
+    with pytest.raises(ValueError, match=r"different lengths.*x\[0\]\[0\] 16, x\[0\]\[1\] 15"):
+        keras_dp.fit_sharded(model, [group([first, second[:15]]), third], y, verbose=0,
+                             devices=devices(2))
+
+
 def test_several_inputs_as_a_list_without_labels_predict_as_model_predict():
     rng = np.random.default_rng(0)
     x = [rng.normal(size=(9, 3)), rng.normal(size=(9, 2))]

@@ -231,7 +231,9 @@ def check_not_scalars(x, y, sample_weight):
             raise ValueError(
                 f"{name} is a Python {type(part).__name__} of {len(part)} strings; keras_dp "
                 f"compiles its steps with JAX, which has no strings. {TEXT_FIX}")
-        if isinstance(part, (list, tuple)) and part and all(np.ndim(item) == 0 for item in part):
+        if isinstance(part, (list, tuple)) and part and all(
+                not isinstance(item, (list, tuple, dict)) and np.ndim(item) == 0
+                for item in part):  # np.ndim of a tuple of unlike arrays raises
             raise ValueError(
                 f"{name} is a Python {type(part).__name__} of {len(part)} numbers. A list is "
                 "read as one array per model input or output, as in Keras; for one "
@@ -245,6 +247,17 @@ def check_not_scalars(x, y, sample_weight):
 
 
 def _length(item):
+    """Rows of one item of a list `x`: a sample's length, or a group of inputs' rows.
+
+    An item that is a list, tuple or dict of arrays is a group of the
+    model's inputs (`keras.Model([[a, b], c], ...)`), whose rows are its
+    first array's; any other list is one sample (token ids), its length.
+    """
+    group = list(item.values()) if isinstance(item, dict) else item
+    if isinstance(group, (list, tuple)) and group and all(
+            isinstance(part, (list, tuple, dict)) or len(getattr(part, "shape", ())) > 0
+            for part in group) and not all(isinstance(part, list) for part in group):
+        return _length(group[0])
     if isinstance(item, (list, tuple)):
         return len(item)
     shape = getattr(item, "shape", None)
