@@ -104,12 +104,18 @@ def _pairs(losses, y, classes, names):
         keyed = [(index, label, index) for index, label in enumerate(jax.tree.leaves(y))]
     if len(classes) != len(names or classes) or any(i >= len(classes) for *_, i in keyed):
         return
+    if isinstance(losses, list):
+        # A nested structure of losses (a tuple of an output's loss and a
+        # dict of others) pairs with the flat outputs once flattened alike.
+        losses = jax.tree.leaves(losses, is_leaf=_is_slot)
+        if len(losses) != len(classes):
+            return
     for key, label, index in keyed:
         entry = losses
         if isinstance(losses, dict):
             entry = losses.get(names[index] if names else key)
         elif isinstance(losses, list):
-            entry = losses[index] if index < len(losses) else None
+            entry = losses[index]
         if entry is not None:
             name = f" (output {names[index] if names else index})" if len(classes) > 1 else ""
             yield name, label, classes[index], entry[0]

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import keras_dp
-from conftest import BatchEnds, devices
+from conftest import BatchEnds, assert_weights_close, devices
 
 ROWS = 96
 
@@ -76,3 +76,36 @@ def test_labels_keras_accepts_are_not_refused(data):
     assert int(model.optimizer.iterations.numpy()) == 3
     custom = classifier(lambda y_true, y_pred: keras.ops.mean(y_pred) * 0)
     fit(custom, x, np.full(ROWS, 99.5, "float32"), batch_size=32)
+
+
+def nested_outputs():
+    """A model whose outputs nest a dict in a tuple, each compiled with its own loss."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(8, activation="relu")(inputs)
+    outputs = (keras.layers.Dense(2, name="reg")(hidden),
+               {"cls": keras.layers.Dense(3, name="cls")(hidden)})
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=(
+        "mse", {"cls": keras.losses.SparseCategoricalCrossentropy(from_logits=True)}))
+    return model
+
+
+def test_nested_outputs_train_as_keras_and_their_class_ids_are_checked(data):
+    # Keras's fit takes losses and labels that nest as the outputs do. The
+    # check flattened the labels but not the losses, and failed on the dict
+    # with "KeyError: 0" before any step.
+    x, y = data
+    classes = y % 3
+    labels = (np.stack([x[:, 0], x[:, 1]], axis=1), {"cls": classes})
+    reference = nested_outputs()
+    expected = reference.fit(x, labels, batch_size=40, epochs=2, shuffle=False, verbose=0)
+    model = nested_outputs()
+    history = fit(model, x, labels, batch_size=40, epochs=2, shuffle=False)
+    for key, values in expected.history.items():
+        np.testing.assert_allclose(history.history[key], values, rtol=1e-5, err_msg=key)
+    assert_weights_close(model, reference)
+    bad = classes.copy()
+    bad[7] = 3
+    with pytest.raises(ValueError, match=r"of the training data \(output cls\).*y\[7\] = 3 .*from 0 to 2"):
+        fit(nested_outputs(), x, (labels[0], {"cls": bad}), batch_size=40)
