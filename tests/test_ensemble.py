@@ -256,6 +256,39 @@ def test_build_model_must_return_a_new_compiled_keras_model():
         keras_dp.EnsembleTrainer(lambda: shared, 2, devices=devices(2))
 
 
+class _Scale(keras.layers.Layer):
+    """A user's layer whose __init__ takes an argument its config does not give back."""
+
+    def __init__(self, factor):
+        super().__init__()
+        self.factor = factor
+
+    def call(self, x):
+        return x * self.factor
+
+
+def test_a_model_that_cannot_be_cloned_is_refused_with_the_fix():
+    # Each member is cloned from a model given as one; before, Keras's
+    # deserialization error came out raw ("Scale.__init__() got an
+    # unexpected keyword argument 'trainable'"), naming no way out.
+    inputs = keras.Input((4,))
+    layer_model = keras.Model(inputs, keras.layers.Dense(2)(_Scale(2.0)(inputs)))
+    layer_model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    with pytest.raises(ValueError, match=(
+            r"^fit_ensemble clones the model .* cannot be cloned\. Keras reported: Error "
+            r"when deserializing class '_Scale'.*unexpected keyword argument 'trainable'"
+            r".* Pass a function that builds and compiles a new model instead")):
+        keras_dp.EnsembleTrainer(layer_model, 2, devices=devices(2))
+    def my_loss(y_true, y_pred):
+        return keras.ops.mean(y_pred)
+
+    loss_model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    loss_model.compile(optimizer="adam", loss=my_loss)
+    with pytest.raises(ValueError, match=r"cannot be cloned\. Keras reported: Could not "
+                                         r"locate function 'my_loss'.*register_keras_serializable"):
+        keras_dp.EnsembleTrainer(loss_model, 2, devices=devices(2))
+
+
 def test_members_must_fit_the_devices():
     with pytest.raises(ValueError, match="6 ensemble members do not fit 4 devices.*4 or 8"):
         keras_dp.EnsembleTrainer(build_mlp, 6, devices=devices(4))

@@ -108,7 +108,8 @@ def make_members(build_model, count, seed):
     Raises:
         TypeError: `build_model` is neither callable nor a model, or
             returned something that is not a `keras.Model`.
-        ValueError: an uncompiled model, or the same model object twice.
+        ValueError: an uncompiled model, the same model object twice, or
+            a model to clone that Keras cannot rebuild from its config.
     """
     models = []
     for index in range(count):
@@ -283,9 +284,7 @@ def check_class_output(model, x):
 def _make_member(build_model, seed, index):
     _compat.set_random_seed(seed)  # Keras's, without importing TensorFlow
     if isinstance(build_model, keras.Model):
-        model = keras.models.clone_model(build_model)
-        if build_model.compiled:
-            model.compile_from_config(build_model.get_compile_config())
+        model = _clone(build_model)
     elif callable(build_model):
         model = build_model()
     else:
@@ -314,6 +313,34 @@ def _make_member(build_model, seed, index):
             "build_model before returning the model."
         )
     return model
+
+
+def _clone(model):
+    """`model` cloned with fresh weights and compiled from its compile config.
+
+    Raises:
+        ValueError: a layer, loss, metric or optimizer of `model` cannot be
+            rebuilt from its config (a custom class without `get_config`,
+            or not registered), naming Keras's reason and the fix.
+    """
+    try:
+        clone = keras.models.clone_model(model)
+        if model.compiled:
+            clone.compile_from_config(model.get_compile_config())
+    except Exception as error:
+        reason = " ".join(str(error).split()) or type(error).__name__
+        reason = reason if len(reason) <= 400 else reason[:400] + " ..."
+        raise ValueError(
+            "fit_ensemble clones the model it is given for each member "
+            "(keras.models.clone_model, then compile from its compile config), "
+            f"and {model.name!r} cannot be cloned. Keras reported: {reason} Pass a "
+            "function that builds and compiles a new model instead, "
+            "fit_ensemble(build_model, ...) with def build_model(): ...; "
+            "model.compile(...); return model, or make the custom objects "
+            "serializable (a get_config() that returns their __init__ "
+            "arguments, and @keras.saving.register_keras_serializable())."
+        ) from error
+    return clone
 
 
 def _host_state(model, groups):
