@@ -455,17 +455,7 @@ def check_labels(model, x, y, y_pred, sample_weight):
             raise untraceable from None
         shapes = lambda tree: jax.tree.map(lambda s: tuple(s.shape), tree)  # noqa: E731
         if sample_weight is not None and _fits(loss_spec, None):
-            per_entry = _per_entry_loss(model, y, y_pred, sample_weight)
-            fix = (
-                f"Its loss, {_loss_name(model.loss)}, returns one value per entry of y "
-                f"(shape {per_entry}), and Keras weights one value per row (or per row "
-                "and timestep): reduce it over the last axis in the loss, as Keras's own "
-                "losses do, for example return keras.ops.mean(values, axis=-1)."
-                if per_entry else
-                "Give one weight per row, or per row and timestep, (rows, steps), for a "
-                "per-timestep loss. class_weight gives one weight per row, as in Keras's "
-                "model.fit; for per-timestep labels pass sample_weight=np.vectorize("
-                "lambda c: class_weight.get(c, 1.0))(y) instead.")
+            fix = _weights_fix(model, loss_spec, y, y_pred, sample_weight)
             raise ValueError(
                 f"The labels fit the model's output, but the sample weights (shape "
                 f"{shapes(sample_weight)}) do not fit its loss (y has shape {shapes(y)}, "
@@ -504,6 +494,40 @@ def _per_entry_loss(model, y, y_pred, sample_weight):
     shape = tuple(getattr(values, "shape", ()))
     per_entry = len(shape) == len(y_pred.shape) and len(sample_weight.shape) < len(shape)
     return shape if per_entry else None
+
+
+def _weights_fix(model, loss_spec, y, y_pred, sample_weight):
+    """What to change when labels fit the loss but `sample_weight` does not."""
+    per_entry = _per_entry_loss(model, y, y_pred, sample_weight)
+    if per_entry:
+        return (
+            f"Its loss, {_loss_name(model.loss)}, returns one value per entry of y "
+            f"(shape {per_entry}), and Keras weights one value per row (or per row "
+            "and timestep): reduce it over the last axis in the loss, as Keras's own "
+            "losses do, for example return keras.ops.mean(values, axis=-1).")
+    class_weight = (
+        "class_weight gives one weight per row, as in Keras's model.fit; for "
+        "per-timestep labels pass sample_weight=np.vectorize(lambda c: "
+        "class_weight.get(c, 1.0))(y) instead.")
+    steps = _per_step_loss(loss_spec, y_pred, sample_weight)
+    if steps:
+        return (
+            "The loss is per timestep, one value per row and step, and Keras takes no "
+            "weights of one per row for it (its model.fit fails on a broadcast): "
+            "repeat each row's weight over the steps, sample_weight=np.repeat("
+            f"weights[:, None], {steps}, axis=1), of shape (rows, {steps}). {class_weight}")
+    return ("Give one weight per row, or per row and timestep, (rows, steps), for a "
+            f"per-timestep loss. {class_weight}")
+
+
+def _per_step_loss(loss_spec, y_pred, sample_weight):
+    """The step count, if `sample_weight` is one per row and the loss takes one per row and step; else None."""
+    if not (isinstance(y_pred, keras.KerasTensor) and isinstance(sample_weight, keras.KerasTensor)
+            and len(sample_weight.shape) == 1 and len(y_pred.shape) >= 3
+            and isinstance(y_pred.shape[1], int)):
+        return None
+    per_step = keras.KerasTensor(tuple(y_pred.shape[:2]), sample_weight.dtype)
+    return y_pred.shape[1] if _fits(loss_spec, per_step) else None
 
 
 def _fits(loss_spec, sample_weight):

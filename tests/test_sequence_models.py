@@ -259,6 +259,37 @@ def test_per_timestep_predictions_of_batches_padded_to_different_lengths_are_ref
     assert raised.value.__context__ is None
 
 
+def test_row_weights_on_a_per_timestep_loss_are_refused_with_the_repeat_fix():
+    # One weight per row for a per-timestep (and masked) loss: Keras's fit
+    # fails with "Incompatible shapes for broadcasting: shapes=[(16, 7),
+    # (16,)]"; keras_dp said "Give one weight per row", as given. The fix it
+    # names now trains as Keras does.
+    tokens, _ = padded_tokens()
+    labels = tokens % 3
+    row_weights = np.linspace(0.5, 2.0, ROWS).astype("float32")
+
+    def build():
+        model = keras.Sequential([keras.Input((STEPS,), dtype="int32"),
+                                  layers.Embedding(VOCAB, 4, mask_zero=True), layers.Dense(3)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    reference, model = twins(build)
+    kwargs = dict(batch_size=BATCH, shuffle=False, verbose=0)
+    with pytest.raises(ValueError, match=(
+            r"sample weights \(shape \(16,\)\) do not fit .*The loss is per timestep.*"
+            r"sample_weight=np\.repeat\(weights\[:, None\], 7, axis=1\), of shape \(rows, 7\)")) as raised:
+        keras_dp.fit_sharded(model, tokens, labels, sample_weight=row_weights,
+                             devices=devices(2), **kwargs)
+    assert "Give one weight per row" not in str(raised.value)
+    weights = np.repeat(row_weights[:, None], STEPS, axis=1)
+    np.testing.assert_allclose(
+        keras_dp.fit_sharded(model, tokens, labels, sample_weight=weights, devices=devices(2),
+                             **kwargs).history["loss"],
+        reference.fit(tokens, labels, sample_weight=weights, **kwargs).history["loss"], rtol=1e-5)
+
+
 def test_class_weight_on_per_timestep_labels_is_refused_with_the_sample_weight_fix():
     # class_weight gives one weight per row (as in Keras, which fails with
     # "Incompatible shapes for broadcasting"); keras_dp said "the labels do not
