@@ -6,15 +6,12 @@ devices, and checks first that the labels fit the model's output, so that
 a mistake fails with a message instead of deep inside a traced step.
 """
 
-import contextlib
-import re
-import traceback
-
 import jax
 import keras
 import numpy as np
 
 from keras_dp import _compat
+from keras_dp import explain
 from keras_dp import model_checks
 
 
@@ -156,144 +153,10 @@ def build(model, batch, for_training=True, data="the data"):
         try:
             _compat.symbolic_build(model, batch)
         except Exception as error:
-            untraceable = _untraceable_error(error, "The model's compiled loss or metrics")
+            untraceable = explain.untraceable_error(error, "The model's compiled loss or metrics")
             if untraceable is None:
                 raise
             raise untraceable from None
-
-
-def _error_chain(error):
-    """`error` and the errors it was raised from (`__cause__`, else `__context__`)."""
-    chain = []
-    while error is not None and all(error is not link for link in chain):
-        chain.append(error)
-        error = error.__cause__ or error.__context__
-    return chain
-
-
-# Modules whose frames are not the user's code, when naming where a trace failed.
-_LIBRARIES = ("keras.", "keras_dp.", "jax.", "jaxlib.", "numpy.", "optree.")
-
-
-def _untraceable_error(error, what):
-    """A `ValueError` for a JAX trace error in user code, naming where; else None.
-
-    A loss, metric or layer that reads a tensor's value in Python (numpy on
-    a tensor, `float()`, an `if` on a value) fails JAX's trace with a
-    `jax.errors.JAXTypeError` (`TracerArrayConversionError`,
-    `ConcretizationTypeError`, ...). Keras's `model.fit` on JAX traces
-    them too, even with `run_eagerly=True`, and fails on them alike.
-
-    Args:
-        error: the exception raised while tracing.
-        what: the subject of the message (`"The loss, my_loss,"`).
-    """
-    chain = _error_chain(error)
-    reported = [link for link in chain if isinstance(link, jax.errors.JAXTypeError)]
-    if not reported:
-        return None
-    # Innermost last: Keras re-raises a layer's error with its own frames cut.
-    frames = _user_frames(error)
-    if not frames:  # Keras's or JAX's own code: not this mistake
-        return None
-    where = (f"{frames[-1].f_code.co_qualname}, line {frames[-1].f_lineno} of "
-             f"{frames[-1].f_code.co_filename}")
-    return ValueError(
-        f"{what} cannot be compiled: user code ({where}) reads a tensor's value in "
-        "Python (numpy on a tensor, float() or int(), or an `if` on a value), "
-        "which JAX cannot trace. keras_dp compiles its steps, as Keras's model.fit "
-        "on JAX does even with run_eagerly=True (it fails on this too). Write it "
-        "with keras.ops: keras.ops.mean for np.mean, keras.ops.where for a branch "
-        f"on values. JAX reported: {first_line(reported[-1])}")
-
-
-@contextlib.contextmanager
-def explain_jit_failures(model):
-    """Name the `supports_jit=False` layers when a compiled step fails to trace.
-
-    Keras's `model.fit` runs a model with such a layer un-jitted; keras_dp
-    always compiles its sharded step. Most such layers (RandomRotation,
-    RandomTranslation, RandomZoom) trace fine; one that cannot (RandomCrop
-    slices at traced offsets) fails here with the layer's name and the fix,
-    instead of a trace error from deep inside JAX.
-    """
-    try:
-        yield
-    except (FloatingPointError, KeyboardInterrupt, SystemExit):
-        raise
-    except jax.errors.JaxRuntimeError:
-        raise  # the step compiled and ran (out of memory, a failed callback)
-    except Exception as error:
-        layers = [layer for layer in _compat.all_layers(model)
-                  if not getattr(layer, "supports_jit", True)]
-        if not layers:
-            raise
-        raise ValueError(
-            f"keras_dp compiles every step with jax.jit, and this model has layers "
-            f"that set supports_jit=False: {model_checks.layer_names(layers)}. Keras's own "
-            "model.fit runs such "
-            "a model un-jitted; here the compiled step failed to trace: "
-            f"{type(error).__name__}: {first_line(error)} Do that "
-            "augmentation in the input pipeline instead (tf.data, or a "
-            "keras.utils.PyDataset), or use a layer that compiles (for a crop: "
-            "keras.layers.CenterCrop, or crop in the input pipeline)."
-        ) from None
-
-
-@contextlib.contextmanager
-def explain_shape_change(peek, steps, device_batch, at):
-    """Name the batch when a compiled call fails on shapes that differ from the first batch's.
-
-    `peek` returns the first host batch; it is called only when the call
-    fails (reading the first batch again can cost a shuffle of the whole
-    epoch's order). `device_batch` is the call's (K stacked for `steps` >
-    1), `at` its `(epoch, index)`. The model's own check decides: batches
-    of other shapes that it takes (a `None` length) train.
-    """
-    try:
-        yield
-    except jax.errors.JaxRuntimeError:
-        raise  # the step ran: not a matter of shapes
-    except Exception as error:
-        changed = _changed_shapes(peek(), steps, device_batch)
-        if changed is None:
-            raise
-        epoch, index = at
-        raise ValueError(
-            f"Batch {index} of epoch {epoch + 1} (counted from 0 within the epoch) "
-            f"has arrays of shapes {changed[1]} after the row dimension, where the "
-            f"first batch had {changed[0]}, and the model cannot take them: "
-            f"{type(error).__name__}: {first_line(error)} Give every batch the "
-            "shapes the model was built for (with keras.Input, only dimensions "
-            "given as None may vary)."
-        ) from None
-
-
-def _changed_shapes(first, steps, device_batch):
-    """`(first batch's, this call's)` shapes past the rows, or None if they agree."""
-    data = getattr(device_batch, "data", None)  # resident rows have one shape
-    if data is None:
-        return None
-    axes = 2 if steps > 1 else 1  # a K-step call's arrays are stacked
-    now = [tuple(array.shape[axes:]) for array in jax.tree.leaves(data)]
-    before = [tuple(np.shape(array)[1:]) for array in jax.tree.leaves(first)]
-    return None if now == before else (before, now)
-
-
-def first_line(error, limit=300):
-    """The first line of `error` that says something, cut to `limit` characters.
-
-    Without Keras's wrapping: its colour codes, and the "Exception
-    encountered when calling ..." line it puts before a layer's own error.
-    """
-    text = str(error)
-    if isinstance(error, KeyError) and len(error.args) == 1 and isinstance(error.args[0], str):
-        text = error.args[0]  # str() of a KeyError is its repr, newlines escaped
-    text = re.sub(r"\x1b\[[0-9;]*m", "", text)
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    lines = [line for line in lines if not line.startswith("Exception encountered")]
-    line = lines[0] if lines else type(error).__name__
-    return line if len(line) <= limit else line[:limit] + " ..."
 
 
 def check_no_metric_updates_in_call(model, x):
@@ -340,25 +203,25 @@ def _trace(model, x, training=False, data="the data"):
     `model.build()` fix that does not apply. The Keras error is chained
     only when a frame of its traceback is the user's own code (a custom
     layer's `call()`); Keras's and JAX's frames alone are left out, as in
-    `explain_shape_change`.
+    `explain.shape_change`.
     """
     built = model.built
     try:
         return _compat.compute_output_spec(model, x, training=training)
     except Exception as error:
-        untraceable = _untraceable_error(error, "The model")
+        untraceable = explain.untraceable_error(error, "The model")
         if untraceable is not None:
             raise untraceable from None
         mode = " in training mode (training=True)" if training else ""
         shapes = jax.tree.map(lambda s: tuple(s.shape), x)
-        user = _user_frames(error)
+        user = explain.user_frames(error)
         where = (f" It was raised in your code ({user[-1].f_code.co_qualname}, line "
                  f"{user[-1].f_lineno} of {user[-1].f_code.co_filename}); its traceback "
                  "is chained above." if user else "")
         if built:
             refused = ValueError(
                 f"The model, built{_input_shapes(model)}, fails on {data}'s x{mode} "
-                f"(shapes {shapes}): {type(error).__name__}: {first_line(error)}{where} "
+                f"(shapes {shapes}): {type(error).__name__}: {explain.first_line(error)}{where} "
                 f"{'Fix it there, or, if x is not what the model takes, give' if user else 'Give'} "
                 "x the shapes and structure of the model's inputs (with "
                 "keras.Input, only dimensions given as None may vary)"
@@ -366,7 +229,7 @@ def _trace(model, x, training=False, data="the data"):
         else:
             refused = ValueError(
                 f"The model could not be built on {data}'s x{mode} (shapes {shapes}): "
-                f"{type(error).__name__}: {first_line(error)}{where} Check that x "
+                f"{type(error).__name__}: {explain.first_line(error)}{where} Check that x "
                 "matches the model's inputs, or build the model yourself with "
                 "model.build(input_shape).")
         raise refused from (error if user else None)
@@ -396,13 +259,6 @@ def _one_sample_fix(model, x):
         return (f"; x of shape {tuple(x.shape)} has no batch dimension: for one "
                 "sample pass x[None], a batch of one")
     return ""
-
-
-def _user_frames(error):
-    """The frames of `error`'s chain that are not Keras's, JAX's or keras_dp's code."""
-    return [frame for link in _error_chain(error)
-            for frame, _ in traceback.walk_tb(link.__traceback__)
-            if not frame.f_globals.get("__name__", "").startswith(_LIBRARIES)]
 
 
 def _mark_built(model):
@@ -450,7 +306,7 @@ def check_labels(model, x, y, y_pred, sample_weight):
     try:
         return loss_spec(sample_weight)
     except Exception as error:
-        untraceable = _untraceable_error(error, f"The loss, {_loss_name(model.loss)},")
+        untraceable = explain.untraceable_error(error, f"The loss, {_loss_name(model.loss)},")
         if untraceable is not None:
             raise untraceable from None
         shapes = lambda tree: jax.tree.map(lambda s: tuple(s.shape), tree)  # noqa: E731
@@ -460,7 +316,7 @@ def check_labels(model, x, y, y_pred, sample_weight):
                 f"The labels fit the model's output, but the sample weights (shape "
                 f"{shapes(sample_weight)}) do not fit its loss (y has shape {shapes(y)}, "
                 f"the model outputs shape {shapes(y_pred)}). {fix} Keras reported: "
-                f"{first_line(error)}"
+                f"{explain.first_line(error)}"
             ) from None
         # Keras's traceback and error wrapping add nothing to this message.
         raise ValueError(
@@ -469,7 +325,7 @@ def check_labels(model, x, y, y_pred, sample_weight):
             f"the loss is {_loss_name(model.loss)}. Give labels in the form the loss "
             "expects: integer class ids of shape (batch,) for "
             "sparse_categorical_crossentropy, one-hot rows of shape (batch, "
-            f"classes) for categorical_crossentropy. Keras reported: {first_line(error)}"
+            f"classes) for categorical_crossentropy. Keras reported: {explain.first_line(error)}"
         ) from None
 
 

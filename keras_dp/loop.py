@@ -22,9 +22,9 @@ import os
 
 from keras_dp import _compat
 from keras_dp import agreement
-from keras_dp import build as build_lib
 from keras_dp import callbacks as callbacks_lib
 from keras_dp import checkpoint as checkpoint_lib
+from keras_dp import explain
 from keras_dp import inference
 from keras_dp import inflight
 from keras_dp import model_checks
@@ -356,8 +356,8 @@ def train_call(run, steps, device_batch, throttle, at):
     (epoch, index) = at
     if live.needs_read():  # a callback changed the model
         live.read(trainer.init_state(), at)
-    with build_lib.explain_shape_change(run.batches.peek, steps, device_batch, at), \
-            build_lib.explain_jit_failures(trainer.model):
+    with explain.shape_change(run.batches.peek, steps, device_batch, at), \
+            explain.jit_failures(trainer.model):
         logs, finite = live.advance(
             lambda state: run.feed.call(state, steps, device_batch), (epoch, index + steps))
     throttle.add((index, finite, logs))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import keras_dp
-from keras_dp import build as build_lib
+from keras_dp import explain
 from conftest import InferenceNoise
 from conftest import SubclassedClassifier
 from conftest import assert_close_to_scale, assert_weights_close
@@ -884,10 +884,10 @@ def test_a_model_that_turns_off_jit_keeps_its_own_errors():
                               keras.layers.Flatten(), keras.layers.Dense(10)])
     out_of_memory = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory")
     with pytest.raises(jax.errors.JaxRuntimeError) as raised:
-        with build_lib.explain_jit_failures(model):
+        with explain.jit_failures(model):
             raise out_of_memory
     assert raised.value is out_of_memory
     with pytest.raises(ValueError, match=r"supports_jit=False: random_rotation .*"
                        r"failed to trace: AssertionError: AssertionError Do that"):
-        with build_lib.explain_jit_failures(model):
+        with explain.jit_failures(model):
             raise AssertionError()
