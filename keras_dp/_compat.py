@@ -130,6 +130,20 @@ def has_call(model):
     return type(model).call is not keras.Model.call
 
 
+def input_structure(model):
+    """The nesting of a Functional model's inputs (`_inputs_struct`), or None.
+
+    `model.inputs` is flat; only this keeps `keras.Model([[a, b], c], ...)`'s
+    `[[a, b], c]` (or a dict, a tuple), which `model.fit` matches its `x`
+    against. A Sequential or subclassed model has none: None.
+    """
+    import keras
+
+    if isinstance(model, keras.Sequential):
+        return None
+    return getattr(model, "_inputs_struct", None)
+
+
 def custom_step(model, name):
     """Whether `model` overrides the JAX trainer's `name` ("train_step", ...).
 

@@ -378,7 +378,8 @@ class ShardedTrainer:
                                      self.steps_per_execution)
         if x is None:
             return text
-        batches = self._batches(x, y, sample_weight, None, False)
+        batches = self._batches(pipeline.model_inputs(x, y, self.model), y, sample_weight,
+                                None, False)
         keep, why_not = resident.decide(self, batches)
         rows = getattr(batches, "num_samples", None)
         nbytes = resident.data_bytes(batches.arrays) if hasattr(batches, "arrays") else 0
@@ -467,6 +468,7 @@ class ShardedTrainer:
             initial_epoch = pipeline.check_count("initial_epoch", initial_epoch, 0)
             checkpoints_to_keep = pipeline.check_count(
                 "checkpoints_to_keep", checkpoints_to_keep, 1)
+            x = pipeline.model_inputs(x, y, self.model)
             if validation_split:
                 (x, y, sample_weight), validation_data = pipeline.split_validation(
                     x, y, sample_weight, validation_split, validation_data)
@@ -553,8 +555,8 @@ class ShardedTrainer:
         with agreement.preparing(self.placement, "evaluate") as settings:
             model_checks.require_compiled(self.model, "evaluate")
             batches = self._batches(
-                x, y, sample_weight, batch_size, False, steps=steps,
-                keras_peeks=build_lib.keras_reads_a_batch_to_build(self.model))
+                pipeline.model_inputs(x, y, self.model), y, sample_weight, batch_size, False,
+                steps=steps, keras_peeks=build_lib.keras_reads_a_batch_to_build(self.model))
             pipeline.check_ends(batches, "x", "steps")
             self.build(batches.peek())
             settings += agreement.inference_settings(self, batches, batch_size=batch_size,

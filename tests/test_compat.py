@@ -172,6 +172,26 @@ def test_has_call_is_false_only_for_models_without_one():
     assert _compat.has_call(model) and not _compat.has_call(NoCall())
 
 
+def test_input_structure_is_the_nesting_a_functional_model_was_built_with():
+    a, b, c = keras.Input((1,)), keras.Input((2,)), keras.Input((3,))
+    out = keras.layers.Concatenate()([a, b, c])
+    structure = _compat.input_structure(keras.Model([[a, b], c], out))
+    assert isinstance(structure, list) and isinstance(structure[0], list)
+    assert [[t.shape for t in structure[0]], structure[1].shape] == [
+        [(None, 1), (None, 2)], (None, 3)]
+    pair = keras.layers.Concatenate()([a, b])
+    assert isinstance(_compat.input_structure(keras.Model((a, b), pair)), tuple)
+    assert sorted(_compat.input_structure(keras.Model({"b": b, "a": a}, pair))) == ["a", "b"]
+
+    class Subclassed(keras.Model):
+        def call(self, x):
+            return x
+
+    sequential = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    assert _compat.input_structure(sequential) is None
+    assert _compat.input_structure(Subclassed()) is None
+
+
 def test_metric_names_expand_compiled_metrics_in_kerass_order():
     model, _, _ = _compiled_mlp()
     x, y = np.ones((4, 3), "float32"), np.zeros((4, 2), "float32")

@@ -410,6 +410,88 @@ def test_nested_inputs_as_a_list_of_a_list_train_as_model_fit(group):
                              devices=devices(2))
 
 
+def _nested_data(rows=16):
+    rng = np.random.default_rng(0)
+    first, second, third = (rng.normal(size=(rows, n)).astype("float32") for n in (4, 5, 6))
+    return first, second, third, rng.integers(0, 3, rows)
+
+
+@pytest.mark.parametrize("pack", [list, tuple])
+def test_nested_inputs_without_labels_predict_and_evaluate_as_keras(pack):
+    # predict read [[a, b], c] as a list of 2 batches and failed building on
+    # [a, b] ("expects 3 named input(s) ... received 1"); ((a, b), c) as
+    # x=(a, b), y=c. model.predict reads either as the model's inputs.
+    first, second, third, y = _nested_data()
+    x = pack([pack([first, second]), third])
+    model = _nested_inputs()
+    trainer = keras_dp.ShardedTrainer(model, devices=devices(2))
+    assert_close_to_scale(trainer.predict(x, batch_size=8, verbose=0),
+                          model.predict(x, batch_size=8, verbose=0))
+    # With y beside it, and with y inside a (x, y) tuple, as before.
+    expected = model.evaluate(x, y, batch_size=8, verbose=0)
+    np.testing.assert_allclose(trainer.evaluate(x, y, batch_size=8, verbose=0), expected,
+                               rtol=1e-5)
+    np.testing.assert_allclose(trainer.evaluate((x, y), batch_size=8, verbose=0), expected,
+                               rtol=1e-5)
+
+
+class SquaredOutput(keras.layers.Layer):
+    """Adds the mean square of its input as the model's only loss."""
+
+    def call(self, z):
+        self.add_loss(keras.ops.mean(keras.ops.square(z)))
+        return z
+
+
+def _trained_by_add_loss(nested):
+    keras.utils.set_random_seed(0)
+    a, b, c = keras.Input((4,)), keras.Input((5,)), keras.Input((6,))
+    inputs = [[a, b], c] if nested else [a, b]
+    out = SquaredOutput()(keras.layers.Dense(2)(keras.layers.Concatenate()(
+        jax.tree.leaves(inputs))))
+    model = keras.Model(inputs, out)
+    model.compile(keras.optimizers.SGD(0.1))
+    return model
+
+
+@pytest.mark.parametrize("nested, pack", [(False, tuple), (True, list), (True, tuple)])
+def test_a_model_trained_by_add_loss_fits_its_inputs_without_labels_as_model_fit(nested, pack):
+    # keras_dp read (a, b) as x=a, y=b and [[a, b], c] as a list of batches
+    # (refused with batch_size: "a dataset"); model.fit reads both as the
+    # model's inputs and trains on its add_loss alone.
+    first, second, third, _ = _nested_data()
+    x = pack([pack([first, second]), third]) if nested else pack([first, second])
+    options = dict(batch_size=8, epochs=2, shuffle=False, validation_split=0.25, verbose=0)
+    reference = _trained_by_add_loss(nested)
+    expected = reference.fit(x, **options).history
+    model = _trained_by_add_loss(nested)
+    history = keras_dp.fit_sharded(model, x, devices=devices(2), **options).history
+    for key in ("loss", "val_loss"):
+        np.testing.assert_allclose(history[key], expected[key], rtol=1e-5)
+    assert_weights_close(model, reference)
+    trainer = keras_dp.ShardedTrainer(model, devices=devices(2))
+    np.testing.assert_allclose(trainer.evaluate(x, batch_size=8, verbose=0),
+                               model.evaluate(x, batch_size=8, verbose=0), rtol=1e-5)
+
+
+def test_a_list_that_is_not_the_models_inputs_stays_a_list_of_batches():
+    first, second, third, y = _nested_data()
+    model = _nested_inputs()
+    trainer = keras_dp.ShardedTrainer(model, devices=devices(2))
+    # Whole (x, y) batches, whose x has the model's nesting: batches.
+    batches = [([[first[:8], second[:8]], third[:8]], y[:8]),
+               ([[first[8:], second[8:]], third[8:]], y[8:])]
+    np.testing.assert_allclose(
+        trainer.evaluate(batches, verbose=0),
+        model.evaluate([[first, second], third], y, batch_size=8, verbose=0), rtol=1e-5)
+    # A subclassed model has no input structure: a nested list stays a list
+    # of batches, and batch_size beside it says both readings and the fixes.
+    with pytest.raises(ValueError, match=r"(?s)reads as a list of batches.*drop `batch_size`"
+                                         r".*model's inputs.*with y.*`\(x,\)`"):
+        keras_dp.ShardedTrainer(SubclassedClassifier(), devices=devices(2)).predict(
+            [[first, second], third], batch_size=8, verbose=0)
+
+
 def test_several_inputs_as_a_list_without_labels_predict_as_model_predict():
     rng = np.random.default_rng(0)
     x = [rng.normal(size=(9, 3)), rng.normal(size=(9, 2))]

@@ -206,6 +206,7 @@ class EnsembleTrainer:
         initial_epoch = pipeline.check_count("initial_epoch", initial_epoch, 0)
         callbacks_lib.check_validation_freq(validation_freq)
         ensemble_loop.check_callbacks(callbacks)
+        x = pipeline.model_inputs(x, y, self.members[0])
         if validation_split:
             (x, y, sample_weight), validation_data = pipeline.split_validation(
                 x, y, sample_weight, validation_split, validation_data)
@@ -260,8 +261,9 @@ class EnsembleTrainer:
             `{"loss": [M floats], <each compiled metric>: [M floats],
             "ensemble_loss": float, "ensemble_accuracy": float}`.
         """
-        batches, callbacks = self._inference_input(x, y, sample_weight, batch_size, steps,
-                                                   callbacks, verbose)
+        batches, callbacks = self._inference_input(
+            pipeline.model_inputs(x, y, self.members[0]), y, sample_weight, batch_size, steps,
+            callbacks, verbose)
         # As model.evaluate: the members keep what the test steps left, given
         # to them before on_test_end, so what a callback changes there stays.
         keep = lambda non_trainable, metrics: members_lib.write_back_members(  # noqa: E731

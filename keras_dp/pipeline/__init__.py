@@ -15,6 +15,7 @@ import jax
 import keras
 import numpy as np
 
+from keras_dp import _compat
 from keras_dp.pipeline.arrays import ArrayBatches
 from keras_dp.pipeline.batch import TRAINING
 from keras_dp.pipeline.batch import VALIDATION
@@ -55,6 +56,7 @@ __all__ = [
     "hide_gpus_from_tensorflow",
     "is_array_data",
     "make_batches",
+    "model_inputs",
     "predict_inputs",
     "prefetch",
     "split_validation",
@@ -108,6 +110,14 @@ def make_batches(x, y=None, sample_weight=None, *, batch_size=None, shuffle=Fals
             f"carries its own. Received x of type {type(x).__name__} and {given}: "
             "put them in its batches, (x, y) or (x, y, sample_weight)."
         )
+    if batch_size is not None and isinstance(x, list):
+        raise ValueError(
+            f"x is a Python list of {len(x)} items, which keras_dp reads as a list of "
+            "batches: its items are not arrays of one row count, nor the nesting of a "
+            "Functional model's inputs. A list of batches is batched already, so drop "
+            f"`batch_size` (received batch_size={batch_size}). If the list is the model's "
+            "inputs, as model.fit reads it, pass it with y, or alone as a tuple `(x,)`."
+        )
     if batch_size is not None:
         raise ValueError(
             "Do not pass `batch_size` with a dataset: it is batched already. "
@@ -135,23 +145,53 @@ def checked_arrays(x, y, sample_weight):
     return x, y, sample_weight
 
 
+def model_inputs(x, y, model):
+    """Read a list or tuple `x` without `y` as Keras does where the model's inputs settle it.
+
+    keras_dp also takes a list of batches, where `model.fit` reads any list
+    `x` as the model's inputs. A Functional model's input structure decides:
+    an `x` of that structure (nested lists and tuples alike, dicts by key)
+    whose arrays share one row count is the inputs, as under `model.fit`:
+    `[[a, b], c]` for `keras.Model([[a, b], c], ...)`, or `(a, b)` for a
+    two-input model trained by `add_loss` alone. Anything else keeps
+    keras_dp's reading: a list is batches (or one array per input, if its
+    items are arrays of one row count), a tuple is `(x, y[, sample_weight])`.
+
+    Args:
+        x, y: the data as given.
+        model: the model that will read it.
+
+    Returns:
+        `x`, or `(x,)` for the model's inputs: `make_batches` reads that as x alone.
+    """
+    if y is None and isinstance(x, (list, tuple)):
+        structure = _compat.input_structure(model)
+        if structure is not None and _rows_of(x, structure) is not None:
+            return (x,)
+    return x
+
+
 def predict_inputs(x, model):
     """Read `predict`'s `x` as `model.predict` does: a tuple of one array per model input is the inputs.
 
-    Elsewhere a tuple without `y` is a packed `(x, y[, sample_weight])`. A
-    model with as many inputs as the tuple has arrays (a Siamese network's
-    `(left, right)`) takes them as its inputs, as `model.predict((a, b))`
-    does; so does a subclassed model, whose inputs Keras cannot count
-    (`model.predict` hands it the whole tuple); a one-input Functional or
-    Sequential model still reads `(x, y)` as x and labels.
+    Beyond `model_inputs`: elsewhere a tuple without `y` is a packed
+    `(x, y[, sample_weight])`. A model with as many inputs as the tuple has
+    arrays (a Siamese network's `(left, right)`) takes them as its inputs,
+    as `model.predict((a, b))` does; so does a subclassed model, whose
+    inputs Keras cannot count (`model.predict` hands it the whole tuple); a
+    one-input Functional or Sequential model still reads `(x, y)` as x and
+    labels.
 
     Args:
         x: `predict`'s data.
         model: the model that will predict.
 
     Returns:
-        `x`, or `(x,)` for a tuple of inputs: `make_batches` unpacks it to x.
+        `x`, or `(x,)` for the model's inputs: `make_batches` unpacks it to x.
     """
+    read = model_inputs(x, None, model)
+    if read is not x:
+        return read
     if isinstance(x, tuple) and len(x) > 1 and _inputs_alone(x):
         inputs = _functional_inputs(model)
         subclassed = not inputs and not isinstance(model, keras.Sequential)
@@ -165,6 +205,27 @@ def _functional_inputs(model):
         return model.inputs or ()
     except (AttributeError, ValueError):
         return ()
+
+
+def _rows_of(x, structure):
+    """The one row count of `x`'s arrays if `x` has `structure`'s nesting, else None."""
+    rows = set()
+
+    def matches(part, spec):
+        if isinstance(spec, dict):
+            return isinstance(part, dict) and set(part) == set(spec) and all(
+                matches(part[key], spec[key]) for key in spec)
+        if isinstance(spec, (list, tuple)):
+            return isinstance(part, (list, tuple)) and len(part) == len(spec) and all(
+                map(matches, part, spec))
+        if not _is_array(part):
+            return False
+        rows.add(np.shape(part)[:1])
+        return True
+
+    if not matches(x, structure) or len(rows) != 1:
+        return None
+    return rows.pop()
 
 
 def check_ends(batches, what, steps):
@@ -259,7 +320,9 @@ def split_validation(x, y, sample_weight, validation_split, validation_data=None
     same every epoch and in every run.
 
     Returns:
-        `((x, y, sample_weight), (x_val, y_val, sample_weight_val))`.
+        `((x, y, sample_weight), (x_val, y_val, sample_weight_val))`; with
+        x alone, `(((x,), None, None), (x_val,))`, which `make_batches`
+        reads as x alone.
 
     Raises:
         ValueError: `validation_data` given too, a fraction outside (0, 1),
@@ -291,10 +354,11 @@ def split_validation(x, y, sample_weight, validation_split, validation_data=None
             f"{split} rows for training and {total - split} for validation; "
             "both need at least one. Use a fraction that splits the data."
         )
-    return (
-        jax.tree.map(lambda array: array[:split], arrays),
-        jax.tree.map(lambda array: array[split:], arrays),
-    )
+    train, held_out = (jax.tree.map(lambda array: array[rows], arrays)
+                       for rows in (slice(None, split), slice(split, None)))
+    if train[1] is None and train[2] is None:  # x alone stays x alone, not batches
+        return ((train[0],), None, None), (held_out[0],)
+    return train, held_out
 
 
 def is_array_data(x, y=None):
@@ -302,7 +366,10 @@ def is_array_data(x, y=None):
 
     A dataset, generator or other iterable is batched already.
     """
-    if isinstance(x, tuple) and y is None:  # a packed (x, y[, sample_weight])
+    if isinstance(x, tuple) and y is None:  # a packed (x,), (x, y[, sample_weight])
+        if len(x) == 1 and isinstance(x[0], (list, tuple)):
+            # x alone (`model_inputs`): inputs nested as deep as the model's.
+            return _rows_of(x[0], _nesting(x[0])) is not None
         x, y = (x + (None, None))[:2]
     # A list or tuple beside `y` is several model inputs, as in `model.fit`.
     # Alone, a list of arrays of one row count is too (`model.predict([a, b])`);
@@ -310,6 +377,15 @@ def is_array_data(x, y=None):
     return isinstance(x, dict) or _is_array(x) or (
         isinstance(x, (list, tuple)) and (y is not None or _inputs_alone(x))
     )
+
+
+def _nesting(x):
+    """`x`'s lists, tuples and dicts, with None for each other leaf."""
+    if isinstance(x, dict):
+        return {key: _nesting(value) for key, value in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_nesting(item) for item in x]
+    return None
 
 
 def _is_array(x):
