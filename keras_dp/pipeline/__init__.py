@@ -110,7 +110,8 @@ def make_batches(x, y=None, sample_weight=None, *, batch_size=None, shuffle=Fals
             f"carries its own. Received x of type {type(x).__name__} and {given}: "
             "put them in its batches, (x, y) or (x, y, sample_weight)."
         )
-    if batch_size is not None and isinstance(x, list):
+    if batch_size is not None and isinstance(x, list) and not all(
+            isinstance(item, tuple) for item in x):  # else plainly `(x, y)` batches
         raise ValueError(
             f"x is a Python list of {len(x)} items, which keras_dp reads as a list of "
             "batches: its items are not arrays of one row count, nor the nesting of a "
