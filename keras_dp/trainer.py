@@ -480,7 +480,8 @@ class ShardedTrainer:
                 batches = pipeline.StepsPerEpoch(batches, steps_per_epoch,
                                                  epochs - initial_epoch)
             pipeline.check_ends(batches, "x", "steps_per_epoch")
-            self.build(batches.peek())
+            with pipeline.naming_list_reading(x, y):
+                self.build(batches.peek())
             model_checks.check_trainable_unchanged(self.model)
             self._use_train_programs(donate=self.keep_last_good is not True)
             plan = None
@@ -554,11 +555,13 @@ class ShardedTrainer:
         """
         with agreement.preparing(self.placement, "evaluate") as settings:
             model_checks.require_compiled(self.model, "evaluate")
+            x = pipeline.model_inputs(x, y, self.model)
             batches = self._batches(
-                pipeline.model_inputs(x, y, self.model), y, sample_weight, batch_size, False,
-                steps=steps, keras_peeks=build_lib.keras_reads_a_batch_to_build(self.model))
+                x, y, sample_weight, batch_size, False, steps=steps,
+                keras_peeks=build_lib.keras_reads_a_batch_to_build(self.model))
             pipeline.check_ends(batches, "x", "steps")
-            self.build(batches.peek())
+            with pipeline.naming_list_reading(x, y):
+                self.build(batches.peek())
             settings += agreement.inference_settings(self, batches, batch_size=batch_size,
                                                      steps=steps)
         callbacks = callbacks_lib.callback_list(callbacks, self.model, verbose, history=False,
@@ -588,12 +591,13 @@ class ShardedTrainer:
             exactly one row per input row.
         """
         with agreement.preparing(self.placement, "predict") as settings:
+            x = pipeline.predict_inputs(x, self.model)
             batches = self._batches(
-                pipeline.predict_inputs(x, self.model), None, None, batch_size, False,
-                steps=steps, keras_peeks=build_lib.keras_reads_a_batch_to_build(
-                    self.model, for_training=False))
+                x, None, None, batch_size, False, steps=steps,
+                keras_peeks=build_lib.keras_reads_a_batch_to_build(self.model, for_training=False))
             pipeline.check_ends(batches, "x", "steps")
-            self.build(batches.peek(), for_training=False)
+            with pipeline.naming_list_reading(x):
+                self.build(batches.peek(), for_training=False)
             settings += agreement.inference_settings(self, batches, batch_size=batch_size,
                                                      steps=steps)
         callbacks = callbacks_lib.callback_list(callbacks, self.model, verbose, history=False,

@@ -490,6 +490,33 @@ def test_a_list_that_is_not_the_models_inputs_stays_a_list_of_batches():
                                          r".*model's inputs.*with y.*`\(x,\)`"):
         keras_dp.ShardedTrainer(SubclassedClassifier(), devices=devices(2)).predict(
             [[first, second], third], batch_size=8, verbose=0)
+    # Without batch_size, an error building on the first "batch" says so too;
+    # alone in a tuple, the list is the inputs, as model.fit reads the list.
+    x, model = [[first, second], third], NestedAddLoss()
+    with pytest.raises(ValueError, match=r"(?s)too many values to unpack.*list of batches.*"
+                                         r"model.fit would read it as the model's inputs"):
+        keras_dp.fit_sharded(model, x, verbose=0, devices=devices(2))
+    expected = NestedAddLoss().fit(x, batch_size=8, shuffle=False, verbose=0).history["loss"]
+    model = NestedAddLoss()
+    history = keras_dp.fit_sharded(model, (x,), batch_size=8, shuffle=False, verbose=0,
+                                   devices=devices(2))
+    np.testing.assert_allclose(history.history["loss"], expected, rtol=1e-5)
+
+
+class NestedAddLoss(keras.Model):
+    """A subclassed model of `[[a, b], c]`, trained by its add_loss alone."""
+
+    def __init__(self):
+        keras.utils.set_random_seed(0)
+        super().__init__()
+        self.dense = keras.layers.Dense(2)
+        self.compile(keras.optimizers.SGD(0.1))
+
+    def call(self, x):
+        (a, b), c = x
+        z = self.dense(keras.ops.concatenate([a, b, c], axis=-1))
+        self.add_loss(keras.ops.mean(keras.ops.square(z)))
+        return z
 
 
 def test_several_inputs_as_a_list_without_labels_predict_as_model_predict():

@@ -11,6 +11,8 @@ whose `epoch(e)` yields host batches `(x, y, sample_weight)` of numpy arrays.
 look-ahead thread); `keras_dp.placement` puts them on the devices.
 """
 
+import contextlib
+
 import jax
 import keras
 import numpy as np
@@ -57,6 +59,7 @@ __all__ = [
     "is_array_data",
     "make_batches",
     "model_inputs",
+    "naming_list_reading",
     "predict_inputs",
     "prefetch",
     "split_validation",
@@ -170,6 +173,30 @@ def model_inputs(x, y, model):
         if structure is not None and _rows_of(x, structure) is not None:
             return (x,)
     return x
+
+
+@contextlib.contextmanager
+def naming_list_reading(x, y=None):
+    """Add to a `ValueError` raised inside how a list `x` without `y` was read, where Keras reads it otherwise.
+
+    A nested list of arrays of one row count that no Functional model's
+    input structure claimed (`model_inputs`: a subclassed model, say) is
+    read as a list of batches; `model.fit` would take it as the inputs. An
+    error building on its first "batch" then says both readings and fixes.
+    """
+    try:
+        yield
+    except ValueError as error:
+        if (y is not None or not isinstance(x, list) or _inputs_alone(x)
+                or all(isinstance(item, tuple) for item in x)
+                or _rows_of(x, _nesting(x)) is None):
+            raise
+        raise ValueError(
+            f"{error}\nx is a Python list of {len(x)} items without y, which keras_dp "
+            "reads as a list of batches (its items are not all arrays, nor in the "
+            "nesting of a Functional model's inputs); model.fit would read it as the model's "
+            "inputs. If it is the inputs, pass it with y, or alone as a tuple `(x,)`; "
+            "if it is batches, make each one a tuple `(x, y)` or `(x,)`.") from error
 
 
 def predict_inputs(x, model):
