@@ -494,6 +494,7 @@ class ShardedTrainer:
                     validation_data, batch_size, validation_batch_size)
                 val = self._batches(validation_data, None, None, val_batch_size, False,
                                     steps=validation_steps, keras_peeks=False,
+                                    keras_resets="each pass",
                                     what=pipeline.VALIDATION)
                 pipeline.check_ends(val, "validation_data", "validation_steps")
                 # Bad validation labels fail now, not after epoch 1.
@@ -593,7 +594,7 @@ class ShardedTrainer:
         with agreement.preparing(self.placement, "predict") as settings:
             x = pipeline.predict_inputs(x, self.model)
             batches = self._batches(
-                x, None, None, batch_size, False, steps=steps,
+                x, None, None, batch_size, False, steps=steps, keras_resets=False,
                 keras_peeks=build_lib.keras_reads_a_batch_to_build(self.model, for_training=False))
             pipeline.check_ends(batches, "x", "steps")
             with pipeline.naming_list_reading(x):
@@ -616,13 +617,17 @@ class ShardedTrainer:
         return outputs
 
     def _batches(self, x, y, sample_weight, batch_size, shuffle, class_weight=None,
-                 steps=None, keras_peeks=True, what="The data"):
+                 steps=None, keras_peeks=True, keras_resets=True, what="The data"):
         """`x` as `Batches`; `keras_peeks`: whether Keras reads a first batch from a pass of its own.
 
         When it does not (`build.keras_reads_a_batch_to_build`), the first
         batch keras_dp reads is taken from the first pass, so a reshuffling
-        tf.data pipeline reads the orders Keras reads. `what`: whose data it
-        is, as messages name it (`pipeline.TRAINING`, `pipeline.VALIDATION`).
+        tf.data pipeline reads the orders Keras reads. `keras_resets`:
+        whether Keras ends a pass before the first epoch even without that
+        read (`fit` and `evaluate` do, `predict` does not), calling a
+        PyDataset's `on_epoch_end`; `"each pass"` before each (`fit`'s
+        validation). `what`: whose data it is, as messages
+        name it (`pipeline.TRAINING`, `pipeline.VALIDATION`).
         """
         if batch_size is not None:
             # `batch_size` is global; each process slices its part of it.
@@ -632,7 +637,7 @@ class ShardedTrainer:
             x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
             seed=self.seed, class_weight=class_weight, what=what,
         )
-        if not keras_peeks and hasattr(batches, "share_first_pass"):
-            batches.share_first_pass()
+        if hasattr(batches, "read_first_as_keras"):
+            batches.read_first_as_keras(keras_peeks, resets=keras_resets or keras_peeks)
         return batches if steps is None else pipeline.FirstSteps(batches, steps)
 

@@ -6,7 +6,7 @@ import tensorflow as tf
 import pytest
 
 import keras_dp
-from conftest import BatchEnds, devices, mlp, sgd_mlp
+from conftest import BatchEnds, assert_weights_close, devices, mlp, sgd_mlp
 
 
 def test_prefetch_keeps_order_raises_in_place_and_stops_when_closed():
@@ -345,6 +345,75 @@ def test_a_py_datasets_workers_read_ahead_in_threads_in_order(mnist, processes):
                                rtol=1e-5)
     for ours, theirs in zip(model.get_weights(), reference.get_weights(), strict=True):
         np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-5 * np.abs(theirs).max())
+
+
+class Reshuffling(keras.utils.PyDataset):
+    """5 batches of 8 rows, reshuffled in `on_epoch_end` as Keras's docs show; `log`: hooks, reads."""
+
+    def __init__(self, x, y):
+        super().__init__()
+        self.x, self.y, self.log = x, y, []
+        self.order, self.ends = np.arange(len(x)), 0
+
+    def __len__(self):
+        return 5
+
+    def __getitem__(self, index):
+        self.log.append(index)
+        rows = self.order[index * 8:(index + 1) * 8]
+        return self.x[rows], self.y[rows]
+
+    def on_epoch_begin(self):
+        self.log.append("begin")
+
+    def on_epoch_end(self):
+        self.log.append("end")
+        self.ends += 1
+        self.order = np.random.default_rng(self.ends).permutation(len(self.x))
+
+
+def _hooks_of_a_program(fit, evaluate, predict, x, y):
+    """Results, hooks and reads of fit (unbuilt), fit with validation, evaluate, and predict."""
+    data, val = Reshuffling(x, y), Reshuffling(x[:20], y[:20])
+    logs = [fit(data, epochs=2)["loss"]]
+    logs.append(fit(data, epochs=2, validation_data=val, validation_steps=2))
+    logs.append(evaluate(data))
+    logs.append(evaluate(data, steps=2))
+    logs.append(predict(data))
+    return logs, data.log, val.log
+
+
+def test_a_py_dataset_gets_the_hooks_keras_calls_before_its_first_epoch(mnist):
+    # Keras's fit and evaluate call on_epoch_end once before the first epoch
+    # (after a pass of their own to build from, on an unbuilt model), and
+    # before each validation: a PyDataset that reshuffles there trains its
+    # first epoch in its second order. keras_dp called on_epoch_begin for its
+    # build read and never ended it, and read the first epoch in index order:
+    # other losses and weights from the first epoch on.
+    (x, y), _ = mnist
+    x, y = x[:40], y[:40]
+    reference = sgd_mlp()
+    expected = _hooks_of_a_program(
+        lambda data, **kw: reference.fit(data, shuffle=False, verbose=0, **kw).history,
+        lambda data, **kw: reference.evaluate(data, verbose=0, return_dict=True, **kw),
+        lambda data: reference.predict(data, verbose=0), x, y)
+    model = sgd_mlp()
+    trainer = keras_dp.ShardedTrainer(model, devices=devices(2))
+    got = _hooks_of_a_program(
+        lambda data, **kw: trainer.fit(data, shuffle=False, verbose=0, **kw).history,
+        lambda data, **kw: trainer.evaluate(data, verbose=0, return_dict=True, **kw),
+        lambda data: trainer.predict(data, verbose=0), x, y)
+    assert got[1:] == expected[1:]
+    losses, history, scores, first_scores, outputs = got[0]
+    keras_losses, keras_history, keras_scores, keras_first_scores, keras_outputs = expected[0]
+    np.testing.assert_allclose(losses, keras_losses, rtol=1e-5)
+    for ours, theirs in [(history, keras_history), (scores, keras_scores),
+                         (first_scores, keras_first_scores)]:
+        for name in theirs:
+            np.testing.assert_allclose(ours[name], theirs[name], rtol=1e-5, err_msg=name)
+    np.testing.assert_allclose(outputs, keras_outputs, rtol=0,
+                               atol=1e-5 * np.abs(keras_outputs).max())
+    assert_weights_close(model, reference)
 
 
 def _image_folders(root, x, y):

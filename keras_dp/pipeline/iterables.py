@@ -50,29 +50,50 @@ class IterableBatches:
         # has a total, callbacks' `params["steps"]` is Keras's, and
         # `pipeline.StepsPerEpoch` can warn of epochs that span passes.
         self.steps = getattr(self._source, "num_batches", None)
-        # An endless PyDataset, whose epochs `StepsPerEpoch` or `FirstSteps` mark.
-        self.epoch_hooks = getattr(self._source, "epoch_hooks", None)
         # What never ends without `steps_per_epoch` (see `pipeline.check_ends`), or None.
         self.endless = _endless(self._source)
         self.num_samples = None
         self.labels_checked = False
         self._label_check = None
 
-    def share_first_pass(self):
-        """Read the first batch (`peek`) from the first epoch's pass, as `model.fit` does on a built model.
+    def read_first_as_keras(self, peeks, resets):
+        """Read the first batch (`peek`) as Keras's `fit`, `evaluate` or `predict` reads one.
 
-        Only a tf.data pipeline draws a new order per pass read; for it, the
-        pass `peek` starts is kept and is the first epoch's (see `_TFEpochs`).
-        Call before `peek`.
+        `peeks`: Keras reads a batch to build from, from a pass of its own
+        (`build.keras_reads_a_batch_to_build`). Where it does not, the pass
+        `peek` starts is kept and is the first epoch's: a tf.data pipeline
+        draws a new order per pass read (see `_TFEpochs`). `resets`: Keras
+        ends a pass before the first epoch (`EpochIterator.reset`, in `fit`
+        and `evaluate` always, in `predict` after a build read), calling a
+        PyDataset's `on_epoch_end` (see `_PyDatasetEpochs`); `"each pass"`:
+        before every pass, as `fit`'s validation (an `evaluate` per
+        validation) does. Call before `peek`.
         """
-        if isinstance(self._source, _TFEpochs) and self._first is None:
-            self._source.share_first_pass = True
+        if isinstance(self._source, (_TFEpochs, _PyDatasetEpochs)) and self._first is None:
+            self._source.share_first_pass = not peeks
+        if isinstance(self._source, _PyDatasetEpochs):
+            self._source.resets = bool(resets)
+            self._source.resets_each_pass = resets == "each pass"
+
+    @property
+    def epoch_hooks(self):
+        """A PyDataset's hooks where `StepsPerEpoch` or `FirstSteps` call them, else None."""
+        return getattr(self._source, "epoch_hooks", None)
+
+    def hooks_outside(self):
+        """Leave a PyDataset's hooks to whoever reads it for a step count (`epoch_hooks`).
+
+        `model.fit` calls them around each epoch of `steps_per_epoch` steps,
+        or each `evaluate` of `steps`, not around each pass.
+        """
+        if isinstance(self._source, _PyDatasetEpochs):
+            self._source.hooks_outside = True
 
     def peek(self):
         """The first batch, kept so that a one-shot iterator loses nothing."""
         if self._first is None:
-            iterator = iter(self._source)
-            first = next(iterator, None)
+            read_first = getattr(self._source, "read_first", None)  # a PyDataset's
+            first = read_first() if read_first else next(iter(self._source), None)
             if first is None:
                 raise ValueError(_empty_message(self._what))
             self._first = self._host_batch(first, 0, 0)
@@ -269,16 +290,27 @@ class _PyDatasetEpochs:
     length, the batches are read in a new order each epoch, a permutation
     of the indices fixed by `seed` and the epoch (so a resumed run reads
     the order of an unbroken one); otherwise in index order. Keras shuffles
-    with Python's unseeded `random`, so its order differs. Calls the
-    dataset's `on_epoch_begin` and `on_epoch_end` around each pass, as
-    `model.fit` does, so per-epoch reshuffling inside it works. An endless
-    one (`num_batches` None) has no passes: it is `epoch_hooks`, and
-    `StepsPerEpoch` and `FirstSteps` call them around each epoch they
-    read, as `model.fit` does. With `workers > 1` the batches are read
-    ahead by that many threads (at most `max_queue_size` ahead, as Keras's
-    enqueuer) and handed out in order, so the steps are those of one
-    thread; `use_multiprocessing` reads them in threads too, with a warning
-    (a process forked from one running JAX can deadlock).
+    with Python's unseeded `random`, so its order differs. With `workers > 1`
+    the batches are read ahead by that many threads (at most
+    `max_queue_size` ahead, as Keras's enqueuer) and handed out in order,
+    so the steps are those of one thread; `use_multiprocessing` reads them
+    in threads too, with a warning (a process forked from one running JAX
+    can deadlock).
+
+    The dataset's `on_epoch_begin` and `on_epoch_end` are called where
+    `model.fit` calls them, so per-epoch reshuffling inside it works: around
+    each pass; or, for an endless one (`num_batches` None) or one read for
+    a fixed number of steps (`hooks_outside`), around each epoch that
+    `StepsPerEpoch` or `FirstSteps` reads (they call this object's
+    `on_epoch_begin` and `on_epoch_end`: it is their `epoch_hooks`). Before
+    the first epoch, `read_first` reads the first batch as Keras does:
+    Keras's `fit` and `evaluate` call `on_epoch_end` once before their first
+    epoch (`EpochIterator.reset`), after a pass of their own to build from
+    while the model is unbuilt (`share_first_pass` False: `on_epoch_begin`,
+    a batch, then that `on_epoch_end`); `predict` calls it only after such
+    a pass (`resets`), and `fit`'s validation before each of its passes
+    (`resets_each_pass`). Where Keras builds from no batch, the first
+    epoch's pass starts early and goes on from it.
     """
 
     def __init__(self, dataset, shuffle=False, seed=0):
@@ -286,6 +318,13 @@ class _PyDatasetEpochs:
         self._shuffle = shuffle
         self._seed = seed
         self._workers = _pydataset_workers(dataset)
+        self.share_first_pass = False  # as Keras on an unbuilt model
+        self.resets = True
+        self.resets_each_pass = False
+        self.hooks_outside = False
+        self._first_pass = None  # the first epoch's pass, started by `read_first`
+        self._begun = 0  # epochs begun
+        self._begun_early = False
 
     @property
     def num_batches(self):
@@ -293,26 +332,69 @@ class _PyDatasetEpochs:
 
     @property
     def epoch_hooks(self):
-        """The dataset if it is endless (its epochs are marked by whoever counts them), else None."""
-        return self._dataset if self._dataset.num_batches is None else None
+        """This object, if whoever counts the epochs calls the hooks around them, else None."""
+        return self if self.hooks_outside or self.num_batches is None else None
+
+    def on_epoch_begin(self):
+        """The dataset's `on_epoch_begin`, after its `on_epoch_end` under `resets_each_pass`."""
+        if self._begun_early:  # by `read_first`
+            self._begun_early = False
+            return
+        self._begun += 1
+        if self.resets_each_pass and self._begun > 1:
+            self._dataset.on_epoch_end()
+        self._dataset.on_epoch_begin()
+
+    def on_epoch_end(self):
+        """The dataset's `on_epoch_end`."""
+        self._dataset.on_epoch_end()
 
     def __iter__(self):
         return self.epoch(0)
 
+    def read_first(self):
+        """The first batch (or None), read with the hooks Keras calls before its first epoch."""
+        if self.share_first_pass:
+            if self.resets:
+                self._dataset.on_epoch_end()
+            if self.epoch_hooks is not None:  # the first epoch begins before its first read
+                self.on_epoch_begin()
+                self._begun_early = True
+            self._first_pass = _Replayable(self._pass(0))
+            return next(self._first_pass, None)
+        self._dataset.on_epoch_begin()
+        first = next(self._pass(0, hooks=False), None)
+        if self.resets:
+            self._dataset.on_epoch_end()
+        return first
+
     def epoch(self, epoch):
-        """Yield epoch `epoch`'s batches in its order."""
-        count = self._dataset.num_batches
+        """Epoch `epoch`'s batches in its order: for the first, the pass `read_first` began."""
+        first_pass, self._first_pass = self._first_pass, None
+        if first_pass is not None:
+            if epoch == 0:
+                return first_pass.replay()
+            if self.epoch_hooks is None:  # a fit from a later epoch ends the pass begun
+                self.on_epoch_end()
+        return self._pass(epoch)
+
+    def _pass(self, epoch, hooks=True):
+        """Yield epoch `epoch`'s batches, between the hooks where they are called here (`hooks`)."""
+        count = self.num_batches
         # No length: an endless dataset, for use with `steps_per_epoch`.
         if count is None:
             yield from self._read(itertools.count())
             return
-        self._dataset.on_epoch_begin()
+        hooks = hooks and self.epoch_hooks is None
+        if hooks:
+            self.on_epoch_begin()
         if self._shuffle:
             indices = np.random.default_rng([self._seed, epoch]).permutation(count).tolist()
         else:
             indices = range(count)
         yield from self._read(indices)
-        self._dataset.on_epoch_end()
+        if hooks:
+            self.on_epoch_end()
 
     def _read(self, indices):
         """`dataset[index]` for each index, in order: here, or read ahead by the workers."""

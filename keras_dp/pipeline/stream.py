@@ -30,12 +30,20 @@ class FixedSteps:
         """Check the underlying data's labels (see its `check_labels`)."""
         self._batches.check_labels(check, what)
 
-    def _marked(self, batches):
-        """`batches`, between an endless PyDataset's `on_epoch_begin` and `on_epoch_end`.
+    def _hooks_outside(self):
+        """Call a PyDataset's hooks here, around each epoch, not around each pass (`_marked`)."""
+        hooks_outside = getattr(self._batches, "hooks_outside", None)
+        if hooks_outside is not None:
+            hooks_outside()
 
-        Such a dataset has no passes to mark; `model.fit` calls both around
-        each epoch (and each evaluation) it reads, so per-epoch work in them
-        runs. `on_epoch_end` runs once the epoch's last batch is read.
+    def _marked(self, batches):
+        """`batches`, between a PyDataset's `on_epoch_begin` and `on_epoch_end`.
+
+        `model.fit` calls both around each epoch (and each evaluation) of a
+        fixed number of steps it reads, not around each pass: an endless
+        dataset has none. So per-epoch work in them runs, and a dataset
+        that reshuffles in `on_epoch_end` does so after each epoch, as under
+        `model.fit`. `on_epoch_end` runs once the epoch's last batch is read.
         """
         hooks = getattr(self._batches, "epoch_hooks", None)
         if hooks is None:
@@ -63,6 +71,7 @@ class StepsPerEpoch(FixedSteps):
         _warn_if_epochs_span_passes(batches, self.steps, epochs)
         self.exhausted = False
         self._batches = batches
+        self._hooks_outside()
         self._stream = None  # started by the first `epoch`
         self._states = {}  # a Grain source's state at each (epoch, steps), while recording
 
@@ -161,6 +170,7 @@ class FirstSteps(FixedSteps):
                 f"`steps` and `validation_steps` must be an int of at least 1. Received: {steps!r}."
             )
         self._batches = batches
+        self._hooks_outside()
         self.steps = int(steps) if batches.steps is None else min(int(steps), batches.steps)
         self._asked = int(steps)
 
