@@ -377,6 +377,15 @@ def test_a_list_of_numbers_or_a_single_value_as_data_is_refused_with_the_fix():
     assert str(error.value) == (
         "y is a single value (3), not an array with one row per sample. Pass an array of "
         "one row per sample for y.")
+    # A table's rows as nested lists (`frame.values.tolist()`): Keras's fit says
+    # "Unrecognized data type"; keras_dp said x had "arrays of different lengths"
+    # x[0][0] None, x[0][1] None, ... (each number taken for an input of no rows).
+    with pytest.raises(ValueError) as error:
+        keras_dp.fit_sharded(mlp(), x[:, :2, 0, 0].tolist(), y, verbose=0, devices=devices(2))
+    assert str(error.value) == (
+        "x is a Python list of 32 lists of numbers. A list is read as one array per model "
+        "input or output, as in Keras (whose fit refuses lists of numbers); for one row per "
+        "sample, pass an array: np.asarray(x).")
 
 
 def test_trainable_changed_after_training_without_a_new_optimizer_is_named():

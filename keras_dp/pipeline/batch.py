@@ -223,7 +223,8 @@ def check_not_scalars(x, y, sample_weight):
 
     Beside `y`, a list is read as one array per model input (or output), as
     in Keras, so a list of numbers would be that many one-value arrays; it
-    is meant as one value per sample, an array.
+    is meant as one value per sample, an array. So is a list of lists of
+    numbers (a table's rows), which was read as that many inputs of no rows.
     """
     for name, part in (("x", x), ("y", y), ("sample_weight", sample_weight)):
         if isinstance(part, (list, tuple)) and part and all(
@@ -239,11 +240,26 @@ def check_not_scalars(x, y, sample_weight):
                 "read as one array per model input or output, as in Keras; for one "
                 f"value per sample, pass an array: np.asarray({name})."
             )
+        if isinstance(part, (list, tuple)) and part and all(
+                _numbers(item) for item in part):  # rows of a table, as nested lists
+            raise ValueError(
+                f"{name} is a Python {type(part).__name__} of {len(part)} "
+                f"{type(part[0]).__name__}s of numbers. A list is read as one array per "
+                "model input or output, as in Keras (whose fit refuses lists of numbers); "
+                f"for one row per sample, pass an array: np.asarray({name})."
+            )
         if part is not None and not isinstance(part, (dict, list, tuple)) and np.ndim(part) == 0:
             raise ValueError(
                 f"{name} is a single value ({part!r}), not an array with one row per "
                 f"sample. Pass an array of one row per sample for {name}."
             )
+
+
+def _numbers(item):
+    """Whether `item` is a non-empty Python list or tuple of numbers."""
+    return isinstance(item, (list, tuple)) and bool(item) and all(
+        not isinstance(value, (list, tuple, dict, str, bytes)) and np.ndim(value) == 0
+        for value in item)
 
 
 def _length(item):
