@@ -271,18 +271,6 @@ def test_only_process_0_writes_the_model_and_plot(tmp_path):
     assert "[process 0] 2 processes; each reads 1/2 of the data and 32 rows" in output
 
 
-def test_launch_runs_a_python_script_given_alone_with_this_python(tmp_path):
-    # `keras-dp launch -- my_training.py`, as with torchrun: before, Popen ran
-    # the file itself and the launcher died with PermissionError's traceback.
-    script = tmp_path / "my_training.py"
-    script.write_text("import os, sys\n"
-                      "print('ran', os.environ['KERAS_DP_PROCESS_ID'], sys.argv[1:])\n")
-    code, output = launch(2, 1, str(script), "--epochs", "1")
-    assert code == 0, output[-2000:]
-    for index in range(2):
-        assert f"[process {index}] ran {index} ['--epochs', '1']" in output
-
-
 def test_launch_fails_with_the_failing_child_and_stops_the_others():
     script = ("import os, sys, time\n"
               "if os.environ['KERAS_DP_PROCESS_ID'] == '1': sys.exit(3)\n"

@@ -127,8 +127,7 @@ def _add_launch_parser(commands):
     launch.add_argument("--port", type=int, default=None,
                         help="the coordinator's port on 127.0.0.1 (default: a free one)")
     launch.add_argument("launched", nargs=argparse.REMAINDER, metavar="-- COMMAND",
-                        help="a keras-dp command (train ...), a Python script (run with "
-                             "this Python), or any program, and its arguments")
+                        help="a keras-dp command (train ...) or any program and its arguments")
 
 
 def main(argv=None):
@@ -147,11 +146,7 @@ def main(argv=None):
         from keras_dp.cli.launch import launch
 
         launched = args.launched[1:] if args.launched[:1] == ["--"] else args.launched
-        try:
-            status = launch(launched, args.processes, args.cpu_devices, args.port)
-        except ValueError as error:  # no command, or one that cannot start
-            parser.error(str(error))
-        raise SystemExit(status)
+        raise SystemExit(launch(launched, args.processes, args.cpu_devices, args.port))
     # The command itself never imports TensorFlow (it seeds with
     # `_compat.set_random_seed`); should anything else, its C++ start-up
     # notes would clutter the report. The oneDNN one only goes with its
