@@ -186,6 +186,11 @@ def test_help_and_argument_errors_load_neither_keras_nor_jax():
     (["train", "--ensemble", "0"], "argument --ensemble: must be at least 1, got 0"),
     (["train", "--train-samples", "0"], "argument --train-samples: must be at least 1, got 0"),
     (["launch", "--processes", "0"], "argument --processes: must be at least 1, got 0"),
+    # Before, a traceback: ValueError, or Popen's FileNotFoundError from the first child.
+    (["launch"], "No command to launch. Put it after `--`"),
+    (["launch", "--", "no_such_program_h58"],
+     "Cannot launch 'no_such_program_h58': it is neither a keras-dp command"),
+    (["launch", "--", "no_such_file_h58.py"], "No Python file 'no_such_file_h58.py' to launch"),
     (["train", "--bogus"], "unrecognized arguments: --bogus"),
     (["train", "--data-on-device", "yes"], "invalid choice: 'yes'"),
     (["train", "--data-dir", "/no/such/dir"], "--data-dir: no MNIST file at /no/such/dir."),
@@ -201,6 +206,21 @@ def test_bad_arguments_fail_with_usage_before_anything_runs(argv, message, capsy
         cli.main(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_python_file_that_is_not_executable_is_launched_with_this_python(tmp_path):
+    # `keras-dp launch --processes 2 script.py` failed with Popen's
+    # "PermissionError: [Errno 13] Permission denied: 'script.py'", a traceback.
+    script = tmp_path / "script.py"
+    script.write_text("import os, sys\n"
+                      "print('ran', os.environ['KERAS_DP_PROCESS_ID'], sys.argv[1:],"
+                      " sys.executable)\n")
+    result = subprocess.run([sys.executable, "-m", "keras_dp", "launch", "--processes", "2",
+                             str(script), "--flag"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr[-2000:]
+    for index in range(2):
+        assert f"[process {index}] ran {index} ['--flag'] {sys.executable}" in result.stdout
 
 
 def test_an_ensemble_across_processes_fails_with_usage_before_joining(monkeypatch, capsys):

@@ -127,7 +127,8 @@ def _add_launch_parser(commands):
     launch.add_argument("--port", type=int, default=None,
                         help="the coordinator's port on 127.0.0.1 (default: a free one)")
     launch.add_argument("launched", nargs=argparse.REMAINDER, metavar="-- COMMAND",
-                        help="a keras-dp command (train ...) or any program and its arguments")
+                        help="a keras-dp command (train ...), a Python file (run with this "
+                             "Python) or any program, and its arguments")
 
 
 def main(argv=None):
@@ -144,8 +145,13 @@ def main(argv=None):
                      "holds mnist.npz (Keras's layout), or the file itself.")
     if args.command == "launch":
         from keras_dp.cli.launch import launch
+        from keras_dp.cli.launch import program
 
         launched = args.launched[1:] if args.launched[:1] == ["--"] else args.launched
+        try:
+            program(launched)  # before any child starts
+        except ValueError as error:
+            parser.error(str(error))
         raise SystemExit(launch(launched, args.processes, args.cpu_devices, args.port))
     # The command itself never imports TensorFlow (it seeds with
     # `_compat.set_random_seed`); should anything else, its C++ start-up

@@ -12,6 +12,7 @@ launcher waits for them all.
 """
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -51,15 +52,9 @@ def launch(command, processes, cpu_devices=None, port=None, grace_seconds=5.0):
     Raises:
         ValueError: no command, or fewer than one process.
     """
-    if not command:
-        raise ValueError(
-            "No command to launch. Put it after `--`, for example: "
-            "keras-dp launch --processes 2 -- train --epochs 1"
-        )
     if processes < 1:
         raise ValueError(f"--processes must be at least 1. Received: {processes}.")
-    if command[0] in KERAS_DP_COMMANDS:
-        command = [sys.executable, "-m", "keras_dp", *command]
+    command = program(command)
     address = f"127.0.0.1:{port or _free_port()}"
     children = [
         subprocess.Popen(
@@ -92,6 +87,39 @@ def launch(command, processes, cpu_devices=None, port=None, grace_seconds=5.0):
             for stream in streams:
                 stream.join(timeout=grace_seconds)
     return status
+
+
+def program(command):
+    """The command line each child runs: `command`, made runnable.
+
+    A keras-dp command (`train ...`) runs as `python -m keras_dp train ...`
+    and a Python file (`script.py ...`) with this Python, the one keras-dp
+    runs in; anything else must be a program on `PATH` or an executable file.
+
+    Raises:
+        ValueError: no command, or one that cannot be run, with what to pass
+            instead. Checked before any child starts: Popen's own
+            `PermissionError` or `FileNotFoundError` came from the first
+            child, as a traceback.
+    """
+    if not command:
+        raise ValueError(
+            "No command to launch. Put it after `--`, for example: "
+            "keras-dp launch --processes 2 -- train --epochs 1"
+        )
+    if command[0] in KERAS_DP_COMMANDS:
+        return [sys.executable, "-m", "keras_dp", *command]
+    if command[0].endswith(".py"):
+        if not os.path.isfile(command[0]):
+            raise ValueError(f"No Python file {command[0]!r} to launch (from {os.getcwd()}).")
+        return [sys.executable, *command]
+    if shutil.which(command[0]) is None:
+        raise ValueError(
+            f"Cannot launch {command[0]!r}: it is neither a keras-dp command "
+            f"({', '.join(KERAS_DP_COMMANDS)}) nor a program on PATH or an executable "
+            "file. Pass a Python file (keras-dp launch -- my_training.py) or the "
+            "program with its path (keras-dp launch -- python my_training.py).")
+    return command
 
 
 def child_environment(index, processes, address, cpu_devices=None):
