@@ -31,6 +31,14 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="keras_dp_tests_jax_cache_")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+# The processes the tests start (workers in tests/scripts, `keras-dp launch`)
+# import this checkout's keras_dp: a worker script's own directory, not the
+# working directory, heads its sys.path, so it imported the installed one
+# instead (an editable install of another worktree: its multi-process tests
+# ran that tree's code).
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [str(ROOT)] + [path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path])
 _SHARED_DATA = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
 if "KERAS_DP_DATA_DIR" not in os.environ and (_SHARED_DATA / "mnist.npz").is_file():
     os.environ["KERAS_DP_DATA_DIR"] = str(_SHARED_DATA)
