@@ -281,6 +281,17 @@ def test_launch_fails_with_the_failing_child_and_stops_the_others():
     assert time.monotonic() - start < 60  # process 0 was stopped, not waited for
 
 
+def test_the_processes_the_tests_start_import_this_checkouts_keras_dp(tmp_path):
+    # A worker script's sys.path starts with its own directory: without the
+    # PYTHONPATH that conftest sets, it imported the installed keras_dp (in a
+    # git worktree, another tree's), and these tests ran that code.
+    found = subprocess.run(
+        [sys.executable, "-c",
+         "import importlib.util; print(importlib.util.find_spec('keras_dp').origin)"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60, check=True).stdout.strip()
+    assert found == str(pathlib.Path(__file__).resolve().parents[1] / "keras_dp" / "__init__.py")
+
+
 def test_a_bad_agreement_timeout_is_refused_naming_the_variable(monkeypatch):
     from keras_dp import agreement
 
