@@ -22,7 +22,6 @@ import sys
 import threading
 
 import jax
-import numpy as np
 
 from keras_dp import _compat
 
@@ -31,7 +30,7 @@ NUM_PROCESSES_ENV = "KERAS_DP_NUM_PROCESSES"
 PROCESS_ID_ENV = "KERAS_DP_PROCESS_ID"
 HEARTBEAT_ENV = "KERAS_DP_HEARTBEAT_TIMEOUT"
 DEFAULT_HEARTBEAT_TIMEOUT = 20
-_HOST_NAME_BYTES = 64
+_HOST_KEY = "keras_dp/host/{}"  # each process's host name, by index
 # JAX's own default, for a runtime that `initialize` did not start.
 _JAX_HEARTBEAT_TIMEOUT = 100
 _heartbeat_s = None  # what `initialize` passed to JAX's runtime
@@ -258,19 +257,55 @@ def barrier(name):
         multihost_utils.sync_global_devices(name)
 
 
+def publish_host_name():
+    """Leave this process's host name where every process can read it (`host_names`).
+
+    In JAX's coordination service's key-value store, once per process;
+    nothing in one process. Every process does it as it makes a trainer
+    across processes (`keras_dp.global_batches.MultiProcessPlacement`).
+    """
+    if jax.process_count() == 1:
+        return
+    try:
+        _compat.distributed_client().key_value_set(
+            _HOST_KEY.format(jax.process_index()), socket.gethostname())
+    except jax.errors.JaxRuntimeError:
+        pass  # ALREADY_EXISTS: left before
+
+
 def host_names():
     """Every process's host name (`socket.gethostname()`), by process index.
 
-    Every process must call it: one small all-gather through the devices.
-    """
-    from jax.experimental import multihost_utils
+    Read from JAX's coordination service, where each process leaves its
+    own (`publish_host_name`), not gathered through the devices: one
+    process alone may call it (process 0, to print `trainer.describe()`).
+    Before, a device all-gather, which a call on process 0 alone failed
+    in after 30 s (gloo's "GetKeyValue() timed out"), or met the other
+    processes' next collective.
 
-    name = np.zeros(_HOST_NAME_BYTES, np.uint8)
-    encoded = socket.gethostname().encode()[:_HOST_NAME_BYTES]
-    name[:len(encoded)] = np.frombuffer(encoded, np.uint8)
-    names = np.asarray(multihost_utils.process_allgather(name)).reshape(
-        -1, _HOST_NAME_BYTES)
-    return [bytes(row).rstrip(b"\0").decode(errors="replace") for row in names]
+    Raises:
+        keras_dp.agreement.NotEveryProcess: a process left no name within
+            `keras_dp.agreement.timeout()` seconds (it made no trainer).
+    """
+    from keras_dp import agreement
+
+    publish_host_name()
+    client, seconds = _compat.distributed_client(), agreement.timeout()
+    names = []
+    for process in range(jax.process_count()):
+        try:
+            names.append(client.blocking_key_value_get(_HOST_KEY.format(process),
+                                                       int(1000 * seconds)))
+        except jax.errors.JaxRuntimeError as error:
+            if not _compat.key_value_timed_out(error):
+                raise
+            raise agreement.NotEveryProcess(
+                f"Process {jax.process_index()} waited {seconds:g} s for process "
+                f"{process}'s host name, which each process leaves as it makes a "
+                "ShardedTrainer (or calls fit_sharded). Make the same trainers on "
+                f"every process. ({agreement.TIMEOUT_ENV} sets how long a process "
+                "waits.)") from None
+    return names
 
 
 def process_share(*arrays):

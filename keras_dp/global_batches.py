@@ -66,6 +66,7 @@ class MultiProcessPlacement(Placement):
         super().__init__(mesh, prefetch)
         self.order = distributed.block_order(mesh)  # a mesh it can use, or raise
         self.exchange = exchange_lib.Exchange()
+        distributed.publish_host_name()  # for describe(), on any one process
 
     def local_batch_size(self, batch_size):
         return distributed.local_batch_size(batch_size, self.mesh)

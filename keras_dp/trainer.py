@@ -356,10 +356,12 @@ class ShardedTrainer:
 
         The state is described from its variables' shapes and layout
         (`TrainState.abstract_of`): nothing of it is copied to the devices.
-        Across processes every process must call it (it places the batch
-        and reads the host names collectively); each gets the whole mesh,
-        process by process, and the batch rows of its own devices. Print it
-        from process 0 (`keras_dp.distributed.is_primary()`).
+        Across processes it shows the whole mesh, process by process, with
+        each process's host, and the batch rows of this process's devices.
+        Without `batch`, one process alone may call it (`if
+        keras_dp.distributed.is_primary(): print(trainer.describe())`);
+        with a `batch`, every process must, each with its own rows, as the
+        batch is placed across them.
 
         Args:
             batch: an optional host batch; its placement is shown per device.

@@ -150,7 +150,8 @@ def test_two_processes_with_k_steps_and_look_ahead_equal_one_process_of_four(
         assert_close_to_scale(result["predictions"], result["expected"])
         assert bool(result["refused"])  # a global batch that does not divide by 2
         assert bool(result["ensemble_refused"])  # up front, saying why
-    # describe() shows the whole mesh, process by process, in every process.
+    # describe(), called on process 0 alone, shows the whole mesh, process by
+    # process, with each one's host.
     import socket
 
     host = socket.gethostname()

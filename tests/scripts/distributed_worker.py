@@ -154,7 +154,9 @@ def extras(trainer, x, y):
         dataset_rounds_per_epoch=dataset_trainer.placement.exchange.rounds / args.epochs,
         predictions=trainer.predict(x, batch_size=args.batch_size, verbose=0),
         expected=trainer.model.predict(x, verbose=0),
-        description=trainer.describe(),
+        # On process 0 alone, as a user prints it (before, a device
+        # all-gather of the host names that process 1 never joined).
+        description=trainer.describe() if jax.process_index() == 0 else "",
         ensemble_refused=_ensemble_refused(x, y),
     )
 
