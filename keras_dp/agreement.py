@@ -197,6 +197,24 @@ def stop_mid_epoch(placement, epoch, index):
         f"process's stop stops all. {_NO_LONGER}"))
 
 
+def stop_mid_pass(placement, flag, index):
+    """Check that every process stops evaluate or predict after batch `index`, as this one does.
+
+    `flag` is the model attribute a callback set (`stop_evaluating`,
+    `stop_predicting`). One round, only when the stop comes before the last
+    batch, as `stop_mid_epoch`'s.
+
+    Raises:
+        NotEveryProcess: a process did not stop there within `timeout()` s.
+    """
+    _gather(placement, [index], lambda seconds, process: (
+        f"model.{flag} was set after batch {index} on process {jax.process_index()}, "
+        f"and process {process} did not stop there within {seconds:g} s: it waits for "
+        "this process in the next step. Across processes a callback must stop every "
+        "process at the same batch (decide from the logs, which are the same on every "
+        f"process). {_NO_LONGER}"))
+
+
 def same_start(placement, epoch, steps=0):
     """Check that every process resumes fit after `steps` steps of epoch `epoch` (0-based), as this one.
 

@@ -13,6 +13,7 @@ import contextlib
 import jax
 import numpy as np
 
+from keras_dp import agreement
 from keras_dp import callbacks as callbacks_lib
 from keras_dp import inflight
 from keras_dp import labels as labels_lib
@@ -48,6 +49,7 @@ def evaluate(trainer, weights, batches, callbacks, before_end, programs=None):
     metrics = fresh_metrics(trainer.model, trainer.mesh, trainer.state_layout().metrics)
     throttle = inflight.Throttle(trainer.steps_in_flight)
     logs, index = None, 0
+    trainer.model.stop_evaluating = False  # as Keras's evaluate clears it
     callbacks.on_test_begin()
     trainable, non_trainable = weights() if callable(weights) else weights
     placed = trainer.placement.steps(
@@ -61,6 +63,8 @@ def evaluate(trainer, weights, batches, callbacks, before_end, programs=None):
             throttle.add(logs)
             index += steps
             callbacks.on_test_batch_end(index - 1, logs)
+            if _stops(trainer, "stop_evaluating", placed, index - 1):
+                break
     throttle.drain()
     logs = callbacks_lib.to_python(logs, trainer.model, metrics, "test_step")
     before_end(non_trainable, metrics)
@@ -84,6 +88,7 @@ def predict(trainer, weights, batches, callbacks):
         row, and the non-trainable values the last predict step left.
     """
     placement, outputs, index = trainer.placement, [], 0
+    trainer.model.stop_predicting = False  # as Keras's predict clears it
     callbacks.on_predict_begin()
     weights = weights() if callable(weights) else weights
     trainable, non_trainable = weights
@@ -105,8 +110,24 @@ def predict(trainer, weights, batches, callbacks):
             outputs.append(output)
             index += steps
             callbacks.on_predict_batch_end(index - 1, {"outputs": output})
+            if _stops(trainer, "stop_predicting", placed, index - 1):
+                break
     callbacks.on_predict_end()
     return jax.tree.map(_join, *outputs), non_trainable
+
+
+def _stops(trainer, flag, placed, index):
+    """Whether a callback set `model.<flag>`, stopping the loop after batch `index`, as Keras's does.
+
+    Across processes, a stop before the last batch must be every process's
+    (`agreement.stop_mid_pass`); finding whether it is the last places the
+    next batch, which the stop then drops.
+    """
+    if not getattr(trainer.model, flag, False):
+        return False
+    if trainer.multiprocess and next(placed, None) is not None:
+        agreement.stop_mid_pass(trainer.placement, flag, index)
+    return True
 
 
 def _join(*parts):

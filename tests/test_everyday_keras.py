@@ -419,3 +419,50 @@ def test_a_statistic_a_callback_sets_in_on_test_end_is_kept_as_under_keras():
     keras_dp.ShardedTrainer(model, devices=devices(3)).evaluate(
         x, y, batch_size=BATCH, verbose=0, callbacks=[SetStatisticsOnTestEnd()])
     np.testing.assert_array_equal(np.asarray(mean), np.full(8, 0.25, "float32"))
+
+
+# -- Callbacks that stop evaluate or predict early ----------------------------
+
+class StopAtBatch(keras.callbacks.Callback):
+    """Sets `model.<flag>` at the end of batch `at`, as Keras's evaluate and predict honour it."""
+
+    def __init__(self, flag, at=1):
+        super().__init__()
+        self.flag, self.at = flag, at
+
+    def _stop(self, batch):
+        if batch == self.at:
+            setattr(self.model, self.flag, True)
+
+    def on_test_batch_end(self, batch, logs=None):
+        self._stop(batch)
+
+    def on_predict_batch_end(self, batch, logs=None):
+        self._stop(batch)
+
+
+def test_a_callback_stops_evaluate_predict_and_validation_early_as_under_keras():
+    # model.stop_evaluating and model.stop_predicting were ignored: evaluate
+    # scored all 6 batches and predict returned all 40 rows where Keras's
+    # stop after batch 1 (2 batches, 14 rows), and fit's validation too.
+    x, y = rows()
+    stop = lambda: [StopAtBatch("stop_evaluating")]  # noqa: E731
+    keras_model, keras_history, model, history = fit_both(
+        classifier, x, y, epochs=2, validation_data=(x, y), make_callbacks=stop)
+    assert_same_training(keras_model, keras_history, model, history)
+    trainer = keras_dp.ShardedTrainer(model, devices=devices(3))
+    theirs = keras_model.evaluate(x, y, batch_size=BATCH, verbose=0, callbacks=stop())
+    ours = trainer.evaluate(x, y, batch_size=BATCH, verbose=0, callbacks=stop())
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5)
+    # The flag stays set, and the next call clears it at its start, as Keras's does.
+    assert model.stop_evaluating and keras_model.stop_evaluating
+    whole = keras_model.evaluate(x, y, batch_size=BATCH, verbose=0)
+    assert whole != theirs  # the first stopped
+    np.testing.assert_allclose(trainer.evaluate(x, y, batch_size=BATCH, verbose=0), whole,
+                               rtol=1e-5)
+    predicted = trainer.predict(x, batch_size=BATCH, verbose=0,
+                                callbacks=[StopAtBatch("stop_predicting")])
+    assert predicted.shape == (2 * BATCH, 3)
+    assert_close_to_scale(predicted, keras_model.predict(
+        x, batch_size=BATCH, verbose=0, callbacks=[StopAtBatch("stop_predicting")]))
+    assert trainer.predict(x, batch_size=BATCH, verbose=0).shape == (40, 3)
