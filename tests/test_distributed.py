@@ -599,6 +599,8 @@ def test_process_0_alone_writes_the_callbacks_files_and_evaluate_on_one_process_
     # A stop after batch 1 of 4 on both processes trains 2 steps on both.
     for log in logs:
         assert "CASE both: trained 2 steps" in log, log[-3000:]
+        # ... and a stop of evaluate and predict after batch 1 of 4 ends both there.
+        assert "CASE stopped: evaluate of 2 batches True, predicted 16 rows" in log, log[-3000:]
     _check_split_state_writers(tmp_path / "files-split", logs)
     assert "CASE evaluate" not in logs[1] and all("done" in log for log in logs)
     assert elapsed < 90, elapsed  # the evaluate waited 3 s, not 300 (35 s at load 10)

@@ -5,7 +5,8 @@ BackupAndRestore writing under DIR, and prints `SAVES <n>` (this process's
 calls of `save_weights`); then a BackupAndRestore of DIR/backup resumes
 (`CASE resumed: ...`), unless process 1 reads another directory (`CASE one
 backup: ...`); then a callback stops both processes after batch
-1 of epoch 1 (`CASE both: trained <n> steps`); then the same writers, with
+1 of epoch 1 (`CASE both: trained <n> steps`), and a callback stops both
+processes' evaluate and predict after batch 1 (`CASE stopped: ...`); then the same writers, with
 a state split across the processes, write under DIR-split/process<i>
 (`CASE split: SAVES <n>`; the trained weights in DIR-split/trained<i>.npz);
 then process 0 alone calls `evaluate`, which must time out (KERAS_DP_AGREEMENT_TIMEOUT) and say why:
@@ -82,6 +83,7 @@ def files(directory):
     keras_dp.fit_sharded(model, *data(64), batch_size=16, epochs=2, verbose=0,
                          callbacks=[StopAfterBatch1((0, 1))])
     print(f"CASE both: trained {int(model.optimizer.iterations.numpy())} steps", flush=True)
+    stopped_early(model)
     split_state(directory + "-split")
     if ME == 0:
         try:
@@ -129,6 +131,27 @@ class StopAfterBatch1(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if batch == 1 and ME in self.processes:
             self.model.stop_training = True
+
+
+class StopInferenceAfterBatch1(keras.callbacks.Callback):
+    def on_test_batch_end(self, batch, logs=None):
+        self.model.stop_evaluating = batch == 1
+
+    def on_predict_batch_end(self, batch, logs=None):
+        self.model.stop_predicting = batch == 1
+
+
+def stopped_early(model):
+    """Both processes stop evaluate and predict after batch 1 of 4 (8 rows each per batch)."""
+    trainer = keras_dp.ShardedTrainer(model)
+    x, y = data(32)
+    stopped = trainer.evaluate(x, y, batch_size=16, verbose=0,
+                               callbacks=[StopInferenceAfterBatch1()])
+    first_two = trainer.evaluate(x[:16], y[:16], batch_size=16, verbose=0)
+    rows = len(trainer.predict(x, batch_size=16, verbose=0,
+                               callbacks=[StopInferenceAfterBatch1()]))
+    print(f"CASE stopped: evaluate of 2 batches {stopped == first_two}, predicted {rows} rows",
+          flush=True)
 
 
 def stop():
