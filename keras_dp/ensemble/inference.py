@@ -45,6 +45,7 @@ def evaluate(trainer, weights, batches, callbacks, before_end):
         member.reset_metrics()
     metrics = members_lib.stack_state(trainer.members, trainer.mesh, groups=("metrics",)).metrics
     parts, labels, sample_weights = [], [], []
+    callbacks.model.stop_evaluating = False  # as Keras's evaluate clears it
     callbacks.on_test_begin()
     trainable, non_trainable = weights()
     for first, group in _groups(trainer, batches):
@@ -56,6 +57,8 @@ def evaluate(trainer, weights, batches, callbacks, before_end):
             labels.append(batch[1])
             sample_weights.append(batch[2])
         callbacks.on_test_batch_end(first + len(group) - 1, logs_lib.batch_means(logs))
+        if callbacks.model.stop_evaluating:  # a callback stopped it, as under Keras
+            break
     scores = logs_lib.member_logs(trainer, logs, metrics, "test_step")
     scores.update(_ensemble_scores(np.concatenate(parts, axis=1).mean(axis=0), labels,
                                    sample_weights))
@@ -84,6 +87,7 @@ def predict(trainer, weights, batches, callbacks):
     gets `{"outputs": the call's mean probabilities}`.
     """
     parts = []
+    callbacks.model.stop_predicting = False  # as Keras's predict clears it
     callbacks.on_predict_begin()
     trainable, non_trainable = weights()
     for first, group in _groups(trainer, batches):
@@ -94,6 +98,8 @@ def predict(trainer, weights, batches, callbacks):
             parts.append(np.asarray(probabilities))  # waits for the step
         outputs = np.concatenate(parts[-len(group):], axis=1).mean(axis=0)
         callbacks.on_predict_batch_end(first + len(group) - 1, {"outputs": outputs})
+        if callbacks.model.stop_predicting:  # a callback stopped it, as under Keras
+            break
     callbacks.on_predict_end()
     return np.concatenate(parts, axis=1), non_trainable
 
