@@ -530,3 +530,57 @@ def test_rate_callbacks_equal_keras_and_the_step_compiles_once(data, make_callba
     assert_weights_close(model, keras_model)
     programs = trainer.programs.resident_step._cache_size() + trainer.programs.train_step._cache_size()
     assert programs == 1  # 8 full batches per epoch: one program, for every rate
+
+
+class CrashesAt(keras.callbacks.Callback):
+    """Raises at the end of the call that ends at `batch` of `epoch` (or after)."""
+
+    def __init__(self, epoch, batch):
+        super().__init__()
+        self.at, self.epoch = (epoch, batch), None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch) >= self.at:
+            raise RuntimeError("simulated crash")
+
+
+def test_backups_and_checkpoints_every_n_batches_at_k_steps_resume_as_under_keras(data, tmp_path):
+    # At steps_per_execution=4, save_freq=3 counts batches from the hooks'
+    # indices (3, 7), so both save after every call, as Keras's do. Keras's
+    # BackupAndRestore resumes a backup taken mid-epoch at the start of that
+    # epoch, from the weights of the batch it saved (not as an unbroken
+    # run): keras_dp's fit does the same, with the same files written.
+    x, y, _ = data
+    results = []
+    for fit in ("keras", "sharded"):
+        backup, saved = tmp_path / fit / "backup", tmp_path / fit / "saved"
+        kwargs = dict(batch_size=BATCH, epochs=3, verbose=0, shuffle=False)
+        histories = []
+        for seed, crash in ((0, [CrashesAt(1, 3)]), (1, [])):  # the rerun's weights are replaced
+            model = sgd_mlp(seed)
+            model.compile(optimizer=model.optimizer, loss=model.loss, metrics=["accuracy"],
+                          steps_per_execution=4)
+            runner = model if fit == "keras" else keras_dp.ShardedTrainer(model, devices=devices(2))
+            callbacks = [keras.callbacks.BackupAndRestore(str(backup), save_freq=3,
+                                                          double_checkpoint=True,
+                                                          delete_checkpoint=False),
+                         keras.callbacks.ModelCheckpoint(str(saved / "{epoch}-{batch}.weights.h5"),
+                                                         save_weights_only=True, save_freq=3)]
+            try:
+                histories.append(runner.fit(x, y, callbacks=callbacks + crash, **kwargs))
+            except RuntimeError as error:
+                assert str(error) == "simulated crash"
+                metadata = (backup / "training_metadata.json").read_text()
+        files = sorted(path.name for path in saved.iterdir())
+        results.append((model, histories[0], metadata, files))
+    (keras_model, keras_history, keras_metadata, keras_files), (model, history, metadata,
+                                                                  files) = results
+    assert metadata == keras_metadata == '{"epoch": 1, "batch": 3}'
+    assert files == keras_files == ["1-4.weights.h5", "1-8.weights.h5", "2-4.weights.h5",
+                                    "2-8.weights.h5", "3-4.weights.h5", "3-8.weights.h5"]
+    assert history.epoch == keras_history.epoch == [1, 2]
+    np.testing.assert_allclose(history.history["loss"], keras_history.history["loss"], rtol=1e-5)
+    assert_weights_close(model, keras_model)
