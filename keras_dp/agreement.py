@@ -215,6 +215,37 @@ def stop_mid_pass(placement, flag, index):
         f"process). {_NO_LONGER}"))
 
 
+def same_read(placement, position):
+    """Check that every process reads the model after the same step as this one, before it gathers.
+
+    With a state split across processes, the first read of the model
+    after a step (a callback's `self.model`) gathers the state from every
+    process: a read on process 0 alone (`if is_primary(): self.model...`)
+    would meet the others' next step in the collectives and abort them in
+    native code. One round first, only for such a read.
+
+    Raises:
+        NotEveryProcess: a process did not read the model within `timeout()` s.
+        Disagreement: the processes read it after different steps.
+    """
+    epoch, steps = position
+    read_at = _gather(placement, [epoch, steps], lambda seconds, process: (
+        f"A callback read the model (self.model) after {steps} steps of epoch {epoch + 1} "
+        f"on process {jax.process_index()}, and process {process} did not read it there "
+        f"within {seconds:g} s. The training state is split across processes "
+        "(state_sharding), so reading the model gathers it from every process: read "
+        "it on every process at the same step, and write files on process 0 only "
+        "(put `if keras_dp.distributed.is_primary():` around the write, not the read). "
+        f"{_NO_LONGER}"))
+    if len({tuple(values) for values in read_at}) > 1:
+        raise Disagreement(
+            "The processes read the model (self.model, in a callback) after different "
+            "steps: " + ", ".join(f"{_start_words(*values)} on process {process}"
+                                   for process, values in enumerate(read_at))
+            + ". The training state is split across processes, so every process must "
+            "read the model at the same step.")
+
+
 def same_start(placement, epoch, steps=0):
     """Check that every process resumes fit after `steps` steps of epoch `epoch` (0-based), as this one.
 

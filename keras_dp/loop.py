@@ -126,8 +126,11 @@ def fit(trainer, batches, val, callbacks, *, epochs, resume, validation_freq,
     validation = _validation_programs(trainer, val, range(resume.epoch, last), validation_freq)
     feed = programs_lib.CompilingFeed(feed or HostFeed(trainer, batches), trainer, batches,
                                       validation)
-    run = FitRun(trainer, batches, LiveModel(model), callbacks, feed, checkpoints,
-                 validation=validation)
+    before_gather = None
+    if trainer.multiprocess and trainer.state_sharding != "replicated":
+        before_gather = functools.partial(agreement.same_read, trainer.placement)
+    run = FitRun(trainer, batches, LiveModel(model, before_gather), callbacks, feed,
+                 checkpoints, validation=validation)
     run.profile = _profile(profile_dir)
     trainer.timings = []
     epoch_logs, finished, stopped = {}, False, None

@@ -191,8 +191,12 @@ class LiveModel:
     step fails at run time.
     """
 
-    def __init__(self, model):
+    def __init__(self, model, before_gather=None):
         self.model = model
+        # Across processes with a split state: `before_gather(position)`, a
+        # round that every process reading the model makes before the gather.
+        self._before_gather = before_gather
+        self._ungathered = None  # why the split state cannot be gathered here, if so
         self.state = None
         self.synced = True  # the model holds what `state` holds
         self.touched = False  # a callback has seen the model since the last read
@@ -348,8 +352,19 @@ class LiveModel:
             self.sync()
 
     def sync(self):
-        """Write the live state into the model if it is behind (Keras calls this)."""
+        """Write the live state into the model if it is behind (Keras calls this).
+
+        With `before_gather`, every process agrees first; if that fails,
+        the state is not gathered by this process alone, now or at `finish`.
+        """
         self.touched = True
+        if not self.synced and self._before_gather is not None:
+            try:
+                self._before_gather(self.position)
+            except BaseException:
+                self._ungathered = ("the training state is split across processes and "
+                                    "could not be gathered on this process alone")
+                raise
         self.finish()
 
     def finish(self):
@@ -363,6 +378,9 @@ class LiveModel:
         (`kept`), else keeps what it held (`model_position` says which).
         """
         if self.synced:
+            return
+        if self._ungathered is not None:  # a collective of this process alone: never
+            self.lost = self._ungathered
             return
         with self._interrupts.held():
             self.lost = _unusable(self.state)

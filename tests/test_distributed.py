@@ -525,6 +525,32 @@ def test_an_error_caught_on_one_process_only_ends_every_process_with_its_reason(
     print(f"both ended {elapsed:.1f} s after the start")
 
 
+def test_a_read_of_the_split_state_on_process_0_alone_is_named_on_every_process(tmp_path):
+    # `if is_primary(): self.model.get_weights()` mid-epoch, with the state
+    # split across processes: process 0's gather met process 1's next step,
+    # which aborted in gloo ("collective mismatch") and left process 0 with
+    # "Connection reset by peer". Now one round comes first: the read on
+    # every process trains on; on process 0 alone, both end with the reason.
+    codes, logs = run_pair(tmp_path, timeout=90, env={
+        distributed.HEARTBEAT_ENV: "5", "KERAS_DP_AGREEMENT_TIMEOUT": "5"},
+        command=[sys.executable, str(MISMATCH_WORKER), "read_on_0"])
+    assert codes == [1, 1], logs[0][-3000:] + logs[1][-3000:]
+    for log in logs:
+        assert "TRAINED every process 8" in log, log[-3000:]  # 2 x 64 rows, batches of 16
+        assert "TRAINED process 0 alone" not in log
+    # The read on every process: the same gathered weights on both; the
+    # read on process 0 alone never gathered.
+    reads = [[line for line in log.splitlines() if line.startswith("READ ")] for log in logs]
+    assert len(reads[0]) == 1 and reads[0] == reads[1], reads
+    reason = ("A callback read the model (self.model) after 3 steps of epoch 1 on process 0, "
+              "and process 1 did not read it there within 5 s")
+    assert reason in logs[0] and reason in logs[1], logs[0][-3000:] + logs[1][-3000:]
+    assert ("the training state is split across processes and could not be gathered on "
+            "this process alone, so the model holds") in logs[0]
+    assert "Gloo AllGather failed" not in logs[0] + logs[1]
+    assert "fatal errors" not in logs[0] + logs[1]
+
+
 def test_an_error_on_one_process_as_the_fit_opens_its_checkpoints_ends_every_process(
         tmp_path):
     # Opening the checkpoints (the lock, the write check, the restore) runs

@@ -14,7 +14,9 @@ it, prints `CAUGHT <message>` and ends with status 0 (`caught 0`: process
 0 fails and catches), after a fit in which every process raises and catches
 (`CASE after an error on every process: ...`); with `unwritable DIR`,
 process 1 alone fails to open `checkpoint_dir=DIR` and catches that; with
-`same_rows`, every process passes the same arrays (then batches), then its own.
+`same_rows`, every process passes the same arrays (then batches), then its own;
+with `read_on_0`, a callback reads the split state on every process, then on
+process 0 alone.
 """
 
 import os
@@ -124,6 +126,27 @@ if sys.argv[1] == "same_rows":
             same = [w for w in caught if "the same training arrays" in str(w.message)
                     or "first training batch is the same" in str(w.message)]
             print(f"WARNED {name} {kind} {len(same)}", flush=True)
+    sys.exit(0)
+if sys.argv[1] == "read_on_0":
+    # With the state split across processes, a callback reads the model
+    # after batch 2 on every process (fine), then on process 0 alone
+    # (`if is_primary(): self.model...`), whose read would gather alone.
+    class ReadAfterBatch2(keras.callbacks.Callback):
+        def __init__(self, processes):
+            super().__init__()
+            self.processes = processes
+
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 2 and ME in self.processes:
+                weights = self.model.get_weights()
+                print(f"READ {float(np.abs(weights[0]).sum()):.6f}", flush=True)
+
+    x, y = data(64)
+    for name, readers in [("every process", (0, 1)), ("process 0 alone", (0,))]:
+        model = make_model(64)
+        keras_dp.fit_sharded(model, x, y, batch_size=16, epochs=1, verbose=0,
+                             state_sharding="full", callbacks=[ReadAfterBatch2(readers)])
+        print(f"TRAINED {name} {int(model.optimizer.iterations.numpy())}", flush=True)
     sys.exit(0)
 if sys.argv[1] == "unwritable":
     # Process 1 alone cannot write the shared checkpoint directory (another
