@@ -493,7 +493,7 @@ class ShardedTrainer:
             val = None
             if validation_data is not None:
                 validation_data, val_batch_size = pipeline.validation_source(
-                    validation_data, batch_size, validation_batch_size)
+                    validation_data, batch_size, validation_batch_size, self.model)
                 val = self._batches(validation_data, None, None, val_batch_size, False,
                                     steps=validation_steps, keras_peeks=False,
                                     keras_resets="each pass",

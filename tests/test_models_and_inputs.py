@@ -389,6 +389,41 @@ def test_several_inputs_as_a_list_or_tuple_train_and_validate_as_model_fit(pack)
                                model.evaluate(x, y, verbose=0), rtol=1e-5)
 
 
+def _two_in_two_out_small(inputs):
+    keras.utils.set_random_seed(0)
+    first, second = keras.Input((3,), name="first"), keras.Input((2,), name="second")
+    hidden = keras.layers.Concatenate()([first, second])
+    model = keras.Model({"first": first, "second": second} if inputs is dict else (first, second),
+                        (keras.layers.Dense(2)(hidden), keras.layers.Dense(1)(hidden)))
+    model.compile("sgd", ["mse", "mse"])
+    return model
+
+
+@pytest.mark.parametrize("inputs", [tuple, dict])
+def test_validation_data_of_several_inputs_and_outputs_is_x_and_y_as_model_fit_reads_it(inputs):
+    # [(a, b), (y1, y2)] was read as a list of 2 batches, x=a and y=b, and
+    # the fit failed building ("expects 2 named input(s) ... received 1");
+    # model.fit unpacks any list validation_data as (x, y[, sample_weight]).
+    rng = np.random.default_rng(0)
+    first, second = rng.normal(size=(40, 3)), rng.normal(size=(40, 2))
+    y = (rng.normal(size=(40, 2)), rng.normal(size=(40, 1)))
+    x = {"first": first, "second": second} if inputs is dict else (first, second)
+    part = lambda tree, rows: jax.tree.map(lambda a: a[rows], tree)  # noqa: E731
+    val_x, val_y, weight = part(x, slice(10)), part(y, slice(10)), (np.arange(10.0),) * 2
+    options = dict(batch_size=8, epochs=2, shuffle=False, verbose=0)
+    expected = _two_in_two_out_small(inputs).fit(
+        x, y, validation_data=(val_x, val_y), **options).history["val_loss"]
+    weighted = _two_in_two_out_small(inputs).fit(
+        x, y, validation_data=(val_x, val_y, weight), **options).history["val_loss"]
+    # A list of whole (x, y) batches stays batches: the same rows, in 2.
+    batches = [(part(val_x, rows), part(val_y, rows)) for rows in (slice(5), slice(5, 10))]
+    for val, reference in (([val_x, val_y], expected), ((val_x, val_y), expected),
+                           ([val_x, val_y, weight], weighted), (batches, expected)):
+        history = keras_dp.fit_sharded(_two_in_two_out_small(inputs), x, y, devices=devices(2),
+                                       validation_data=val, **options).history
+        np.testing.assert_allclose(history["val_loss"], reference, rtol=1e-5)
+
+
 def _nested_inputs():
     keras.utils.set_random_seed(0)
     a, b, c = keras.Input((4,)), keras.Input((5,)), keras.Input((6,))

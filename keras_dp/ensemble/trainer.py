@@ -383,7 +383,7 @@ class EnsembleTrainer:
         if validation_data is None:
             return None
         validation_data, val_batch_size = pipeline.validation_source(
-            validation_data, batch_size, validation_batch_size)
+            validation_data, batch_size, validation_batch_size, self.members[0])
         val = self._batches(validation_data, None, None, val_batch_size, False, self.seed,
                             steps=validation_steps, what=pipeline.VALIDATION)
         pipeline.check_ends(val, "validation_data", "validation_steps")

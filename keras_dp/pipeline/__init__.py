@@ -304,22 +304,40 @@ def check_one_pass(batches, passes, what, epochs):
         "tf.data.Dataset or a keras.utils.PyDataset.")
 
 
-def validation_tuple(validation_data):
+def validation_tuple(validation_data, model=None):
     """`validation_data` as `model.fit` reads it: a list `[x, y[, sample_weight]]` is the tuple.
 
-    A list of tuples only is a list of batches, returned as it is; beside an
-    array, a tuple is several inputs (`[(left, right), y]`), as in `model.fit`.
+    Beside an array, a tuple is several inputs (`[(left, right), y]`), as in
+    `model.fit`. A list of tuples only is `[x, y[, sample_weight]]` too
+    where `model`'s input structure settles it (`model_inputs`): its first
+    item has the nesting of a Functional model's inputs and all its arrays
+    share one row count (`[(a, b), (y1, y2)]` for a two-input, two-output
+    model). Any other list of tuples is a list of whole `(x, y)` batches,
+    returned as it is.
     """
-    if (isinstance(validation_data, list) and 2 <= len(validation_data) <= 3
-            and not all(isinstance(item, tuple) for item in validation_data)):
-        return tuple(validation_data)
-    return validation_data
+    if not isinstance(validation_data, list) or not 1 <= len(validation_data) <= 3:
+        return validation_data
+    if all(isinstance(item, tuple) for item in validation_data):
+        read = _has_input_structure(validation_data, model)
+    else:
+        read = len(validation_data) >= 2
+    return tuple(validation_data) if read else validation_data
 
 
-def validation_source(validation_data, batch_size=None, validation_batch_size=None):
+def _has_input_structure(data, model):
+    """Whether `data[0]` has `model`'s input structure, and all of `data`'s arrays one row count."""
+    structure = None if model is None else _compat.input_structure(model)
+    if structure is None:
+        return False
+    rows = _rows_of(data[0], structure)
+    return rows is not None and _rows_of(data, _nesting(data)) == rows
+
+
+def validation_source(validation_data, batch_size=None, validation_batch_size=None,
+                      model=None):
     """`(data, batch_size)` for `fit`'s validation, as `model.fit` reads them.
 
-    The data as `validation_tuple` reads it; for arrays, the batch size is
+    The data as `validation_tuple` reads it for `model`; for arrays, the batch size is
     `validation_batch_size`, else `batch_size`; a dataset is batched
     already, so it gets None.
 
@@ -327,7 +345,7 @@ def validation_source(validation_data, batch_size=None, validation_batch_size=No
         ValueError: `validation_batch_size` with validation data that is a
             dataset.
     """
-    validation_data = validation_tuple(validation_data)
+    validation_data = validation_tuple(validation_data, model)
     if validation_batch_size is not None:
         validation_batch_size = check_count("validation_batch_size", validation_batch_size, 1)
     if is_array_data(validation_data):
