@@ -141,8 +141,9 @@ def memory_plan(model, x, y=None, *, batch_size=32, sample_weight=None, devices=
 
     Args:
         model: a `keras.Model`, compiled or given `optimizer`/`loss`.
-        x, y, sample_weight: a few rows of the data, for their shapes
-            (all of it with `data_on_device`).
+        x, y, sample_weight: a few rows of the data as arrays, for their
+            shapes (all of it with `data_on_device`), read as `fit` reads
+            them.
         batch_size: the global batch to plan for.
         devices, mesh, state_sharding, optimizer, loss, metrics: as for
             `ShardedTrainer`.
@@ -170,6 +171,25 @@ def device_capacity(device):
     except Exception:  # noqa: BLE001 - some platforms raise instead of returning None
         return None
     return None if not stats else stats.get("bytes_limit")
+
+
+def check_arrays(x, y=None):
+    """Refuse data that is not arrays, which a plan cannot take its rows from, naming the fix.
+
+    `fit` reads such data as batches (`pipeline.is_array_data`); reading
+    one here would take a pass from a dataset that reshuffles.
+    """
+    if pipeline.is_array_data(x, y):
+        return
+    inputs = ""
+    if isinstance(x, list) and not all(isinstance(item, tuple) for item in x):
+        inputs = (" If the list is the model's inputs, as model.fit reads it, pass it "
+                  "with y, or alone as a tuple `(x,)`.")
+    raise ValueError(
+        f"A memory plan takes a few rows of the data as arrays; fit reads this x (a "
+        f"{type(x).__name__}) as batches, which a plan does not read. Pass one batch's "
+        f"arrays instead as x and y (of a dataset: `next(iter(dataset))`).{inputs}"
+    )
 
 
 def batch_of(batch, batch_size):

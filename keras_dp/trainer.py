@@ -306,9 +306,12 @@ class ShardedTrainer:
         """Bytes per device of the state and of one train step, before running.
 
         Args:
-            x, y, sample_weight: a few rows of the training data (any number:
-                they are repeated or cut to `batch_size`), for their shapes;
-                or, with `data_on_device`, all of it.
+            x, y, sample_weight: a few rows of the training data as arrays
+                (any number: they are repeated or cut to `batch_size`), for
+                their shapes; or, with `data_on_device`, all of it. Read as
+                `fit` reads them: a tuple `x` without `y` is `(x, y[,
+                sample_weight])` unless it is the model's inputs
+                (`keras_dp.pipeline.model_inputs`).
             batch_size: the global batch to plan for.
             data_on_device: False (the default): plan the step fed from
                 the host. True or "auto" (as `ShardedTrainer`'s): `x`, `y`
@@ -326,10 +329,13 @@ class ShardedTrainer:
 
         Raises:
             ValueError: `data_on_device=True` and data a fit could not
-                keep on the devices (see `keras_dp.resident`).
+                keep on the devices (see `keras_dp.resident`); data that
+                is not arrays (a dataset, a list of batches).
         """
         data_on_device = resident.check_option(data_on_device, self.multiprocess)
-        batch = memory_lib.batch_of(pipeline.unpack((x, y, sample_weight)), batch_size)
+        x = pipeline.model_inputs(x, y, self.model)  # read as fit reads it
+        memory_lib.check_arrays(x, y)
+        batch = memory_lib.batch_of(pipeline.checked_arrays(x, y, sample_weight), batch_size)
         self.build(batch)
         on_cpu = self.mesh.devices.flat[0].platform == "cpu"  # the choice needs no plan there
         host_plan = None if on_cpu else memory_lib.plan(self, batch)

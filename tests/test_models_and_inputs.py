@@ -545,6 +545,36 @@ def test_a_list_that_is_not_the_models_inputs_stays_a_list_of_batches():
     np.testing.assert_allclose(history.history["loss"], expected, rtol=1e-5)
 
 
+def test_memory_plan_reads_the_data_as_fit_does():
+    # memory_plan read a tuple x without y as x whole: (x, y) for a
+    # one-input model had "no labels"; and with data_on_device, (a, b) for a
+    # two-input add_loss model was x=a, y=b ("not connected to `inputs`"),
+    # [[a, b], c] a list of batches (refused beside batch_size). fit reads
+    # them as (x, y) and as the model's inputs.
+    first, second, third, _ = _nested_data()
+    for nested in (False, True):
+        x = [[first, second], third] if nested else (first, second)
+        trainer = keras_dp.ShardedTrainer(_trained_by_add_loss(nested), devices=devices(2))
+        plan = trainer.memory_plan(x, batch_size=8, data_on_device=True)
+        assert plan.resident_data == sum(a.nbytes for a in jax.tree.leaves(x))
+        trainer.memory_plan(x, batch_size=8)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile("sgd", "mse")
+    y = first[:, :2]
+    for data_on_device in (False, True):
+        packed, apart = (keras_dp.memory_plan(model, *data, batch_size=8, devices=devices(2),
+                                              data_on_device=data_on_device)
+                         for data in (((first, y),), (first, y)))
+        assert packed == apart
+    # fit reads a list of batches as batches; a plan takes arrays, and says so
+    # (and, for a list that may be the inputs, how to pass it as those).
+    with pytest.raises(ValueError, match=r"fit reads this x \(a list\) as batches.*"
+                                         r"next\(iter\(dataset\)\)`\)\.$"):
+        keras_dp.memory_plan(model, [(first, y), (first, y)], devices=devices(2))
+    with pytest.raises(ValueError, match=r"as batches.*alone as a tuple `\(x,\)`"):
+        keras_dp.memory_plan(model, [[first, second], third], devices=devices(2))
+
+
 class NestedAddLoss(keras.Model):
     """A subclassed model of `[[a, b], c]`, trained by its add_loss alone."""
 

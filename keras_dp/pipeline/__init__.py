@@ -337,9 +337,9 @@ def validation_source(validation_data, batch_size=None, validation_batch_size=No
                       model=None):
     """`(data, batch_size)` for `fit`'s validation, as `model.fit` reads them.
 
-    The data as `validation_tuple` reads it for `model`; for arrays, the batch size is
-    `validation_batch_size`, else `batch_size`; a dataset is batched
-    already, so it gets None.
+    The data as `validation_tuple` reads it for `model`; for arrays, the
+    batch size is `validation_batch_size`, else `batch_size`; a dataset is
+    batched already, so it gets None.
 
     Raises:
         ValueError: `validation_batch_size` with validation data that is a
