@@ -495,6 +495,40 @@ def test_validation_data_as_a_list_is_the_tuple_as_in_model_fit():
         np.testing.assert_array_equal(histories[1][key], values)
 
 
+def build_two_inputs():
+    first, second = keras.Input((3,)), keras.Input((2,))
+    hidden = keras.layers.Dense(8, activation="relu")(keras.layers.Concatenate()([first, second]))
+    model = keras.Model((first, second), keras.layers.Dense(3)(hidden))
+    model.compile(keras.optimizers.Adam(0.01),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def test_validation_data_of_two_inputs_is_x_and_y_as_model_fit_reads_it():
+    # [(a, b), (y,)] was a list of 2 batches (x=a, y=b), and labels given as
+    # (y,), which model.fit takes for one output, failed the ensemble's
+    # scoring after epoch 1: numpy could not join its batches' labels, each
+    # kept as (1, rows) ("all the input array dimensions except for the
+    # concatenation axis must match").
+    rng = np.random.default_rng(0)
+    x = (rng.normal(size=(40, 3)).astype("float32"), rng.normal(size=(40, 2)).astype("float32"))
+    y = rng.integers(0, 3, 40)
+    val_x, val_y = (x[0][:10], x[1][:10]), y[:10]
+    options = dict(batch_size=8, epochs=2, shuffle=False, verbose=0)
+    expected = [alone(i, build_two_inputs).fit(x, y, validation_data=(val_x, val_y),
+                                               **options).history["val_loss"] for i in (0, 1)]
+    histories = []
+    for val in ([val_x, val_y], (val_x, val_y), [val_x, (val_y,)]):
+        result = keras_dp.fit_ensemble(build_two_inputs, x, y, members=2, devices=devices(2),
+                                       validation_data=val, **options)
+        for i in (0, 1):
+            assert_member_history(result.member_history, i, {"val_loss": expected[i]})
+        histories.append(result.history.history)
+    for history in histories[1:]:
+        np.testing.assert_allclose(history["val_ensemble_loss"],
+                                   histories[0]["val_ensemble_loss"], rtol=1e-6)
+
+
 def test_validation_steps_and_batch_size_score_the_rows_model_fit_would():
     x, y = small_data(64)
     trainer = keras_dp.EnsembleTrainer(build_small, devices=devices(2))

@@ -54,8 +54,8 @@ def evaluate(trainer, weights, batches, callbacks, before_end):
             probabilities, non_trainable, metrics, logs = trainer._test_step(
                 ((trainable, non_trainable), metrics), trainer.replicate(batch))
             parts.append(np.asarray(probabilities))  # waits for the step
-            labels.append(batch[1])
-            sample_weights.append(batch[2])
+            labels.append(_one_output(batch[1]))
+            sample_weights.append(_one_output(batch[2]))
         callbacks.on_test_batch_end(first + len(group) - 1, logs_lib.batch_means(logs))
         if callbacks.model.stop_evaluating:  # a callback stopped it, as under Keras
             break
@@ -116,6 +116,12 @@ def _groups(trainer, batches):
                                       trainer.steps_per_execution):
         yield index, group
         index += len(group)
+
+
+def _one_output(values):
+    """The one output's labels (or sample weights), also given nested as Keras takes them: `(y,)`."""
+    leaves = jax.tree.leaves(values)
+    return leaves[0] if len(leaves) == 1 else values
 
 
 def _ensemble_scores(probabilities, labels, sample_weights):
