@@ -12,6 +12,7 @@ errors return at once; Keras and JAX load only for a command that runs.
 
 import argparse
 import os
+import sys
 
 # With no GPU or TPU, `keras-dp train` splits the CPU into this many
 # simulated devices, so that a first run shows the data parallelism.
@@ -23,6 +24,8 @@ DEFAULT_CPU_DEVICES = 2
 DEFAULT_EPOCHS = 2
 DEFAULT_EPOCHS_ON_THE_SUBSET = 10
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+# The exit status after Ctrl-C, as a shell gives a command that SIGINT ended (128 + 2).
+INTERRUPTED_STATUS = 130
 
 
 def positive_int(text):
@@ -44,6 +47,14 @@ def positive_float(text):
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be above 0, got {value}")
+    return value
+
+
+def port_number(text):
+    """An argparse type: a TCP port, 1 to 65535."""
+    value = positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port, 1 to 65535, got {value}")
     return value
 
 
@@ -86,7 +97,8 @@ def _add_train_parser(commands):
     train.add_argument("--output-dir", default="keras_dp_output",
                        help="where the model and plot go (default: %(default)s)")
     train.add_argument("--model-path", default=None,
-                       help="the .keras file (default: OUTPUT_DIR/MODEL.keras)")
+                       help="the .keras file (default: OUTPUT_DIR/MODEL.keras, "
+                            "OUTPUT_DIR/MODEL_ensemble.keras with --ensemble)")
     train.add_argument("--plot-path", default=None,
                        help="the PNG of the curves (default: OUTPUT_DIR/training_curves.png)")
     train.add_argument("--seed", type=int, default=0,
@@ -121,10 +133,11 @@ def _add_launch_parser(commands):
                     "multi-process JAX run over loopback, as P hosts would: "
                     "keras-dp launch --processes 2 --cpu-devices 2 -- train --epochs 1",
     )
-    launch.add_argument("--processes", type=positive_int, default=2, help="default: %(default)s")
+    launch.add_argument("--processes", type=positive_int, default=2, metavar="P",
+                        help="how many processes to start (default: %(default)s)")
     launch.add_argument("--cpu-devices", type=positive_int, default=None, metavar="N",
                         help="give each process N simulated CPU devices")
-    launch.add_argument("--port", type=int, default=None,
+    launch.add_argument("--port", type=port_number, default=None,
                         help="the coordinator's port on 127.0.0.1 (default: a free one)")
     launch.add_argument("launched", nargs=argparse.REMAINDER, metavar="-- COMMAND",
                         help="a keras-dp command (train ...), a Python file (run with this "
@@ -132,11 +145,18 @@ def _add_launch_parser(commands):
 
 
 def main(argv=None):
-    """Run `keras-dp` with `argv` (default: the command line)."""
+    """Run `keras-dp` with `argv` (default: the command line).
+
+    Ctrl-C during `train` prints one line, then ends the process at once
+    (`os._exit(130)`, so not back to a caller): nothing is saved before
+    training ends.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "ensemble", None) is not None:
         _check_ensemble(parser, args)
+    if args.command == "train":
+        _check_output_paths(parser, args)
     data_dir = getattr(args, "data_dir", None)
     if data_dir is not None and not os.path.isfile(
             os.path.join(data_dir, "mnist.npz") if os.path.isdir(data_dir) else data_dir):
@@ -153,6 +173,39 @@ def main(argv=None):
         except ValueError as error:
             parser.error(str(error))
         raise SystemExit(launch(launched, args.processes, args.cpu_devices, args.port))
+    args.files = {}  # each file written or being written: whether it is complete
+    try:
+        _train(parser, args)
+    except KeyboardInterrupt:
+        # One line, not Python's traceback from wherever the signal landed;
+        # then out at once: a compile that Ctrl-C interrupted (XLA's
+        # compile_and_load raises KeyboardInterrupt and leaves it behind)
+        # made Python's normal exit crash with SIGSEGV in 4 of 7 trials
+        # after the line (0 of 6 with os._exit).
+        print(interrupted_message(args.files), file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(INTERRUPTED_STATUS)
+
+
+def interrupted_message(files):
+    """The line `keras-dp train` ends with on Ctrl-C.
+
+    Args:
+        files: each file the run wrote or was writing, and whether it is complete.
+    """
+    if not files:
+        return ("keras-dp train: stopped by Ctrl-C; nothing was saved (the model and the "
+                "training curves are written when training ends).")
+    done = [path for path, complete in files.items() if complete]
+    partial = [path for path, complete in files.items() if not complete]
+    parts = ([f"wrote {', '.join(done)}"] if done else []) + (
+        [f"{', '.join(partial)} may be incomplete"] if partial else [])
+    return f"keras-dp train: stopped by Ctrl-C after training; {'; '.join(parts)}."
+
+
+def _train(parser, args):
+    """`keras-dp train` once its arguments are checked: devices, then the job."""
     # The command itself never imports TensorFlow (it seeds with
     # `_compat.set_random_seed`); should anything else, its C++ start-up
     # notes would clutter the report. The oneDNN one only goes with its
@@ -174,6 +227,9 @@ def main(argv=None):
     from keras_dp.cli import train
 
     if args.ensemble is not None:
+        misfit = train.ensemble_misfit(args.ensemble)
+        if misfit:  # the device count is known only now, when --cpu-devices is not given
+            parser.error(misfit)
         train.train_ensemble(args)
     else:
         train.train(args)
@@ -197,6 +253,54 @@ def _check_ensemble(parser, args):
         parser.error(f"--ensemble {members} does not fit --cpu-devices {devices}: every "
                      f"device holds the same number of members. Use at most {devices} "
                      f"members, or a multiple of {devices}.")
+
+
+def _check_output_paths(parser, args):
+    """Refuse, before anything loads, an output path that training would fail to write.
+
+    The model and the curves are written after training, and the trace
+    after its first step: a path that cannot be written ended a whole run
+    in a traceback. `~` is expanded, as the shell does for a separate word.
+    """
+    for name in ("output_dir", "model_path", "plot_path", "profile"):
+        if getattr(args, name) is not None:
+            setattr(args, name, os.path.expanduser(getattr(args, name)))
+    model_path = args.model_path or os.path.join(args.output_dir, "MODEL.keras")
+    plot_path = args.plot_path or os.path.join(args.output_dir, "training_curves.png")
+    if not model_path.endswith((".keras", ".h5")):
+        parser.error(f"--model-path must end in .keras (or .h5, Keras's legacy format), as "
+                     f"Keras's model.save requires. Received: {args.model_path}.")
+    if not plot_path.lower().endswith(".png"):
+        parser.error("--plot-path must end in .png: the training curves are a PNG. "
+                     f"Received: {args.plot_path}.")
+    for option, path, directory in [
+            ("--output-dir", args.output_dir, args.output_dir),
+            ("--model-path", model_path, os.path.dirname(model_path)),
+            ("--plot-path", plot_path, os.path.dirname(plot_path)),
+            ("--profile", args.profile, args.profile)]:
+        if path is None:
+            continue
+        if path != directory and os.path.isdir(path):
+            parser.error(f"{option}: {path} is a directory; give the file's path.")
+        problem = _directory_problem(directory or ".")
+        if problem:
+            parser.error(f"{option}: cannot write {path}: {problem}. Pass a path in a "
+                         "directory you can write to.")
+
+
+def _directory_problem(directory):
+    """Why `directory` cannot be made and written into, or None."""
+    directory = os.path.abspath(directory)
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        return f"{directory} exists and is not a directory"
+    existing = directory
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"{existing} is not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable"
+    return None
 
 
 def use_cpu_devices(count):

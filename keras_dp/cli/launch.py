@@ -28,6 +28,8 @@ from keras_dp import preemption
 KERAS_DP_COMMANDS = ("train",)
 # What a process that ends for SIGTERM exits with (128 + 15), as a fit does.
 SIGTERM_STATUS = 128 + signal.SIGTERM
+# What the launcher exits with after Ctrl-C (128 + 2), as a shell reports one that SIGINT ended.
+SIGINT_STATUS = 128 + signal.SIGINT
 
 
 def launch(command, processes, cpu_devices=None, port=None, grace_seconds=5.0):
@@ -45,7 +47,8 @@ def launch(command, processes, cpu_devices=None, port=None, grace_seconds=5.0):
 
     Returns:
         0 when every process succeeded, else the exit status of the first
-        that failed (1 when it was killed by a signal). After a SIGTERM to
+        that failed (1 when it was killed by a signal); 130 after Ctrl-C
+        (the processes still running are stopped). After a SIGTERM to
         the launcher, which each child gets too: 143 when the children
         ended for it (exited 143, or were ended by the signal) or succeeded.
 
@@ -81,6 +84,10 @@ def launch(command, processes, cpu_devices=None, port=None, grace_seconds=5.0):
     with preemption.handling_sigterm(forward):
         try:
             status = _wait(children, terminated)
+        except KeyboardInterrupt:  # a terminal's Ctrl-C reaches the children too
+            print("keras-dp launch: stopped by Ctrl-C; stopping the processes.",
+                  file=sys.stderr, flush=True)
+            status = SIGINT_STATUS
         finally:
             if not terminated.is_set():
                 _stop(children, grace_seconds)  # a child failed: stop the rest now

@@ -28,6 +28,7 @@ def train(args):
 
     # Before the model exists, so a rerun loads its initializers' programs
     # from the cache too (`benchmarks/compile_cache.py`).
+    vars(args).setdefault("files", {})  # what was written, which main reports on Ctrl-C
     keras_dp.compilation_cache.enable(min_compile_time_s=0)
     _compat.set_random_seed(args.seed)  # Keras's, without importing TensorFlow
     data = load_data(args.data_dir, args.train_samples)
@@ -109,7 +110,7 @@ def describe_run(args, data, epochs, trainer):
     why = ""
     if args.epochs is None and data.bundled:
         why = " (the default on the bundled subset, whose epochs are short)"
-    lines.append(f"  {epochs} epochs{why}; Adam's learning rate {args.learning_rate:g} "
+    lines.append(f"  {epochs} epoch{'s' if epochs != 1 else ''}{why}; Adam's learning rate {args.learning_rate:g} "
                  "decays to 0 along a cosine over the run")
     platform = trainer.mesh.devices.flat[0].platform
     if getattr(args, "default_cpu_devices", False) and platform == "cpu":
@@ -156,12 +157,30 @@ def _save(args, model, history, title, timings):
     plot_path = pathlib.Path(args.plot_path or output / "training_curves.png")
     for path in (model_path, plot_path):
         path.parent.mkdir(parents=True, exist_ok=True)
+    args.files[str(model_path)] = False
     model.save(model_path)
+    args.files[str(model_path)] = True
+    args.files[str(plot_path)] = False
     if plot_history(history, plot_path, title=title, timings=timings):
+        args.files[str(plot_path)] = True
         print(f"Saved the model to {model_path} and the training curves to {plot_path}")
     else:
+        del args.files[str(plot_path)]  # without matplotlib, nothing was written
         print(f"Saved the model to {model_path}. No training curves: they need matplotlib "
               "(pip install 'keras_dp[plot]').")
+
+
+def ensemble_misfit(members):
+    """Why `members` ensemble members cannot share this machine's devices, or None."""
+    import jax
+
+    devices = jax.devices()
+    count = len(devices)
+    if members <= count or members % count == 0:
+        return None
+    return (f"--ensemble {members} does not fit the {count} {devices[0].platform} devices: "
+            f"every device holds the same number of members. Use at most {count} members, "
+            f"or a multiple of {count}, or choose the device count with --cpu-devices N.")
 
 
 def train_ensemble(args):
@@ -174,12 +193,16 @@ def train_ensemble(args):
 
     import keras_dp
 
+    vars(args).setdefault("files", {})
     data = load_data(args.data_dir, args.train_samples)
     (x_train, y_train), (x_test, y_test) = data.train, data.test
 
-    def build_model():
+    epochs = epochs_for(args, data)
+
+    def build_model():  # each member's rate decays as one model's does (--learning-rate)
         return keras_dp.models.compile_classifier(
-            keras_dp.models.MODELS[args.model](), learning_rate=args.learning_rate
+            keras_dp.models.MODELS[args.model](), learning_rate=args.learning_rate,
+            decay_steps=-(-len(x_train) // args.batch_size) * epochs,
         )
 
     trainer = keras_dp.EnsembleTrainer(build_model, args.ensemble, seed=args.seed)
@@ -188,7 +211,7 @@ def train_ensemble(args):
     print(trainer.describe())
     # The test set is scored after every epoch; the last scores are the result.
     history = trainer.fit(
-        x_train, y_train, batch_size=args.batch_size, epochs=epochs_for(args, data),
+        x_train, y_train, batch_size=args.batch_size, epochs=epochs,
         verbose=_verbose(args), validation_data=(x_test, y_test),
     )
     test = {name[len("val_"):]: values[-1] for name, values in trainer.member_history.items()
@@ -204,7 +227,9 @@ def train_ensemble(args):
         args.model_path or pathlib.Path(args.output_dir) / f"{args.model}_ensemble.keras"
     )
     model_path.parent.mkdir(parents=True, exist_ok=True)
+    args.files[str(model_path)] = False
     trainer.averaging_model().save(model_path)
+    args.files[str(model_path)] = True
     print(f"Saved the averaging model to {model_path}")
     return history, test
 
