@@ -1391,3 +1391,67 @@ def test_the_ensembles_scores_are_keras_evaluate_of_the_averaging_model():
     for name in ("loss", "accuracy"):
         assert scores[f"ensemble_{name}"] == pytest.approx(expected[name], rel=1e-5), name
         assert history[f"val_ensemble_{name}"][0] == pytest.approx(expected[name], rel=1e-5)
+
+
+class _Reshuffling(keras.utils.PyDataset):
+    """Batches of 16 rows in an order reshuffled in `on_epoch_end`, as Keras's docs show; logs its hooks and reads."""
+
+    def __init__(self, x, y):
+        super().__init__()
+        self.x, self.y = x, y
+        self.order = np.arange(len(x))
+        self.rng = np.random.default_rng(1)
+        self.events = []
+
+    def __len__(self):
+        return len(self.x) // 16
+
+    def __getitem__(self, index):
+        self.events.append(index)
+        rows = self.order[16 * index:16 * (index + 1)]
+        return self.x[rows], self.y[rows]
+
+    def on_epoch_begin(self):
+        self.events.append("begin")
+
+    def on_epoch_end(self):
+        self.events.append("end")
+        self.rng.shuffle(self.order)
+
+
+def _reshuffling_tf_data(x, y):
+    import tensorflow as tf
+    return tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=2).batch(16)
+
+
+@pytest.mark.parametrize("make_data", [_Reshuffling, _reshuffling_tf_data],
+                         ids=["py_dataset", "tf_data"])
+def test_reshuffling_validation_evaluate_and_predict_data_is_read_as_model_fit_reads_it(
+        make_data):
+    # Before, the ensemble read its data as an unbuilt model's fit does
+    # everywhere: a build read of the validation data, and no on_epoch_end
+    # before each later validation (Keras's evaluate ends a pass first), so
+    # with validation_steps each member scored other rows than its model.fit
+    # from epoch 2 on, and evaluate and predict after it others again.
+    import tensorflow as tf
+    x, y = small_data(96)
+    xv, yv = small_data(64)
+    options = dict(epochs=3, batch_size=32, shuffle=False, validation_steps=2, verbose=0)
+    trainer = keras_dp.EnsembleTrainer(build_small, 2, seed=3, devices=devices(2))
+    tf.random.set_seed(0)
+    ours = make_data(xv, yv)
+    trainer.fit(x, y, validation_data=ours, **options)
+    scores = trainer.evaluate(ours, steps=2, verbose=0)
+    probabilities = trainer.predict_members(ours, steps=2, verbose=0)
+    for i, member in enumerate(trainer.members):
+        reference = alone(3 + i, build_small)
+        tf.random.set_seed(0)
+        theirs = make_data(xv, yv)
+        expected = reference.fit(x, y, validation_data=theirs, **options).history
+        assert_member_history(trainer.member_history, i, expected)
+        keras_scores = reference.evaluate(theirs, steps=2, verbose=0, return_dict=True)
+        assert scores["loss"][i] == pytest.approx(keras_scores["loss"], rel=1e-5)
+        assert_close_to_scale(probabilities[i],
+                              softmax(reference.predict(theirs, steps=2, verbose=0)))
+        if isinstance(ours, _Reshuffling):
+            assert ours.events == theirs.events

@@ -263,7 +263,8 @@ class EnsembleTrainer:
         """
         batches, callbacks = self._inference_input(
             pipeline.model_inputs(x, y, self.members[0]), y, sample_weight, batch_size, steps,
-            callbacks, verbose)
+            callbacks, verbose,
+            keras_peeks=build_lib.keras_reads_a_batch_to_build(self.members[0]))
         # As model.evaluate: the members keep what the test steps left, given
         # to them before on_test_end, so what a callback changes there stays.
         keep = lambda non_trainable, metrics: members_lib.write_back_members(  # noqa: E731
@@ -274,9 +275,11 @@ class EnsembleTrainer:
             return scores
         return callbacks_lib.in_evaluate_order(scores, self.members[0])
 
-    def _inference_input(self, x, y, sample_weight, batch_size, steps, callbacks, verbose):
+    def _inference_input(self, x, y, sample_weight, batch_size, steps, callbacks, verbose,
+                         **keras_reading):
         """`(batches, callbacks)` of an `evaluate` or `predict` call, the members built."""
-        batches = self._batches(x, y, sample_weight, batch_size, False, self.seed, steps=steps)
+        batches = self._batches(x, y, sample_weight, batch_size, False, self.seed, steps=steps,
+                                **keras_reading)
         pipeline.check_ends(batches, "x", "steps")
         self.build(batches.peek())
         return batches, callbacks_lib.callback_list(
@@ -296,7 +299,9 @@ class EnsembleTrainer:
         """
         batches, callbacks = self._inference_input(
             pipeline.predict_inputs(x, self.members[0]), None, None, batch_size, steps,
-            callbacks, verbose)
+            callbacks, verbose, keras_resets=False,
+            keras_peeks=build_lib.keras_reads_a_batch_to_build(self.members[0],
+                                                               for_training=False))
         with callbacks_lib.released_on_error(callbacks):  # on_predict_end may not come
             probabilities, non_trainable = ensemble_inference.predict(
                 self, self._weights, batches, callbacks)
@@ -369,12 +374,22 @@ class EnsembleTrainer:
         return state.trainable, state.non_trainable
 
     def _batches(self, x, y, sample_weight, batch_size, shuffle, seed, class_weight=None,
-                 steps=None, what="The data"):
+                 steps=None, what="The data", keras_peeks=True, keras_resets=True):
+        """`x` as `Batches`, read as member 0's own `fit`, `evaluate` or `predict` reads it.
+
+        `keras_peeks` and `keras_resets` are `ShardedTrainer._batches`'s:
+        whether Keras reads a batch to build from a pass of its own, and
+        whether it ends a pass before the first epoch (`"each pass"`: before
+        each, as `fit`'s validation), so a PyDataset gets its hooks, and a
+        reshuffling tf.data pipeline draws its orders, as under Keras.
+        """
         # Every member trains on whole batches: no rows are split over devices.
         batches = pipeline.make_batches(
             x, y, sample_weight, batch_size=batch_size, shuffle=shuffle, seed=seed,
             class_weight=class_weight, what=what,
         )
+        if hasattr(batches, "read_first_as_keras"):
+            batches.read_first_as_keras(keras_peeks, resets=keras_resets or keras_peeks)
         return batches if steps is None else pipeline.FirstSteps(batches, steps)
 
     def _validation(self, validation_data, batch_size, validation_batch_size,
@@ -385,7 +400,8 @@ class EnsembleTrainer:
         validation_data, val_batch_size = pipeline.validation_source(
             validation_data, batch_size, validation_batch_size, self.members[0])
         val = self._batches(validation_data, None, None, val_batch_size, False, self.seed,
-                            steps=validation_steps, what=pipeline.VALIDATION)
+                            steps=validation_steps, what=pipeline.VALIDATION,
+                            keras_peeks=False, keras_resets="each pass")
         pipeline.check_ends(val, "validation_data", "validation_steps")
         # Missing or bad validation labels fail now, not after epoch 1.
         ensemble_inference.check_labels(val, "validation_data")
@@ -398,7 +414,8 @@ class EnsembleTrainer:
     def _sources(self, x, y, sample_weight, batch_size, shuffle, member_shuffle,
                  class_weight=None):
         first = self._batches(x, y, sample_weight, batch_size, shuffle, self.seed,
-                              class_weight, what=pipeline.TRAINING)
+                              class_weight, what=pipeline.TRAINING,
+                              keras_peeks=build_lib.keras_reads_a_batch_to_build(self.members[0]))
         if not member_shuffle:
             return [first]
         if not isinstance(first, pipeline.ArrayBatches) or not shuffle:
