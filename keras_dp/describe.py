@@ -67,8 +67,9 @@ def data_line(rows, nbytes, devices, keep, why_not):
     size = ("Training data: batches read as they come" if rows is None
             else f"Training data: {rows:,} rows, {memory.format_bytes(nbytes)}")
     if keep:
-        return (f"{size}, kept on the devices for the fit: a full copy on each of the "
-                f"{devices} (PartitionSpec()), each step gathering its rows there.")
+        where = "on the device" if devices == 1 else f"on each of the {devices}"
+        return (f"{size}, kept on the devices for the fit: a full copy {where} "
+                "(PartitionSpec()), each step gathering its rows there.")
     return (f"{size}, fed from the host, each batch copied to the devices when its "
             "step comes" + (f" ({why_not})." if why_not else " (data_on_device=False)."))
 

@@ -153,6 +153,9 @@ def test_into_a_log_file_each_epoch_is_one_line_and_a_profile_is_written(tmp_pat
     assert result_line.group(2) == bars[1][3] and result_line.group(3) == bars[1][2]
     assert result_line.group(4) == "256"
     assert any((tmp_path / "profile").rglob("*.xplane.pb"))
+    # It says where the trace went (it said nothing).
+    assert (f"Profile: a jax.profiler trace of 5 calls of epoch 1 is in {tmp_path / 'profile'} "
+            "(plugins/profile/<run>/*.xplane.pb") in out
     model = keras.saving.load_model(tmp_path / "convnet.keras")
     assert model.count_params() == 49_378
 

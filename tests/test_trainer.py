@@ -223,6 +223,10 @@ def test_describe_says_where_the_fits_data_lives_and_how_k_batches_stack():
     assert text.endswith("Training data: 1,000 rows, 35.2 KiB, kept on the devices for the "
                          "fit: a full copy on each of the 3 (PartitionSpec()), each step "
                          "gathering its rows there.")
+    one = keras_dp.ShardedTrainer(model, devices=devices(1))  # not "each of the 1"
+    assert one.describe(x=x, y=y).endswith(
+        "kept on the devices for the fit: a full copy on the device (PartitionSpec()), "
+        "each step gathering its rows there.")
     host = keras_dp.ShardedTrainer(model, devices=devices(3), data_on_device=False)
     assert host.describe(x=x, y=y).endswith(
         "fed from the host, each batch copied to the devices when its step comes "

@@ -64,6 +64,10 @@ def train(args):
     epochs_run = f"{len(history.epoch)} epoch" + ("s" if len(history.epoch) != 1 else "")
     print(f"After {epochs_run}: val_loss {scores['val_loss']:.4f}  "
           f"val_accuracy {scores['val_accuracy']:.4f} (on the {len(data.test[0])} test images)")
+    if args.profile:  # written during epoch 1; where it went, once the run is done
+        print(f"Profile: a jax.profiler trace of 5 calls of epoch 1 is in {args.profile} "
+              "(plugins/profile/<run>/*.xplane.pb: open it with TensorBoard's profile "
+              "plugin or xprof)")
     if distributed.is_primary():  # one copy of the files, from process 0
         _save(args, model, history, _plot_title(args, data, trainer), trainer.timings)
     distributed.barrier("keras_dp.cli.saved")
