@@ -626,16 +626,10 @@ class ShardedTrainer:
 
     def _batches(self, x, y, sample_weight, batch_size, shuffle, class_weight=None,
                  steps=None, keras_peeks=True, keras_resets=True, what="The data"):
-        """`x` as `Batches`; `keras_peeks`: whether Keras reads a first batch from a pass of its own.
+        """`x` as `Batches` (`pipeline.make_batches`), cut to `steps`.
 
-        When it does not (`build.keras_reads_a_batch_to_build`), the first
-        batch keras_dp reads is taken from the first pass, so a reshuffling
-        tf.data pipeline reads the orders Keras reads. `keras_resets`:
-        whether Keras ends a pass before the first epoch even without that
-        read (`fit` and `evaluate` do, `predict` does not), calling a
-        PyDataset's `on_epoch_end`; `"each pass"` before each (`fit`'s
-        validation). `what`: whose data it is, as messages
-        name it (`pipeline.TRAINING`, `pipeline.VALIDATION`).
+        `keras_peeks`, `keras_resets` and `what` are `make_batches`'s;
+        `batch_size` is global: each process reads its share of it.
         """
         if batch_size is not None:
             # `batch_size` is global; each process slices its part of it.
@@ -643,9 +637,8 @@ class ShardedTrainer:
             batch_size = self.placement.local_batch_size(batch_size)
         batches = pipeline.make_batches(
             x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
-            seed=self.seed, class_weight=class_weight, what=what,
+            seed=self.seed, class_weight=class_weight, what=what, keras_peeks=keras_peeks,
+            keras_resets=keras_resets,
         )
-        if hasattr(batches, "read_first_as_keras"):
-            batches.read_first_as_keras(keras_peeks, resets=keras_resets or keras_peeks)
         return batches if steps is None else pipeline.FirstSteps(batches, steps)
 

@@ -377,19 +377,16 @@ class EnsembleTrainer:
                  steps=None, what="The data", keras_peeks=True, keras_resets=True):
         """`x` as `Batches`, read as member 0's own `fit`, `evaluate` or `predict` reads it.
 
-        `keras_peeks` and `keras_resets` are `ShardedTrainer._batches`'s:
-        whether Keras reads a batch to build from a pass of its own, and
-        whether it ends a pass before the first epoch (`"each pass"`: before
-        each, as `fit`'s validation), so a PyDataset gets its hooks, and a
-        reshuffling tf.data pipeline draws its orders, as under Keras.
+        `keras_peeks` and `keras_resets` are `pipeline.make_batches`'s, so a
+        PyDataset gets its hooks, and a reshuffling tf.data pipeline draws
+        its orders, as under Keras.
         """
         # Every member trains on whole batches: no rows are split over devices.
         batches = pipeline.make_batches(
             x, y, sample_weight, batch_size=batch_size, shuffle=shuffle, seed=seed,
-            class_weight=class_weight, what=what,
+            class_weight=class_weight, what=what, keras_peeks=keras_peeks,
+            keras_resets=keras_resets,
         )
-        if hasattr(batches, "read_first_as_keras"):
-            batches.read_first_as_keras(keras_peeks, resets=keras_resets or keras_peeks)
         return batches if steps is None else pipeline.FirstSteps(batches, steps)
 
     def _validation(self, validation_data, batch_size, validation_batch_size,

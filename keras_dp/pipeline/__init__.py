@@ -71,7 +71,8 @@ __all__ = [
 
 
 def make_batches(x, y=None, sample_weight=None, *, batch_size=None, shuffle=False,
-                 seed=0, class_weight=None, what="The data"):
+                 seed=0, class_weight=None, what="The data", keras_peeks=True,
+                 keras_resets=True):
     """Wrap user data as `Batches`, validating what can be checked up front.
 
     Args:
@@ -90,6 +91,14 @@ def make_batches(x, y=None, sample_weight=None, *, batch_size=None, shuffle=Fals
             of one-hot rows); classes not listed weigh 1.
         what: whose data it is, as its messages name it ("The validation
             data"; `TRAINING`, `VALIDATION`).
+        keras_peeks, keras_resets: how the Keras call that the data is read
+            for reads its first batch, so that a dataset is read as it
+            (`IterableBatches.read_first_as_keras`): whether Keras reads a
+            batch to build from from a pass of its own
+            (`build.keras_reads_a_batch_to_build`), and whether it ends a
+            pass before the first epoch without that read (`fit` and
+            `evaluate` do, `predict` does not; `"each pass"`: before each,
+            as `fit`'s validation). Arrays read the same either way.
 
     Raises:
         ValueError: arrays of different lengths or of a non-numeric dtype,
@@ -128,8 +137,10 @@ def make_batches(x, y=None, sample_weight=None, *, batch_size=None, shuffle=Fals
             f"Received: batch_size={batch_size}. Batch the dataset itself "
             "(for tf.data, `dataset.batch(n)`)."
         )
-    return IterableBatches(x, class_weight=class_weight, shuffle=shuffle, seed=seed,
-                           what=what)
+    batches = IterableBatches(x, class_weight=class_weight, shuffle=shuffle, seed=seed,
+                              what=what)
+    batches.read_first_as_keras(keras_peeks, resets=keras_resets or keras_peeks)
+    return batches
 
 
 def checked_arrays(x, y, sample_weight):
