@@ -127,7 +127,7 @@ def fit(trainer, batches, val, callbacks, *, epochs, resume, validation_freq,
     feed = programs_lib.CompilingFeed(feed or HostFeed(trainer, batches), trainer, batches,
                                       validation)
     before_gather = None
-    if trainer.multiprocess and trainer.state_sharding != "replicated":
+    if trainer.reads_collectively:
         before_gather = functools.partial(agreement.same_read, trainer.placement)
     run = FitRun(trainer, batches, LiveModel(model, before_gather), callbacks, feed,
                  checkpoints, validation=validation)

@@ -182,6 +182,16 @@ class ShardedTrainer:
         """Whether the mesh spans several processes."""
         return self.placement.multiprocess
 
+    @property
+    def reads_collectively(self):
+        """Whether reading the state into the model gathers it from every process.
+
+        True when the state is split (`state_sharding` other than
+        "replicated") across processes: every process must then take part
+        in each read.
+        """
+        return self.multiprocess and self.state_sharding != "replicated"
+
     # -- The parts, for training by hand ------------------------------------
 
     def build(self, batch, for_training=True):
@@ -540,7 +550,7 @@ class ShardedTrainer:
                 # processes, every process takes part in their reads of the model.
                 callbacks = callbacks_lib.callback_list(
                     callbacks, self.model, verbose, epochs=epochs, steps=batches.steps,
-                    collective_reads=self.multiprocess and self.state_sharding != "replicated",
+                    collective_reads=self.reads_collectively,
                 )
                 feed = resident.make_feed(self, batches, plan)  # first: its data takes memory
                 self._use_train_programs(donate=not memory_lib.keep_last_good(self, plan))
