@@ -227,9 +227,14 @@ def _train(parser, args):
     from keras_dp.cli import train
 
     if args.ensemble is not None:
-        misfit = train.ensemble_misfit(args.ensemble)
-        if misfit:  # the device count is known only now, when --cpu-devices is not given
-            parser.error(misfit)
+        import jax
+
+        # The device count is known only now, when --cpu-devices is not given.
+        devices = jax.devices()
+        misfit = ensemble_misfit(args.ensemble, len(devices),
+                                 f"the {len(devices)} {devices[0].platform} devices")
+        if misfit:
+            parser.error(f"{misfit}, or choose the device count with --cpu-devices N.")
         train.train_ensemble(args)
     else:
         train.train(args)
@@ -248,11 +253,21 @@ def _check_ensemble(parser, args):
         if given:
             parser.error(f"{option} applies to one model's training, not to --ensemble, "
                          "which saves only the averaging model. Drop one.")
-    devices, members = args.cpu_devices, args.ensemble
-    if devices is not None and members > devices and members % devices:
-        parser.error(f"--ensemble {members} does not fit --cpu-devices {devices}: every "
-                     f"device holds the same number of members. Use at most {devices} "
-                     f"members, or a multiple of {devices}.")
+    devices = args.cpu_devices
+    misfit = devices and ensemble_misfit(args.ensemble, devices, f"--cpu-devices {devices}")
+    if misfit:
+        parser.error(f"{misfit}.")
+
+
+def ensemble_misfit(members, devices, named):
+    """Why `members` ensemble members cannot share `devices` devices (`named` in the text), or None.
+
+    Every device holds the same number of members (`keras_dp.ensemble`).
+    """
+    if members <= devices or members % devices == 0:
+        return None
+    return (f"--ensemble {members} does not fit {named}: every device holds the same "
+            f"number of members. Use at most {devices} members, or a multiple of {devices}")
 
 
 def _check_output_paths(parser, args):

@@ -174,19 +174,6 @@ def _save(args, model, history, title, timings):
               "(pip install 'keras_dp[plot]').")
 
 
-def ensemble_misfit(members):
-    """Why `members` ensemble members cannot share this machine's devices, or None."""
-    import jax
-
-    devices = jax.devices()
-    count = len(devices)
-    if members <= count or members % count == 0:
-        return None
-    return (f"--ensemble {members} does not fit the {count} {devices[0].platform} devices: "
-            f"every device holds the same number of members. Use at most {count} members, "
-            f"or a multiple of {count}, or choose the device count with --cpu-devices N.")
-
-
 def train_ensemble(args):
     """The main job for `--ensemble N`: train N members, score each and their mean.
 
