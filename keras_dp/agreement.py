@@ -188,13 +188,8 @@ def stop_mid_epoch(placement, epoch, index):
     Raises:
         NotEveryProcess: a process did not stop there within `timeout()` s.
     """
-    _gather(placement, [index], lambda seconds, process: (
-        f"model.stop_training was set after batch {index} of epoch {epoch + 1} on "
-        f"process {jax.process_index()}, and process {process} did not stop there within "
-        f"{seconds:g} s: it waits for this process in the next step. Across processes a "
-        "callback must stop every process at the same batch (decide from the logs, "
-        "which are the same on every process), or at an epoch's end, where one "
-        f"process's stop stops all. {_NO_LONGER}"))
+    _same_stop(placement, index, "stop_training", f" of epoch {epoch + 1}",
+               ", or at an epoch's end, where one process's stop stops all")
 
 
 def stop_mid_pass(placement, flag, index):
@@ -207,12 +202,17 @@ def stop_mid_pass(placement, flag, index):
     Raises:
         NotEveryProcess: a process did not stop there within `timeout()` s.
     """
+    _same_stop(placement, index, flag)
+
+
+def _same_stop(placement, index, flag, where="", otherwise=""):
+    """One round in which every process says it stops after batch `index`, as `model.<flag>` asks."""
     _gather(placement, [index], lambda seconds, process: (
-        f"model.{flag} was set after batch {index} on process {jax.process_index()}, "
-        f"and process {process} did not stop there within {seconds:g} s: it waits for "
-        "this process in the next step. Across processes a callback must stop every "
-        "process at the same batch (decide from the logs, which are the same on every "
-        f"process). {_NO_LONGER}"))
+        f"model.{flag} was set after batch {index}{where} on process "
+        f"{jax.process_index()}, and process {process} did not stop there within "
+        f"{seconds:g} s: it waits for this process in the next step. Across processes a "
+        "callback must stop every process at the same batch (decide from the logs, "
+        f"which are the same on every process){otherwise}. {_NO_LONGER}"))
 
 
 def same_read(placement, position):
