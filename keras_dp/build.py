@@ -13,6 +13,7 @@ import numpy as np
 from keras_dp import _compat
 from keras_dp import explain
 from keras_dp import model_checks
+from keras_dp import pipeline
 
 
 def compile_model(model, optimizer, loss, metrics):
@@ -237,24 +238,17 @@ def _trace(model, x, training=False, data="the data"):
 
 def _input_shapes(model):
     """`" for inputs of shape ..."` from a functional model's `keras.Input`s, else `""`."""
-    try:
-        inputs = model.inputs
-    except (AttributeError, ValueError):  # a subclassed model has none
+    shapes = [tuple(tensor.shape) for tensor in pipeline.functional_inputs(model)]
+    if not shapes:
         return ""
-    if not inputs:
-        return ""
-    shapes = [tuple(tensor.shape) for tensor in inputs]
     return (f" for inputs of shape {shapes[0]}" if len(shapes) == 1
             else f" for inputs of shapes {shapes}")
 
 
 def _one_sample_fix(model, x):
     """`"; ..., x[None]"` when `x` is one array one dimension short of the model's one input."""
-    try:
-        inputs = model.inputs
-    except (AttributeError, ValueError):
-        return ""
-    if (inputs and len(inputs) == 1 and not isinstance(x, (dict, list, tuple))
+    inputs = pipeline.functional_inputs(model)
+    if (len(inputs) == 1 and not isinstance(x, (dict, list, tuple))
             and len(x.shape) == len(inputs[0].shape) - 1):
         return (f"; x of shape {tuple(x.shape)} has no batch dimension: for one "
                 "sample pass x[None], a batch of one")

@@ -54,6 +54,7 @@ __all__ = [
     "check_ends",
     "check_one_pass",
     "class_weight_to_sample_weight",
+    "functional_inputs",
     "group_steps",
     "hide_gpus_from_tensorflow",
     "is_array_data",
@@ -232,14 +233,15 @@ def predict_inputs(x, model):
     if read is not x:
         return read
     if isinstance(x, tuple) and len(x) > 1 and _inputs_alone(x):
-        inputs = _functional_inputs(model)
+        inputs = functional_inputs(model)
         subclassed = not inputs and not isinstance(model, keras.Sequential)
         if subclassed or len(inputs) == len(x):
             return (x,)
     return x
 
 
-def _functional_inputs(model):
+def functional_inputs(model):
+    """`model.inputs` (its `keras.Input` tensors, flat), or `()` for a model without them."""
     try:  # a subclassed model has no inputs of its own (Keras raises)
         return model.inputs or ()
     except (AttributeError, ValueError):
