@@ -181,10 +181,7 @@ def check_arrays(x, y=None):
     """
     if pipeline.is_array_data(x, y):
         return
-    inputs = ""
-    if isinstance(x, list) and not all(isinstance(item, tuple) for item in x):
-        inputs = (" If the list is the model's inputs, as model.fit reads it, pass it "
-                  "with y, or alone as a tuple `(x,)`.")
+    inputs = f" {pipeline.LIST_AS_INPUTS}" if pipeline.may_be_inputs(x) else ""
     raise ValueError(
         f"A memory plan takes a few rows of the data as arrays; fit reads this x (a "
         f"{type(x).__name__}) as batches, which a plan does not read. Pass one batch's "

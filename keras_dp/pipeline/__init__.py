@@ -45,6 +45,7 @@ __all__ = [
     "ArrayBatches",
     "FirstSteps",
     "IterableBatches",
+    "LIST_AS_INPUTS",
     "StepsPerEpoch",
     "TRAINING",
     "VALIDATION",
@@ -59,6 +60,7 @@ __all__ = [
     "hide_gpus_from_tensorflow",
     "is_array_data",
     "make_batches",
+    "may_be_inputs",
     "model_inputs",
     "naming_list_reading",
     "predict_inputs",
@@ -123,14 +125,12 @@ def make_batches(x, y=None, sample_weight=None, *, batch_size=None, shuffle=Fals
             f"carries its own. Received x of type {type(x).__name__} and {given}: "
             "put them in its batches, (x, y) or (x, y, sample_weight)."
         )
-    if batch_size is not None and isinstance(x, list) and not all(
-            isinstance(item, tuple) for item in x):  # else plainly `(x, y)` batches
+    if batch_size is not None and may_be_inputs(x):
         raise ValueError(
             f"x is a Python list of {len(x)} items, which keras_dp reads as a list of "
             "batches: its items are not arrays of one row count, nor the nesting of a "
             "Functional model's inputs. A list of batches is batched already, so drop "
-            f"`batch_size` (received batch_size={batch_size}). If the list is the model's "
-            "inputs, as model.fit reads it, pass it with y, or alone as a tuple `(x,)`."
+            f"`batch_size` (received batch_size={batch_size}). {LIST_AS_INPUTS}"
         )
     if batch_size is not None:
         raise ValueError(
@@ -159,6 +159,19 @@ def checked_arrays(x, y, sample_weight):
     check_not_ragged(x)
     check_not_scalars(x, y, sample_weight)
     return x, y, sample_weight
+
+
+# Said where a list, read as batches, may have been meant as the model's inputs.
+LIST_AS_INPUTS = ("If the list is the model's inputs, as model.fit reads it, pass it with "
+                  "y, or alone as a tuple `(x,)`.")
+
+
+def may_be_inputs(x):
+    """Whether `x` is a list that keras_dp reads as batches but `model.fit` as the inputs.
+
+    A list whose items are all tuples is plainly `(x, y)` batches.
+    """
+    return isinstance(x, list) and not all(isinstance(item, tuple) for item in x)
 
 
 def model_inputs(x, y, model):
@@ -199,9 +212,7 @@ def naming_list_reading(x, y=None):
     try:
         yield
     except ValueError as error:
-        if (y is not None or not isinstance(x, list) or _inputs_alone(x)
-                or all(isinstance(item, tuple) for item in x)
-                or _rows_of(x, _nesting(x)) is None):
+        if y is not None or not may_be_inputs(x) or _inputs_alone(x) or _rows(x) is None:
             raise
         raise ValueError(
             f"{error}\nx is a Python list of {len(x)} items without y, which keras_dp "
@@ -343,7 +354,7 @@ def _has_input_structure(data, model):
     if structure is None:
         return False
     rows = _rows_of(data[0], structure)
-    return rows is not None and _rows_of(data, _nesting(data)) == rows
+    return rows is not None and _rows(data) == rows
 
 
 def validation_source(validation_data, batch_size=None, validation_batch_size=None,
@@ -428,7 +439,7 @@ def is_array_data(x, y=None):
     if isinstance(x, tuple) and y is None:  # a packed (x,), (x, y[, sample_weight])
         if len(x) == 1 and isinstance(x[0], (list, tuple)):
             # x alone (`model_inputs`): inputs nested as deep as the model's.
-            return _rows_of(x[0], _nesting(x[0])) is not None
+            return _rows(x[0]) is not None
         x, y = (x + (None, None))[:2]
     # A list or tuple beside `y` is several model inputs, as in `model.fit`.
     # Alone, a list of arrays of one row count is too (`model.predict([a, b])`);
@@ -436,6 +447,11 @@ def is_array_data(x, y=None):
     return isinstance(x, dict) or _is_array(x) or (
         isinstance(x, (list, tuple)) and (y is not None or _inputs_alone(x))
     )
+
+
+def _rows(x):
+    """The one row count of all of `x`'s arrays, however nested, else None."""
+    return _rows_of(x, _nesting(x))
 
 
 def _nesting(x):
