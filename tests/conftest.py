@@ -155,6 +155,24 @@ class BatchEnds(keras.callbacks.Callback):
         self.ends.append(batch)
 
 
+class StopAtBatch(keras.callbacks.Callback):
+    """Sets `model.<flag>` at the end of batch `at`, as Keras's evaluate and predict honour it."""
+
+    def __init__(self, flag, at=1):
+        super().__init__()
+        self.flag, self.at = flag, at
+
+    def _stop(self, batch):
+        if batch == self.at:
+            setattr(self.model, self.flag, True)
+
+    def on_test_batch_end(self, batch, logs=None):
+        self._stop(batch)
+
+    def on_predict_batch_end(self, batch, logs=None):
+        self._stop(batch)
+
+
 def batches_of(mnist, count, size=64):
     (x, y), _ = mnist
     return [(x[i * size:(i + 1) * size], y[i * size:(i + 1) * size]) for i in range(count)]

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import keras_dp
-from conftest import InferenceNoise, assert_close_to_scale, devices, mlp, unseeded_mlp
+from conftest import InferenceNoise, StopAtBatch, assert_close_to_scale, devices, mlp, unseeded_mlp
 from keras_dp.pipeline import make_batches
 from keras_dp.ensemble.scores import classification_scores
 
@@ -545,32 +545,22 @@ def test_validation_steps_and_batch_size_score_the_rows_model_fit_would():
                     validation_data=[(x[:20], y[:20])])
 
 
-class _StopAfterBatch1(keras.callbacks.Callback):
-    def on_test_batch_end(self, batch, logs=None):
-        if batch == 1:
-            self.model.stop_evaluating = True
-
-    def on_predict_batch_end(self, batch, logs=None):
-        if batch == 1:
-            self.model.stop_predicting = True
-
-
 def test_a_callback_stops_evaluate_and_predict_after_its_batch_as_under_keras():
     # model.stop_evaluating / stop_predicting were ignored, as for one model
     # before: evaluate scored all 4 batches, predict returned all 64 rows.
     x, y = small_data(64)
     trainer = keras_dp.EnsembleTrainer(build_small, devices=devices(2))
     trainer.fit(x, y, batch_size=16, epochs=1, verbose=0)
-    stopped = trainer.evaluate(x, y, batch_size=16, callbacks=[_StopAfterBatch1()])
+    stopped = trainer.evaluate(x, y, batch_size=16, callbacks=[StopAtBatch("stop_evaluating")])
     first_two = trainer.evaluate(x[:32], y[:32], batch_size=16)  # clears the flag first
     for key, value in first_two.items():
         np.testing.assert_allclose(stopped[key], value, rtol=1e-6, err_msg=key)
     assert trainer.evaluate(x, y, batch_size=16)["loss"] != stopped["loss"]
-    predicted = trainer.predict(x, batch_size=16, callbacks=[_StopAfterBatch1()])
+    predicted = trainer.predict(x, batch_size=16, callbacks=[StopAtBatch("stop_predicting")])
     np.testing.assert_array_equal(predicted, trainer.predict(x[:32], batch_size=16))
     # Validation inside fit is an evaluate, stopped alike.
     history = trainer.fit(x, y, batch_size=16, epochs=1, verbose=0, validation_data=(x, y),
-                          callbacks=[_StopAfterBatch1()]).history
+                          callbacks=[StopAtBatch("stop_evaluating")]).history
     np.testing.assert_allclose(history["val_ensemble_loss"],
                                [trainer.evaluate(x[:32], y[:32], batch_size=16)["ensemble_loss"]],
                                rtol=1e-6)

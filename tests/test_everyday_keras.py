@@ -17,6 +17,7 @@ import pytest
 
 import keras_dp
 from conftest import assert_close_to_scale, assert_weights_close
+from conftest import StopAtBatch
 from conftest import devices
 
 BATCH = 7
@@ -422,24 +423,6 @@ def test_a_statistic_a_callback_sets_in_on_test_end_is_kept_as_under_keras():
 
 
 # -- Callbacks that stop evaluate or predict early ----------------------------
-
-class StopAtBatch(keras.callbacks.Callback):
-    """Sets `model.<flag>` at the end of batch `at`, as Keras's evaluate and predict honour it."""
-
-    def __init__(self, flag, at=1):
-        super().__init__()
-        self.flag, self.at = flag, at
-
-    def _stop(self, batch):
-        if batch == self.at:
-            setattr(self.model, self.flag, True)
-
-    def on_test_batch_end(self, batch, logs=None):
-        self._stop(batch)
-
-    def on_predict_batch_end(self, batch, logs=None):
-        self._stop(batch)
-
 
 def test_a_callback_stops_evaluate_predict_and_validation_early_as_under_keras():
     # model.stop_evaluating and model.stop_predicting were ignored: evaluate
