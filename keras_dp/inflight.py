@@ -19,8 +19,9 @@ import numpy as np
 class Throttle:
     """Bounds how many dispatched steps may still be running.
 
-    Items are `(first_step, finite_steps, logs)` for a call of one or more
-    steps, `finite_steps` counting its steps with a finite loss. When an item
+    Items are `(first_step, finite_steps, logs)` for a train call of one or
+    more steps, `finite_steps` counting its steps with a finite loss, or an
+    evaluation's bare logs (nothing to check: only waited for). When an item
     is finished, its loss is checked: `failure` becomes `(step, loss)` for
     the first step whose running loss is NaN or Inf. Checking only finished
     steps costs no extra wait.

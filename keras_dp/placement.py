@@ -14,8 +14,9 @@ batch; `keras_dp.global_batches.MultiProcessPlacement` assembles the global
 batches from the shares, one block per process, and `DeviceBatch.blocks`
 records each block's real rows, which the step cuts out the same way.
 
-`make_placement` picks the right one for a mesh, so that the trainer never
-asks how many processes there are.
+`make_placement` picks the right one for a mesh. How a batch is placed is
+decided here; what else differs across processes (agreeing on settings,
+stops and reads) is `keras_dp.agreement`'s.
 """
 
 import dataclasses
@@ -89,7 +90,7 @@ class Placement:
         return to_device(batch, self.mesh)
 
     def steps(self, host_batches, steps_per_execution, template, rows=None):
-        """Yield `(steps, DeviceBatch)` for a training epoch, looked ahead.
+        """Yield `(steps, DeviceBatch)` for one pass (fit, evaluate or predict), looked ahead.
 
         Runs of `steps_per_execution` batches of one row count come as one
         stacked `DeviceBatch` (`to_device_stacked`); any other batch alone.

@@ -179,9 +179,10 @@ class LiveModel:
     While `attached`, the model's `jax_state_sync` is this object's `sync`.
     Keras's `Callback.model` calls it on the JAX backend before handing the
     model to a callback, so a callback that reads `self.model` mid-epoch gets
-    the current weights; `touched` then tells the trainer to read the model
-    again before the next step, so that what the callback changed is trained
-    on. A step costs no copy unless a callback looks.
+    the current weights; before the next step, `needs_read` then compares
+    the model's arrays with those last exchanged (`touched`) and has the
+    model read only if one changed, so that what a callback changed is
+    trained on. A step costs no copy unless a callback looks.
 
     The state and the model are each labelled with their position, `(epoch,
     steps done in it)`: `position` for the live state, `model_position` for

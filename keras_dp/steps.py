@@ -82,7 +82,8 @@ def make_train_step(model, mesh, state_sharding="replicated", donate=True):
     The forward pass and loss are Keras's own stateless
     `model.compute_loss_and_updates` (`stateless_call` plus
     `stateless_compute_loss`, with regularisation losses and loss scaling);
-    the update is `optimizer.stateless_apply`. `state` is donated (its
+    the update is `optimizer.stateless_apply`. A model that overrides
+    `train_step` runs its own instead (`model_train_step`). `state` is donated (its
     buffers reused for the new state) unless `donate` is False; the new
     state comes back laid out as `state_sharding` says (`keras_dp.layout`:
     replicated by default), the logs replicated. Under `"optimizer"` and
