@@ -237,14 +237,7 @@ def local_copy(array, like=None):
     value) lies elsewhere. The result shares no buffer with `array`, so
     donating `array` later leaves it intact. A numpy array is copied as it is.
     """
-    if not isinstance(array, jax.Array):
-        return np.array(array, copy=True)
-    if not array.sharding.is_fully_replicated:  # split (`state_sharding`): gather it
-        return _gathered_copy(array, like)
-    copy = jnp.copy(array.addressable_data(0))
-    if isinstance(like, jax.Array) and like.sharding != copy.sharding:
-        copy = jax.device_put(copy, like.sharding)
-    return copy
+    return local_copies([array], [like])[0]
 
 
 def local_copies(arrays, likes):
@@ -257,10 +250,12 @@ def local_copies(arrays, likes):
     copies = [None] * len(arrays)
     shards = {}  # position -> one local shard of a replicated array
     for position, (array, like) in enumerate(zip(arrays, likes, strict=True)):
-        if isinstance(array, jax.Array) and array.sharding.is_fully_replicated:
+        if not isinstance(array, jax.Array):
+            copies[position] = np.array(array, copy=True)
+        elif array.sharding.is_fully_replicated:
             shards[position] = array.addressable_data(0)
-        else:
-            copies[position] = local_copy(array, like)
+        else:  # split (`state_sharding`): gather it
+            copies[position] = _gathered_copy(array, like)
     for position, copy in zip(shards, _fresh_copies(list(shards.values()))):
         like = likes[position]
         if isinstance(like, jax.Array) and like.sharding != copy.sharding:
@@ -288,3 +283,8 @@ def spans_processes(mesh):
 def num_devices(mesh):
     """The number of devices along the `"batch"` axis."""
     return mesh.shape[BATCH_AXIS]
+
+
+def on_cpu(mesh):
+    """Whether the mesh's devices are XLA:CPU's (simulated or not), not accelerators."""
+    return mesh.devices.flat[0].platform == "cpu"

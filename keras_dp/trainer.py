@@ -117,8 +117,9 @@ class ShardedTrainer:
     Raises:
         TypeError: `model` is not a `keras.Model`.
         TypeError: `seed`, `prefetch` or `unroll` is not an integer.
-        ValueError: the mesh is not 1-D, or an argument
-            is out of range.
+        ValueError: `steps_per_execution` or `steps_in_flight` is not an
+            int of at least 1 (their messages say what each counts), the
+            mesh is not 1-D, or an argument is out of range.
     """
 
     def __init__(self, model, optimizer=None, loss=None, metrics=None, mesh=None,
@@ -136,14 +137,13 @@ class ShardedTrainer:
         self.seed = pipeline.check_count("seed", seed, 0)
         prefetch = pipeline.check_count("prefetch", prefetch, 0)
         self.timings = []
-        on_cpu = self.mesh.devices.flat[0].platform == "cpu"
-        self.steps_in_flight = inflight.bound(steps_in_flight, on_cpu)
+        self.steps_in_flight = inflight.bound(steps_in_flight, mesh_lib.on_cpu(self.mesh))
         self.steps_per_execution = pipeline.steps_per_execution(model, steps_per_execution)
         self.placement = placement_lib.make_placement(self.mesh, prefetch)
         self.data_on_device = resident.check_option(data_on_device, self.placement.multiprocess)
         self.keep_last_good = pipeline.check_auto("keep_last_good", keep_last_good)
         if unroll is None:
-            unroll = self.steps_per_execution if on_cpu else 1
+            unroll = self.steps_per_execution if mesh_lib.on_cpu(self.mesh) else 1
         elif isinstance(unroll, bool):  # as in jax.lax.scan: all K steps, or one
             unroll = self.steps_per_execution if unroll else 1
         self.unroll = pipeline.check_count("unroll", unroll, 0)
@@ -347,7 +347,7 @@ class ShardedTrainer:
         memory_lib.check_arrays(x, y)
         batch = memory_lib.batch_of(pipeline.checked_arrays(x, y, sample_weight), batch_size)
         self.build(batch)
-        on_cpu = self.mesh.devices.flat[0].platform == "cpu"  # the choice needs no plan there
+        on_cpu = mesh_lib.on_cpu(self.mesh)  # the choice needs no plan there
         host_plan = None if on_cpu else memory_lib.plan(self, batch)
         programs = self._train_programs_for(
             not on_cpu or not memory_lib.keep_last_good(self, host_plan))
@@ -503,7 +503,7 @@ class ShardedTrainer:
             model_checks.check_trainable_unchanged(self.model)
             self._use_train_programs(donate=self.keep_last_good is not True)
             plan = None
-            if self.mesh.devices.flat[0].platform != "cpu":  # accelerators report capacity
+            if not mesh_lib.on_cpu(self.mesh):  # accelerators report capacity
                 plan = memory_lib.plan(self, batches.peek())
                 memory_lib.check_fits(plan)
             val = None
