@@ -98,15 +98,10 @@ def predict(trainer, weights, batches, callbacks):
     with contextlib.closing(placed), callbacks_lib.released_on_error(callbacks):
         for steps, x_device in placed:
             callbacks.on_predict_batch_begin(index)
-            if steps == 1:
-                output, non_trainable = trainer.programs.predict_step(
-                    (trainable, non_trainable), x_device)
-                output = jax.tree.map(lambda out: placement.local_rows(out, x_device), output)
-            else:
-                output, non_trainable = trainer.programs.predict_steps(
-                    (trainable, non_trainable), x_device)
-                output = jax.tree.map(lambda out: placement.stacked_local_rows(out, x_device),
-                                      output)
+            output, non_trainable = trainer.programs.predict(steps)(
+                (trainable, non_trainable), x_device)
+            rows = placement.local_rows if steps == 1 else placement.stacked_local_rows
+            output = jax.tree.map(lambda out: rows(out, x_device), output)  # noqa: B023
             outputs.append(output)
             index += steps
             callbacks.on_predict_batch_end(index - 1, {"outputs": output})
