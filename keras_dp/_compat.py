@@ -8,7 +8,6 @@ deep in a run.
 """
 
 import inspect
-import os
 
 from keras.src import backend as _keras_backend
 
@@ -250,23 +249,6 @@ def jax_backend_started():
     from jax._src import xla_bridge
 
     return xla_bridge.backends_are_initialized()
-
-
-def cpu_device_environment(count, environ=None):
-    """The environment that makes a new JAX start with `count` CPU devices.
-
-    Edits `XLA_FLAGS` (`--xla_force_host_platform_device_count`, XLA's own
-    flag) and sets `JAX_PLATFORMS=cpu`, in `environ` (default: a copy of
-    `os.environ`). Returns the edited mapping.
-    """
-    env = dict(os.environ) if environ is None else environ
-    flags = [
-        flag for flag in env.get("XLA_FLAGS", "").split()
-        if not flag.startswith("--xla_force_host_platform_device_count")
-    ]
-    env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={count}"])
-    env["JAX_PLATFORMS"] = "cpu"
-    return env
 
 
 def distributed_client():

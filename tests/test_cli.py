@@ -385,3 +385,15 @@ def test_ctrl_c_while_saving_names_what_was_written_and_what_may_be_incomplete()
         "incomplete.")
     assert cli.interrupted_message({"m.keras": True, "c.png": True}) == (
         "keras-dp train: stopped by Ctrl-C after training; wrote m.keras, c.png.")
+
+
+def test_cpu_device_environment_replaces_the_count_and_keeps_other_flags():
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_dump_to=/tmp/x"}
+    cli.cpu_device_environment(3, env)
+    assert env["XLA_FLAGS"].split() == [
+        "--xla_dump_to=/tmp/x", "--xla_force_host_platform_device_count=3"]
+    assert env["JAX_PLATFORMS"] == "cpu"
+    before = dict(os.environ)
+    copy = cli.cpu_device_environment(2)  # a copy of os.environ, edited
+    assert copy["XLA_FLAGS"].endswith("--xla_force_host_platform_device_count=2")
+    assert dict(os.environ) == before

@@ -139,18 +139,6 @@ def test_distributed_client_is_none_in_a_single_process_and_has_the_store_api():
         assert hasattr(_jax.DistributedRuntimeClient, method)
 
 
-def test_cpu_device_environment_replaces_the_count_and_keeps_other_flags():
-    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_dump_to=/tmp/x"}
-    _compat.cpu_device_environment(3, env)
-    assert env["XLA_FLAGS"].split() == [
-        "--xla_dump_to=/tmp/x", "--xla_force_host_platform_device_count=3"]
-    assert env["JAX_PLATFORMS"] == "cpu"
-    before = dict(os.environ)
-    copy = _compat.cpu_device_environment(2)  # a copy of os.environ, edited
-    assert copy["XLA_FLAGS"].endswith("--xla_force_host_platform_device_count=2")
-    assert dict(os.environ) == before
-
-
 def test_custom_step_tells_an_override_from_kerass_own():
     model, _, _ = _compiled_mlp()
     assert not _compat.custom_step(model, "train_step")

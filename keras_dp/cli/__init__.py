@@ -337,7 +337,22 @@ def use_cpu_devices(count):
             "longer change. Set XLA_FLAGS=--xla_force_host_platform_device_count"
             f"={count} before starting Python, or restart the kernel."
         )
-    _compat.cpu_device_environment(count, environ=os.environ)
+    cpu_device_environment(count, environ=os.environ)
+
+
+def cpu_device_environment(count, environ=None):
+    """The environment that makes a new JAX start with `count` CPU devices.
+
+    Edits `XLA_FLAGS` (`--xla_force_host_platform_device_count`, XLA's own
+    flag) and sets `JAX_PLATFORMS=cpu`, in `environ` (default: a copy of
+    `os.environ`). Returns the edited mapping.
+    """
+    env = dict(os.environ) if environ is None else environ
+    flags = [flag for flag in env.get("XLA_FLAGS", "").split()
+             if not flag.startswith(_DEVICE_COUNT_FLAG)]
+    env["XLA_FLAGS"] = " ".join(flags + [f"{_DEVICE_COUNT_FLAG}={count}"])
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
 
 
 def default_cpu_devices(environ):

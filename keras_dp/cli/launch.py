@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 
-from keras_dp import _compat
+from keras_dp import cli
 from keras_dp import distributed
 from keras_dp import preemption
 
@@ -137,7 +137,7 @@ def child_environment(index, processes, address, cpu_devices=None):
     env[distributed.PROCESS_ID_ENV] = str(index)
     env["PYTHONUNBUFFERED"] = "1"  # lines arrive as they are printed
     if cpu_devices is not None:
-        _compat.cpu_device_environment(cpu_devices, env)
+        cli.cpu_device_environment(cpu_devices, env)
     return env
 
 
