@@ -108,7 +108,7 @@ def plan(trainer, batch, step=None, arguments=None):
     model must be built (`trainer.build(batch)`).
     """
     state = TrainState.abstract_of(trainer.model, trainer.state_layout())
-    per_group = state_bytes(trainer)
+    per_group = state_bytes(trainer, state)
     resident_data = 0
     if arguments is None:
         arguments = (placement.abstract_batch(batch, pipeline.batch_rows(batch), trainer.mesh),)
@@ -128,9 +128,14 @@ def plan(trainer, batch, step=None, arguments=None):
     )
 
 
-def state_bytes(trainer):
-    """`{group: bytes per device}` of the built model's training state, as laid out."""
-    state = TrainState.abstract_of(trainer.model, trainer.state_layout())
+def state_bytes(trainer, state=None):
+    """`{group: bytes per device}` of the built model's training state, as laid out.
+
+    `state`: that state, abstract (`TrainState.abstract_of`), when the
+    caller has made it already.
+    """
+    if state is None:
+        state = TrainState.abstract_of(trainer.model, trainer.state_layout())
     return {name: sum(map(layout.bytes_per_device, values)) for name, values in state.groups()}
 
 
