@@ -58,6 +58,29 @@ def check_data(model, *data):
             batches.check_labels(check, what)
 
 
+# The loss functions Keras exports; each `keras.losses.Loss` class wraps one.
+_KERAS_LOSS_FUNCTIONS = frozenset(
+    value for name, value in vars(keras.losses).items()
+    if callable(value) and not isinstance(value, type) and name not in (
+        "get", "serialize", "deserialize"))
+
+
+def keras_loss_function(loss):
+    """The `keras.losses` function that `loss` names, is or wraps, or None.
+
+    `loss`: a name (`"mse"`), a `keras.losses.Loss` object or a function.
+    None for a loss of the user's own (or one Keras does not export), by
+    identity with what `keras.losses` exports, not by where it is defined.
+    """
+    if isinstance(loss, str):
+        try:
+            loss = keras.losses.get(loss)
+        except ValueError:
+            return None
+    function = _compat.loss_function(loss)
+    return function if function in _KERAS_LOSS_FUNCTIONS else None
+
+
 def _is_slot(value):
     return value is None or isinstance(value, tuple)
 
@@ -68,13 +91,9 @@ def _sparse_losses(loss):
         return {key: _sparse_losses(value) for key, value in loss.items()}
     if isinstance(loss, (list, tuple)):
         return [_sparse_losses(value) for value in loss]
-    if isinstance(loss, str):
-        try:
-            loss = keras.losses.get(loss)
-        except ValueError:
-            return None
-    if _compat.loss_function(loss) is not keras.losses.sparse_categorical_crossentropy:
+    if keras_loss_function(loss) is not keras.losses.sparse_categorical_crossentropy:
         return None
+    loss = keras.losses.get(loss) if isinstance(loss, str) else loss
     config = loss.get_config() if hasattr(loss, "get_config") else {}
     return (config.get("ignore_class"),)
 

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import keras_dp
+from keras_dp import labels
 from conftest import BatchEnds, assert_weights_close, devices
 
 ROWS = 96
@@ -109,3 +110,18 @@ def test_nested_outputs_train_as_keras_and_their_class_ids_are_checked(data):
     bad[7] = 3
     with pytest.raises(ValueError, match=r"of the training data \(output cls\).*y\[7\] = 3 .*from 0 to 2"):
         fit(nested_outputs(), x, (labels[0], {"cls": bad}), batch_size=40)
+
+
+def test_keras_loss_function_knows_kerass_losses_by_identity_not_by_module():
+    sparse = keras.losses.sparse_categorical_crossentropy
+    assert labels.keras_loss_function("sparse_categorical_crossentropy") is sparse
+    assert labels.keras_loss_function(keras.losses.SparseCategoricalCrossentropy()) is sparse
+    assert labels.keras_loss_function(sparse) is sparse
+    assert labels.keras_loss_function("mse") is keras.losses.mean_squared_error
+    assert labels.keras_loss_function(keras.losses.Huber()) is keras.losses.huber
+
+    def my_loss(y_true, y_pred):
+        return keras.ops.mean(keras.ops.abs(y_true - y_pred))
+
+    assert labels.keras_loss_function(my_loss) is None
+    assert labels.keras_loss_function("no_such_loss") is None

@@ -14,6 +14,7 @@ import keras
 import numpy as np
 
 from keras_dp import _compat
+from keras_dp import labels
 from keras_dp import mesh as mesh_lib
 from keras_dp.state import TrainState
 from keras_dp.state import write_back
@@ -215,7 +216,7 @@ def read_from_logits(model, from_logits=None):
     loss = model.loss
     if isinstance(loss, keras.losses.Loss) and "from_logits" in loss.get_config():
         return bool(loss.get_config()["from_logits"])
-    if isinstance(loss, str) or getattr(loss, "__module__", "").startswith("keras."):
+    if isinstance(loss, str) or labels.keras_loss_function(loss) is not None:
         return False
     raise ValueError(
         "Cannot tell from the compiled loss whether the models output logits "
@@ -244,11 +245,8 @@ def check_classifier(model):
             categorical, sparse categorical, focal categorical
             cross-entropy or KL divergence.
     """
-    loss = keras.losses.get(model.loss) if isinstance(model.loss, str) else model.loss
-    function = _compat.loss_function(loss)
-    module = getattr(function, "__module__", None) or ""
-    name = getattr(function, "__name__", "")
-    if module.startswith("keras.") and name not in _CLASS_LOSSES:
+    function = labels.keras_loss_function(model.loss)
+    if function is not None and function.__name__ not in _CLASS_LOSSES:
         raise ValueError(
             "fit_ensemble trains multi-class classifiers: it averages the "
             "members' class probabilities and scores them by cross-entropy and "
