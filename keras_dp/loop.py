@@ -2,7 +2,8 @@
 
 `fit` runs epochs; each epoch is `start_epoch` (callbacks, the state in),
 `train_batches` (batches from a feed: host batches placed on the devices,
-`HostFeed`, or rows gathered from data kept there, `resident.ResidentFeed`;
+`placement.HostFeed`, or rows gathered from data kept there,
+`resident.ResidentFeed`;
 one compiled call per step or per K steps, callbacks around each),
 `validate` (`keras_dp.inference.evaluate` with the live weights), and the
 epoch's end (`end_epoch`: a checkpoint, a preemption exit). The state of the epoch in progress is held by a
@@ -28,7 +29,6 @@ from keras_dp import explain
 from keras_dp import inference
 from keras_dp import inflight
 from keras_dp import model_checks
-from keras_dp import placement as placement_lib
 from keras_dp import preemption as preemption_lib
 from keras_dp import programs as programs_lib
 from keras_dp import timing
@@ -57,50 +57,17 @@ class FitRun:
         return self.trainer.model
 
 
-class HostFeed:
-    """The epochs of a fit from host batches: placed on the devices batch by batch.
-
-    `epoch` yields `(steps, DeviceBatch)` (`placement.steps`: K-step stacks
-    and single batches, looked ahead); `call` runs the trainer's compiled
-    steps. `keras_dp.resident.ResidentFeed` is the other feed.
-    """
-
-    def __init__(self, trainer, batches):
-        self._trainer, self._batches = trainer, batches
-
-    def epoch(self, epoch, skip):
-        """Yield `(steps, DeviceBatch)` for epoch `epoch` after its first `skip` steps."""
-        host_batches = self._batches.epoch(epoch, skip)
-        return self._trainer.placement.steps(
-            host_batches, self._trainer.steps_per_execution, self._batches.peek(),
-            placement_lib.planned_rows(self._batches, skip))
-
-    def program(self, steps):
-        """The jitted program of a call of `steps` steps, and its arguments before the batch."""
-        return self._trainer.programs.train(steps), ()
-
-    def call(self, state, steps, device_batch):
-        """Run one compiled call: `(state, logs, finite)`.
-
-        `finite` counts a K-step call's steps with a finite loss; 0 for one
-        step (if its loss is not finite, it is the first bad one).
-        """
-        if steps == 1:
-            state, logs = self._trainer.programs.train_step(state, device_batch)
-            return state, logs, 0
-        return self._trainer.programs.train_steps(state, device_batch)
-
-
-def fit(trainer, batches, val, callbacks, *, epochs, resume, validation_freq,
-        checkpoints=None, feed=None, profile_dir=None):
+def fit(trainer, batches, val, callbacks, *, epochs, resume, validation_freq, feed,
+        checkpoints=None, profile_dir=None):
     """Train from `resume` to epoch `epochs - 1`; return the model's History.
 
     `resume` (a `checkpoint.Position`) is the epoch to start at and how many
     of its steps a restored checkpoint has done already; a
     `keras.callbacks.BackupAndRestore` that restores a backup in
     `on_train_begin` moves the start, as under `model.fit`. `feed` brings
-    the batches to the steps (default: a `HostFeed`; its programs are
-    compiled ahead where the epoch's plan is known,
+    the batches to the steps (`placement.HostFeed` or
+    `resident.ResidentFeed`, as `resident.make_feed` chose; its programs
+    are compiled ahead where the epoch's plan is known,
     `programs.CompilingFeed`, and with them, during the first epoch, the
     validation's, if any epoch validates). Each epoch's
     `timing.EpochTimer.result()` is appended to `trainer.timings`, emptied
@@ -124,8 +91,7 @@ def fit(trainer, batches, val, callbacks, *, epochs, resume, validation_freq,
     model.stop_training = False
     last = resume.epoch if resume.stopped else epochs  # a stopped run trains nothing
     validation = _validation_programs(trainer, val, range(resume.epoch, last), validation_freq)
-    feed = programs_lib.CompilingFeed(feed or HostFeed(trainer, batches), trainer, batches,
-                                      validation)
+    feed = programs_lib.CompilingFeed(feed, trainer, batches, validation)
     before_gather = None
     if trainer.reads_collectively:
         before_gather = functools.partial(agreement.same_read, trainer.placement)

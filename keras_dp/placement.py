@@ -197,6 +197,31 @@ def pad_rows(batch, size):
     return jax.tree.map(pad, batch)
 
 
+class HostFeed:
+    """The epochs of a fit from host batches: placed on the devices batch by batch.
+
+    `epoch` yields `(steps, DeviceBatch)` (`Placement.steps`: K-step stacks
+    and single batches, looked ahead); `program` is the trainer's train
+    program for a call (`keras_dp.programs.run_call` runs it).
+    `keras_dp.resident.ResidentFeed` is the other feed;
+    `keras_dp.resident.make_feed` chooses.
+    """
+
+    def __init__(self, trainer, batches):
+        self._trainer, self._batches = trainer, batches
+
+    def epoch(self, epoch, skip):
+        """Yield `(steps, DeviceBatch)` for epoch `epoch` after its first `skip` steps."""
+        host_batches = self._batches.epoch(epoch, skip)
+        return self._trainer.placement.steps(
+            host_batches, self._trainer.steps_per_execution, self._batches.peek(),
+            planned_rows(self._batches, skip))
+
+    def program(self, steps):
+        """The jitted program of a call of `steps` steps, and its arguments before the batch."""
+        return self._trainer.programs.train(steps), ()
+
+
 def planned_rows(batches, skip=0):
     """Each coming host batch's row count, when known before reading: a list, or None.
 

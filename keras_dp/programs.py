@@ -5,7 +5,7 @@ steps, then the remainder (a partial last batch, or the last steps that do
 not fill a call of K), each of its own shape, so each its own program.
 Left to `jax.jit`, the remainder's program compiles when it is first
 called, at the end of epoch 1, while the devices wait. `CompilingFeed`
-wraps a fit's feed (`loop.HostFeed` or `resident.ResidentFeed`) and
+wraps a fit's feed (`placement.HostFeed` or `resident.ResidentFeed`) and
 compiles every program explicitly with `jitted.lower(...).compile()`,
 whose executable `jax.jit` then reuses for the same shapes and shardings
 (no second compile; `tests/test_programs.py` counts them): a new shape's
@@ -44,15 +44,27 @@ from keras_dp import placement
 from keras_dp import resident
 
 
+def run_call(feed, state, steps, batch):
+    """Run one compiled call of `feed`'s program for `steps` steps: `(state, logs, finite)`.
+
+    `finite` counts a K-step call's steps with a finite loss; 0 for one
+    step (if its loss is not finite, it is the first bad one).
+    """
+    jitted, leading = feed.program(steps)
+    result = jitted(state, *leading, batch)
+    return (*result, 0) if steps == 1 else result
+
+
 class CompilingFeed:
     """A fit's feed, its programs compiled per call shape and their FLOPs counted.
 
-    Has the feed's interface (`epoch`, `call`); `flops` is the FLOPs of the
-    calls since the current epoch began (summed over the devices), or None
-    where XLA gives no count.
+    `epoch` is the feed's; `call` runs a call (`run_call`), its program
+    compiled first if new. `flops` is the FLOPs of the calls since the
+    current epoch began (summed over the devices), or None where XLA gives
+    no count.
 
     Args:
-        feed: the feed to run (`loop.HostFeed`, `resident.ResidentFeed`);
+        feed: the feed to run (`placement.HostFeed`, `resident.ResidentFeed`);
             its `program(steps)` is `(jitted, leading arguments)`.
         trainer: the `ShardedTrainer` (its mesh, `steps_per_execution`,
             `unroll`).
@@ -95,7 +107,7 @@ class CompilingFeed:
             self._flops[key] = self._call_flops(self._compiled(state, steps, batch, key), steps)
         flops = self._flops[key]
         self.flops = None if flops is None or self.flops is None else self.flops + flops
-        result = self._feed.call(state, steps, batch)
+        result = run_call(self._feed, state, steps, batch)
         if self._plan is not None or self._validation is not None:  # a first call is on its way
             plan, self._plan = self._plan or [], None
             validation, self._validation = self._validation, None

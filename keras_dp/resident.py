@@ -107,7 +107,7 @@ def fits(nbytes, mesh, peak=None):
 
 
 def make_feed(trainer, batches, plan=None):
-    """The `ResidentFeed` for this fit, or `None` for the host path.
+    """The feed of this fit: a `ResidentFeed`, else `placement.HostFeed`.
 
     Decides by `trainer.data_on_device` (see the module doc) and, where
     given, the fit's `MemoryPlan` of its train step (`fits`).
@@ -128,7 +128,7 @@ def make_feed(trainer, batches, plan=None):
             "without this warning.", stacklevel=3)
     if choice is True:
         raise refusal(why_not)
-    return None
+    return placement.HostFeed(trainer, batches)
 
 
 def refusal(why_not):
@@ -196,8 +196,9 @@ class ResidentFeed:
     """The epochs of a fit on resident arrays, for `keras_dp.loop`.
 
     Places `batches.arrays` on the mesh, replicated, when made; `epoch`
-    yields `(steps, Rows)` in the grouping `placement.steps` gives host
-    batches, and `call` runs the trainer's resident programs.
+    yields `(steps, Rows)` in the grouping `Placement.steps` gives host
+    batches, and `program` is the trainer's resident program for a call
+    (`keras_dp.programs.run_call` runs it).
     """
 
     def __init__(self, trainer, batches):
@@ -228,12 +229,6 @@ class ResidentFeed:
         """The jitted program of a call of `steps` steps, and its arguments before `rows`."""
         return self._trainer.programs.resident(steps), (self._arrays,)
 
-    def call(self, state, steps, rows):
-        """Run one compiled call: `(state, logs, finite)` as `loop.train_call` wants."""
-        if steps == 1:
-            state, logs = self._trainer.programs.resident_step(state, self._arrays, rows)
-            return state, logs, 0
-        return self._trainer.programs.resident_steps(state, self._arrays, rows)
 
 
 def abstract_arguments(batches, mesh):

@@ -117,7 +117,8 @@ def test_ahead_of_time_trains_bitwise_as_jit_alone_and_counts_its_flops(mnist, m
     assert len(compiled) == 3  # each program once, all before the epoch's last call ended
     with monkeypatch.context() as patch:
         patch.setattr(programs.CompilingFeed, "call",
-                      lambda self, state, steps, batch: self._feed.call(state, steps, batch))
+                      lambda self, state, steps, batch: programs.run_call(
+                          self._feed, state, steps, batch))
         plain, compiled = fit_small(x, y)
     assert len(compiled) == 3  # jax.jit alone
     assert all(np.array_equal(a, b)
