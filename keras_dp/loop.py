@@ -33,7 +33,6 @@ from keras_dp import preemption as preemption_lib
 from keras_dp import programs as programs_lib
 from keras_dp import timing
 from keras_dp.state import LiveModel
-from keras_dp.state import fresh_metrics
 
 
 @dataclasses.dataclass
@@ -254,8 +253,7 @@ def start_epoch(run, epoch, skip):
     if needs_read:
         live.read(trainer.init_state(), (epoch, skip))
     elif not skip:
-        live.state = live.state._replace(metrics=fresh_metrics(
-            run.model, trainer.mesh, trainer.state_layout().metrics))
+        live.state = trainer.reset_metrics(live.state)
     run.timer.lap("other_s")
 
 
