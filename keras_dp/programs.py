@@ -1,4 +1,8 @@
-"""The programs of a fit and an evaluation: compiled once per call shape, the rest ahead.
+"""A trainer's jitted programs, compiled once per call shape, the rest ahead of use.
+
+`Programs` is the set of jitted programs a `ShardedTrainer` holds
+(`trainer.programs`), made by `keras_dp.steps` and `keras_dp.resident`;
+the loops call them through it.
 
 An epoch of array data has a plan known before it starts: its calls of K
 steps, then the remainder (a partial last batch, or the last steps that do
@@ -35,6 +39,8 @@ every call of an epoch (`flops`) at no extra compile, for
 
 import concurrent.futures
 import threading
+from typing import Any
+from typing import NamedTuple
 
 import jax
 
@@ -42,6 +48,51 @@ from keras_dp import mesh as mesh_lib
 from keras_dp import pipeline
 from keras_dp import placement
 from keras_dp import resident
+
+
+class Programs(NamedTuple):
+    """A trainer's jitted programs, each for one step and for K steps per call.
+
+    `train_step(state, batch) -> (state, logs)` and `train_steps(state,
+    stacked) -> (state, logs, finite)` (`keras_dp.steps.make_train_step`,
+    `make_multi_train_step`); `resident_step(state, arrays, rows)` and
+    `resident_steps`, the same over data kept on the devices
+    (`keras_dp.resident.make_steps`); `test_step`/`test_steps` and
+    `predict_step`/`predict_steps` (`keras_dp.steps.make_test_step`,
+    `make_predict_step` and their K-step forms). The train programs donate their state or keep
+    it, as the trainer's fit chose (`ShardedTrainer.keeps_last_good`).
+    `train(steps)`, `resident(steps)`, `test(steps)` and `predict(steps)`
+    pick the program of a call of `steps` steps.
+    """
+
+    train_step: Any
+    train_steps: Any
+    resident_step: Any
+    resident_steps: Any
+    test_step: Any
+    test_steps: Any
+    predict_step: Any
+    predict_steps: Any
+
+    def train(self, steps):
+        """The train program of a call of `steps` steps (one step, or K in one program)."""
+        return self.train_step if steps == 1 else self.train_steps
+
+    def resident(self, steps):
+        """The train program over resident data of a call of `steps` steps."""
+        return self.resident_step if steps == 1 else self.resident_steps
+
+    def test(self, steps):
+        """The test program of a call of `steps` steps."""
+        return self.test_step if steps == 1 else self.test_steps
+
+    def predict(self, steps):
+        """The predict program of a call of `steps` steps."""
+        return self.predict_step if steps == 1 else self.predict_steps
+
+
+# The train programs that `ShardedTrainer` makes for each choice of donation.
+TRAIN_PROGRAMS = ("train_step", "train_steps", "resident_step", "resident_steps")
 
 
 def run_call(feed, state, steps, batch):

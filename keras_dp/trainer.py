@@ -33,6 +33,7 @@ from keras_dp import model_checks
 from keras_dp import peers
 from keras_dp import pipeline
 from keras_dp import placement as placement_lib
+from keras_dp import programs as programs_lib
 from keras_dp import resident
 from keras_dp import state as state_lib
 from keras_dp import steps as steps_lib
@@ -112,7 +113,7 @@ class ShardedTrainer:
         keeps_last_good: whether the train programs keep their input state
             (chosen by each fit, from `keep_last_good`).
         programs: the jitted programs the loops call, for one step and for
-            K steps of each kind (`keras_dp.steps.Programs`).
+            K steps of each kind (`keras_dp.programs.Programs`).
 
     Raises:
         TypeError: `model` is not a `keras.Model`.
@@ -149,8 +150,8 @@ class ShardedTrainer:
         self.unroll = pipeline.check_count("unroll", unroll, 0)
         mode = self.state_sharding
         self._train_programs = {}  # donate -> the four train programs
-        self.programs = steps_lib.Programs(
-            *[None] * len(steps_lib.TRAIN_PROGRAMS),  # set just below
+        self.programs = programs_lib.Programs(
+            *[None] * len(programs_lib.TRAIN_PROGRAMS),  # set just below
             steps_lib.make_test_step(model, self.mesh, mode),
             steps_lib.make_multi_test_step(model, self.mesh, self.unroll, mode),
             steps_lib.make_predict_step(model, self.mesh, mode),
@@ -166,7 +167,7 @@ class ShardedTrainer:
         """The four train programs that donate their state, or keep it, by name; each made once."""
         if donate not in self._train_programs:
             model, mesh, unroll, mode = self.model, self.mesh, self.unroll, self.state_sharding
-            self._train_programs[donate] = dict(zip(steps_lib.TRAIN_PROGRAMS, (
+            self._train_programs[donate] = dict(zip(programs_lib.TRAIN_PROGRAMS, (
                 steps_lib.make_train_step(model, mesh, mode, donate=donate),
                 steps_lib.make_multi_train_step(model, mesh, unroll, mode, donate=donate),
                 *resident.make_steps(model, mesh, unroll, mode, donate=donate)), strict=True))
