@@ -252,7 +252,7 @@ def abstract_arguments(batches, mesh):
                         min(batches.batch_size, total))
 
 
-def make_steps(model, mesh, unroll=1, state_sharding="replicated", donate=True):
+def make_steps(model, mesh, *, unroll, state_sharding, donate):
     """Return the jitted resident programs `(train_step, train_steps)`.
 
     `train_step(state, arrays, rows) -> (state, logs)` and

@@ -29,17 +29,17 @@ from keras_dp import placement
 from keras_dp.state import TrainState
 
 
-def make_train_step(model, mesh, state_sharding="replicated", donate=True):
+def make_train_step(model, mesh, *, state_sharding, donate):
     """Return the jitted `train_step(state, batch) -> (state, logs)`.
 
     The forward pass and loss are Keras's own stateless
     `model.compute_loss_and_updates` (`stateless_call` plus
     `stateless_compute_loss`, with regularisation losses and loss scaling);
     the update is `optimizer.stateless_apply`. A model that overrides
-    `train_step` runs its own instead (`model_train_step`). `state` is donated (its
-    buffers reused for the new state) unless `donate` is False; the new
-    state comes back laid out as `state_sharding` says (`keras_dp.layout`:
-    replicated by default), the logs replicated. Under `"optimizer"` and
+    `train_step` runs its own instead (`model_train_step`). `state` is
+    donated (its buffers reused for the new state) unless `donate` is
+    False; the new state comes back laid out as `state_sharding` says
+    (`keras_dp.layout`), the logs replicated. Under `"optimizer"` and
     `"full"` the gradients are constrained to the split layout before the
     update, so each device updates its own slice (`keras_dp.layout` says
     which collectives XLA makes of that).
@@ -80,7 +80,7 @@ def donated(donate):
     return 0 if donate else ()
 
 
-def make_multi_train_step(model, mesh, unroll=1, state_sharding="replicated", donate=True):
+def make_multi_train_step(model, mesh, *, unroll, state_sharding, donate):
     """Return the jitted `train_steps(state, batches) -> (state, logs, finite)`.
 
     `batches` is a stacked `DeviceBatch` (`placement.to_device_stacked`): K
@@ -121,7 +121,7 @@ def scan_train_steps(step, state, batches, unroll, mesh):
     return state, last, _replicated(jnp.asarray(finite), mesh)
 
 
-def sharded_train_step(model, mesh, state_sharding="replicated"):
+def sharded_train_step(model, mesh, state_sharding):
     """The unjitted `step(state, batch) -> (state, logs)` every train program runs.
 
     `batch` is a `DeviceBatch`; the step cuts it to its real rows, runs
@@ -205,7 +205,7 @@ def model_train_step(model, constrain_grads=None):
     return train_step
 
 
-def make_test_step(model, mesh, state_sharding="replicated"):
+def make_test_step(model, mesh, *, state_sharding):
     """Return the jitted `test_step(weights, metrics, batch) -> (non_trainable, metrics, logs)`.
 
     `weights` is the `(trainable, non_trainable)` pair, read but not
@@ -220,7 +220,7 @@ def make_test_step(model, mesh, state_sharding="replicated"):
     return jax.jit(_test_step(model, mesh, state_sharding), donate_argnums=1)
 
 
-def make_multi_test_step(model, mesh, unroll=1, state_sharding="replicated"):
+def make_multi_test_step(model, mesh, *, unroll, state_sharding):
     """Return the jitted `test_steps(weights, metrics, batches) -> (non_trainable, metrics, logs)`.
 
     K test steps in one program, each exactly the step of `make_test_step`:
@@ -283,7 +283,7 @@ def _test_step(model, mesh, state_sharding):
     return test_step
 
 
-def make_predict_step(model, mesh, state_sharding="replicated"):
+def make_predict_step(model, mesh, *, state_sharding):
     """Return the jitted `predict_step(weights, batch) -> (y_pred, non_trainable)`.
 
     `batch` is a `DeviceBatch` of inputs. `y_pred` has as many rows as the
@@ -298,7 +298,7 @@ def make_predict_step(model, mesh, state_sharding="replicated"):
     return jax.jit(_predict_step(model, mesh, state_sharding))
 
 
-def make_multi_predict_step(model, mesh, unroll=1, state_sharding="replicated"):
+def make_multi_predict_step(model, mesh, *, unroll, state_sharding):
     """Return the jitted `predict_steps(weights, batches) -> (y_pred, non_trainable)`.
 
     K predict steps in one program over a stacked `DeviceBatch`, each

@@ -152,10 +152,12 @@ class ShardedTrainer:
         self._train_programs = {}  # donate -> the four train programs
         self.programs = programs_lib.Programs(
             *[None] * len(programs_lib.TRAIN_PROGRAMS),  # set just below
-            steps_lib.make_test_step(model, self.mesh, mode),
-            steps_lib.make_multi_test_step(model, self.mesh, self.unroll, mode),
-            steps_lib.make_predict_step(model, self.mesh, mode),
-            steps_lib.make_multi_predict_step(model, self.mesh, self.unroll, mode))
+            steps_lib.make_test_step(model, self.mesh, state_sharding=mode),
+            steps_lib.make_multi_test_step(model, self.mesh, unroll=self.unroll,
+                                           state_sharding=mode),
+            steps_lib.make_predict_step(model, self.mesh, state_sharding=mode),
+            steps_lib.make_multi_predict_step(model, self.mesh, unroll=self.unroll,
+                                              state_sharding=mode))
         self._use_train_programs(donate=self.keep_last_good is not True)
 
     def _use_train_programs(self, donate):
@@ -168,9 +170,11 @@ class ShardedTrainer:
         if donate not in self._train_programs:
             model, mesh, unroll, mode = self.model, self.mesh, self.unroll, self.state_sharding
             self._train_programs[donate] = dict(zip(programs_lib.TRAIN_PROGRAMS, (
-                steps_lib.make_train_step(model, mesh, mode, donate=donate),
-                steps_lib.make_multi_train_step(model, mesh, unroll, mode, donate=donate),
-                *resident.make_steps(model, mesh, unroll, mode, donate=donate)), strict=True))
+                steps_lib.make_train_step(model, mesh, state_sharding=mode, donate=donate),
+                steps_lib.make_multi_train_step(model, mesh, unroll=unroll, state_sharding=mode,
+                                                donate=donate),
+                *resident.make_steps(model, mesh, unroll=unroll, state_sharding=mode,
+                                     donate=donate)), strict=True))
         return self._train_programs[donate]
 
     @property

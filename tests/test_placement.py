@@ -51,7 +51,7 @@ def test_a_batch_of_blocks_trains_like_its_real_rows_concatenated(mnist):
         results.append((jax.device_get(state.trainable), jax.device_get(logs)))
     for a, b in zip(*(jax.tree.leaves(result) for result in results)):
         assert_close_to_scale(a, b)
-    predictions, _ = keras_dp.steps.make_predict_step(trainer.model, mesh)(
+    predictions, _ = keras_dp.steps.make_predict_step(trainer.model, mesh, state_sharding="replicated")(
         keras_dp.state.model_weights(trainer.model, mesh),
         placement.DeviceBatch(blocked.data[0], 8, (5, 3)),
     )
