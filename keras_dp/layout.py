@@ -28,6 +28,7 @@ the same steps as `"replicated"` up to float summation order.
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
@@ -71,7 +72,10 @@ def variable_sharding(shape, dtype, mesh, split=True):
         split: whether this variable's group is split in the current mode.
     """
     devices = mesh_lib.num_devices(mesh)
-    if (not split or devices == 1 or not np.issubdtype(np.dtype(dtype), np.floating)
+    # jnp's issubdtype, not numpy's: numpy counts no ml_dtypes type
+    # (bfloat16, float8_*) as floating, and a "bfloat16" model's weights
+    # would then all stay replicated.
+    if (not split or devices == 1 or not jnp.issubdtype(dtype, jnp.floating)
             or int(np.prod(shape, dtype=np.int64)) < MIN_SPLIT_SIZE):
         return mesh_lib.replicated(mesh)
     candidates = [axis for axis, size in enumerate(shape) if size % devices == 0]

@@ -29,6 +29,52 @@ def test_the_split_axis_is_the_largest_that_divides_and_small_variables_stay_who
     assert tuple(layout.variable_sharding((4096, 4), "float32", mesh, split=False).spec) == ()
 
 
+
+def bfloat16_model():
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,)),
+                              keras.layers.Dense(128, activation="tanh", dtype="bfloat16"),
+                              keras.layers.Dense(4, dtype="bfloat16")])
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def test_a_bfloat16_models_weights_and_slots_are_split_like_float32_ones():
+    # numpy's issubdtype counts no ml_dtypes type as floating: a "bfloat16"
+    # model's state stayed whole on every device under "full".
+    mesh = keras_dp.make_mesh(devices(4))
+    for dtype in ("bfloat16", "float16", "float8_e4m3fn"):
+        assert tuple(layout.variable_sharding((64, 128), dtype, mesh).spec) == (None, "batch")
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((64, 64)).astype("float32"), rng.integers(0, 4, 64)
+    trainer = keras_dp.ShardedTrainer(bfloat16_model(), devices=devices(4), state_sharding="full")
+    trainer.build((x[:16], y[:16]))
+    state = trainer.init_state()
+    kernel, momentum = state.trainable[0], state.optimizer[2]  # (64, 128): split in 4
+    for array in (kernel, momentum):
+        assert array.dtype == "bfloat16" and tuple(array.sharding.spec) == (None, "batch")
+    held = {name: sum(s.data.nbytes for v in values for s in v.addressable_shards
+                      if s.device == devices(1)[0]) for name, values in state.groups()}
+    plan = keras_dp.memory_plan(bfloat16_model(), x[:4], y[:4], batch_size=16,
+                                devices=devices(4), state_sharding="full")
+    assert held["trainable"] == plan.weights == 2 * (64 * 128 // 4 + 128 + 128 * 4 + 4)
+    assert held["optimizer"] == plan.optimizer
+
+
+def test_a_bfloat16_model_trained_split_equals_replicated_to_bfloat16_rounding():
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((64, 64)).astype("float32"), rng.integers(0, 4, 64)
+    models = {mode: bfloat16_model() for mode in ("replicated", "full")}
+    for mode, model in models.items():
+        keras_dp.fit_sharded(model, x, y, batch_size=16, epochs=1, shuffle=False, verbose=0,
+                             devices=devices(4), state_sharding=mode)
+    for a, b in zip(weights(models["full"]), weights(models["replicated"])):
+        assert_close_to_scale(a.astype("float32"), b.astype("float32"), 2 ** -6)
+
+
 @pytest.mark.slow  # the float64 test below checks the same, stricter
 def test_each_mode_trains_the_same_steps_as_replicated_in_float32(mnist):
     (x, y), _ = mnist
