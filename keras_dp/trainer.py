@@ -119,6 +119,9 @@ class ShardedTrainer:
         TypeError: `seed`, `prefetch` or `unroll` is not an integer.
         ValueError: the mesh is not 1-D, or an argument
             is out of range.
+        ValueError: `optimizer`, `loss` or `metrics` is given for a model
+            whose own `compile` takes arguments Keras's does not (a
+            `Distiller`'s `alpha`): compile it yourself instead.
     """
 
     def __init__(self, model, optimizer=None, loss=None, metrics=None, mesh=None,

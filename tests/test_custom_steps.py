@@ -217,3 +217,46 @@ def test_a_metric_updated_in_call_is_refused_naming_the_layer():
         keras_dp.fit_sharded(model, {"image": np.ones((8, 4), "float32"),
                                      "target": np.zeros(8, "int32")}, verbose=0, devices=devices(2))
     assert error.value.__cause__ is None
+
+
+class ScaledLoss(keras.Model):
+    """A model with a compile of its own, whose `alpha` scales the compiled loss."""
+
+    def compile(self, alpha=1.0, **kwargs):
+        super().compile(**kwargs)
+        self.alpha = alpha
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        return self.alpha * super().compute_loss(x, y, y_pred, sample_weight, training)
+
+
+@pytest.mark.parametrize("override", [dict(metrics=["mae"]),
+                                      dict(optimizer=keras.optimizers.Adam(), loss="mae")])
+def test_a_model_with_its_own_compile_is_not_recompiled_without_its_arguments(override):
+    # keras_dp's optimizer=/loss=/metrics= recompiled through the model's own
+    # compile without its alpha: reset to 1.0, the loss trained 10x larger
+    # than the user's compile(alpha=0.1) asked, without a word (a keras.io
+    # Distiller's compile, with required arguments, failed inside keras_dp).
+    model = _scaled_loss(override.get("metrics"))
+    x, y = np.ones((8, 3), "float32"), np.ones((8, 1), "float32")
+    with pytest.raises(ValueError, match=r"ScaledLoss defines its own compile\(\).*\(alpha\).*"
+                       r"Received: (metrics=\['mae'\]|optimizer=Adam\(\.\.\.\), loss='mae')\. "
+                       r"Compile the model yourself"):
+        keras_dp.fit_sharded(model, x, y, verbose=0, devices=devices(2), **override)
+    assert model.alpha == 0.1 and model.loss == "mse"  # untouched
+    # The fix, compiling it yourself, trains as model.fit.
+    reference, ours = _scaled_loss(["mae"]), _scaled_loss(["mae"])
+    expected = reference.fit(x, y, batch_size=4, shuffle=False, verbose=0).history
+    got = keras_dp.fit_sharded(ours, x, y, batch_size=4, shuffle=False, verbose=0,
+                               devices=devices(2)).history
+    assert sorted(got) == sorted(expected) == ["loss", "mae"]
+    for key in expected:
+        np.testing.assert_allclose(got[key], expected[key], rtol=1e-6)
+
+
+def _scaled_loss(metrics):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((3,))
+    model = ScaledLoss(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(alpha=0.1, optimizer="sgd", loss="mse", metrics=metrics)
+    return model
