@@ -22,6 +22,7 @@ import pytest
 import keras_dp
 import parity_models
 from conftest import assert_close_to_scale
+from conftest import assert_weights_close
 from conftest import devices
 
 SCRIPT = pathlib.Path(__file__).parent / "scripts" / "custom_steps.py"
@@ -260,3 +261,58 @@ def _scaled_loss(metrics):
     model = ScaledLoss(inputs, keras.layers.Dense(1)(inputs))
     model.compile(alpha=0.1, optimizer="sgd", loss="mse", metrics=metrics)
     return model
+
+
+class LossPerOutput(keras.Model):
+    """Logs its `loss` as one value per output column, as a step of one's own may."""
+
+    def train_step(self, state, data):
+        x, y = data
+        trainable, non_trainable, optimizer_variables, metrics = state
+
+        def loss(trainable):
+            y_pred, new = self.stateless_call(trainable, non_trainable, x, training=True)
+            per_output = keras.ops.mean(keras.ops.square(y_pred - y), axis=0)
+            return keras.ops.sum(per_output), (per_output, new)
+
+        (total, (per_output, non_trainable)), grads = jax.value_and_grad(loss, has_aux=True)(
+            trainable)
+        trainable, optimizer_variables = self.optimizer.stateless_apply(
+            optimizer_variables, grads, trainable)
+        return ({"loss": per_output, "total": total},
+                (trainable, non_trainable, optimizer_variables, metrics))
+
+
+def _loss_per_output(steps_per_execution):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5,))
+    model = LossPerOutput(inputs, keras.layers.Dense(2)(inputs))
+    model.compile(optimizer=keras.optimizers.SGD(0.05), steps_per_execution=steps_per_execution)
+    return model
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 4])
+def test_a_loss_logged_as_several_values_trains_and_is_guarded_as_keras_logs_it(
+        steps_per_execution):
+    # The non-finite guard took logs["loss"] for one number: a step logging
+    # one loss per output failed in keras_dp's guard ("The shape of the
+    # target variable ... must match. variable.shape=(), Received:
+    # value.shape=(2,)"), where model.fit logs the vector each epoch.
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(45, 5)).astype("float32")
+    y = (x @ rng.normal(size=(5, 2))).astype("float32")
+    options = dict(batch_size=16, epochs=2, shuffle=False, verbose=0)
+    reference = _loss_per_output(steps_per_execution)
+    expected = reference.fit(x, y, **options).history
+    ours = _loss_per_output(steps_per_execution)
+    got = keras_dp.fit_sharded(ours, x, y, devices=devices(2), **options).history
+    assert sorted(got) == sorted(expected) == ["loss", "total"]
+    for key in expected:
+        np.testing.assert_allclose(np.stack(got[key]), np.stack(expected[key]), rtol=1e-5)
+    assert np.shape(got["loss"][0]) == (2,)
+    assert_weights_close(ours, reference)
+    # One value NaN (the second output's labels, from batch 1) stops training there.
+    y[16:32, 1] = np.nan
+    model = _loss_per_output(steps_per_execution)
+    with pytest.raises(FloatingPointError, match=r"became \[[^]]*nan\] at epoch 1, batch 1 "):
+        keras_dp.fit_sharded(model, x, y, devices=devices(2), **options)
