@@ -24,6 +24,10 @@ def compile_model(model, optimizer, loss, metrics):
     refuses to train it), and one given an optimizer alone is compiled with
     it, as `model.compile(optimizer=...)` is for a model whose losses come
     from `add_loss`.
+
+    Raises:
+        ValueError: the model's own `compile` takes arguments Keras's does
+            not (`model_checks.check_recompilable`).
     """
     overrides = {
         name: value
@@ -32,6 +36,7 @@ def compile_model(model, optimizer, loss, metrics):
     }
     if not overrides:
         return
+    model_checks.check_recompilable(model, overrides)
     # Recompile with the last compile()'s own objects, changing only what the
     # caller overrides (the public get_compile_config() serialises them, and
     # compiling from that would replace the user's optimizer and loss).

@@ -24,12 +24,14 @@ def keep_if_not_finite(new_state, state, logs, join=True):
     so that the running loss says so from this step on, as it does after a
     non-finite loss: the host finds the step from the loss alone, and every
     later step of the epoch keeps the state too. Steps without a `loss`
-    log are not checked. `join`: see `_all_finite`.
+    log are not checked; a `loss` of several values (a step of the
+    model's own may log one per output) is finite when all of them are.
+    `join`: see `_all_finite`.
     """
     if "loss" not in logs:
         return new_state, logs
     update_finite = _all_finite(new_state.trainable + new_state.optimizer, join)
-    finite = jnp.isfinite(logs["loss"]) & update_finite
+    finite = loss_is_finite(logs["loss"]) & update_finite
     keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
 
     def void(value):
@@ -41,6 +43,21 @@ def keep_if_not_finite(new_state, state, logs, join=True):
         optimizer=jax.tree.map(keep, new_state.optimizer, state.optimizer),
         metrics=jax.tree.map(void, new_state.metrics),
     ), jax.tree.map(void, logs)
+
+
+def loss_is_finite(loss):
+    """Inside a step: whether every value of the logged `loss` is finite (one boolean)."""
+    return jnp.all(jnp.isfinite(loss))
+
+
+def finite_steps(losses, steps):
+    """Inside a program: how many of `steps` steps logged a finite loss.
+
+    `losses`: the steps' `logs["loss"]` stacked on axis 0 (one step's, as
+    it is, for `steps=1`), each one value or several.
+    """
+    losses = jnp.reshape(jnp.asarray(losses), (steps, -1))
+    return jnp.sum(jnp.all(jnp.isfinite(losses), axis=1))
 
 
 def _is_float(value):

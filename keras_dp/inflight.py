@@ -49,9 +49,9 @@ class Throttle:
             return
         first_step, finite, logs = item
         if self.failure is None and "loss" in logs:
-            loss = float(logs["loss"])
-            if not np.isfinite(loss):
-                self.failure = (first_step + int(finite), loss)
+            loss = np.asarray(logs["loss"])  # one value, or several from a model's own step
+            if not np.all(np.isfinite(loss)):
+                self.failure = (first_step + int(finite), loss.tolist())
 
 
 class LastGood:

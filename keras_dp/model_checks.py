@@ -7,6 +7,7 @@ keras_dp cannot (a keras_hub task's preprocessing), is refused at once,
 naming the layer or setting and the fix.
 """
 
+import inspect
 import warnings
 
 import jax
@@ -30,6 +31,50 @@ def require_compiled(model, what):
         "first, or pass optimizer= and loss= (and metrics=) to keras_dp. "
         "Predicting needs neither."
     )
+
+
+def check_recompilable(model, overrides):
+    """Raise a `ValueError` with the fix if `model.compile` takes arguments Keras's does not.
+
+    keras_dp's `optimizer=`, `loss=` and `metrics=` recompile the model with
+    its last compile's Keras arguments (`build.compile_model`). A model with
+    a `compile` of its own (keras.io's `Distiller`: `student_loss_fn`,
+    `alpha`, ...; a GAN's `d_optimizer`, `g_optimizer`) would be called
+    without its own arguments: missing ones fail inside keras_dp, and those
+    with defaults are silently reset (an `alpha=0.5` back to its default).
+
+    Args:
+        overrides: the compile arguments keras_dp was given, by name.
+
+    Raises:
+        ValueError: `model.compile` has a parameter `keras.Model.compile`
+            has not (`*args` and `**kwargs` aside).
+    """
+    keras_parameters = inspect.signature(keras.Model.compile).parameters
+    own = [p.name for p in inspect.signature(model.compile).parameters.values()
+           if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.name not in keras_parameters]
+    if not own:
+        return
+    given = ", ".join(f"{name}={_label(value)}" for name, value in overrides.items())
+    raise ValueError(
+        f"{type(model).__name__} defines its own compile(), with arguments Keras's compile "
+        f"has not ({', '.join(own)}), so keras_dp cannot recompile it: it would call that "
+        "compile without them (a missing one fails; one with a default is reset to it). "
+        f"Received: {given}. Compile the model yourself, model.compile(...) with its own "
+        "arguments and the optimizer, loss or metrics you want, and call keras_dp without "
+        "optimizer=, loss= and metrics=."
+    )
+
+
+def _label(value):
+    """A compile argument as a user wrote it, for a message: `'adam'`, `Adam(...)`, `[...]`."""
+    if isinstance(value, (list, tuple)):
+        return f"[{', '.join(_label(item) for item in value)}]"
+    if isinstance(value, dict):
+        return f"{{{', '.join(f'{key!r}: {_label(item)}' for key, item in value.items())}}}"
+    if isinstance(value, (keras.optimizers.Optimizer, keras.losses.Loss)):
+        return f"{type(value).__name__}(...)"
+    return _metric_label(value)
 
 
 def check_trainable_unchanged(model):

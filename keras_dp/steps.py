@@ -113,12 +113,11 @@ def scan_train_steps(step, state, batches, unroll, mesh):
     (replicated over `mesh`).
     """
     state, logs = jax.lax.scan(step, state, batches, unroll=unroll)
-    if "loss" in logs:
-        finite = jnp.sum(jnp.isfinite(logs["loss"]))
-    else:  # nothing to check: every step counts as finite
-        finite = jax.tree.leaves(batches)[0].shape[0]
+    steps = jax.tree.leaves(batches)[0].shape[0]
+    # Without a loss there is nothing to check: every step counts as finite.
+    count = finite.finite_steps(logs["loss"], steps) if "loss" in logs else steps
     last = jax.tree.map(lambda values: values[-1], logs)
-    return state, last, _replicated(jnp.asarray(finite), mesh)
+    return state, last, _replicated(jnp.asarray(count), mesh)
 
 
 def sharded_train_step(model, mesh, state_sharding):

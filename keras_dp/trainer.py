@@ -121,6 +121,9 @@ class ShardedTrainer:
         ValueError: `steps_per_execution` or `steps_in_flight` is not an
             int of at least 1 (their messages say what each counts), the
             mesh is not 1-D, or an argument is out of range.
+        ValueError: `optimizer`, `loss` or `metrics` is given for a model
+            whose own `compile` takes arguments Keras's does not (a
+            `Distiller`'s `alpha`): compile it yourself instead.
     """
 
     def __init__(self, model, optimizer=None, loss=None, metrics=None, mesh=None,

@@ -22,6 +22,7 @@ import pytest
 import keras_dp
 import parity_models
 from conftest import assert_close_to_scale
+from conftest import assert_weights_close
 from conftest import devices
 
 SCRIPT = pathlib.Path(__file__).parent / "scripts" / "custom_steps.py"
@@ -217,3 +218,101 @@ def test_a_metric_updated_in_call_is_refused_naming_the_layer():
         keras_dp.fit_sharded(model, {"image": np.ones((8, 4), "float32"),
                                      "target": np.zeros(8, "int32")}, verbose=0, devices=devices(2))
     assert error.value.__cause__ is None
+
+
+class ScaledLoss(keras.Model):
+    """A model with a compile of its own, whose `alpha` scales the compiled loss."""
+
+    def compile(self, alpha=1.0, **kwargs):
+        super().compile(**kwargs)
+        self.alpha = alpha
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        return self.alpha * super().compute_loss(x, y, y_pred, sample_weight, training)
+
+
+@pytest.mark.parametrize("override", [dict(metrics=["mae"]),
+                                      dict(optimizer=keras.optimizers.Adam(), loss="mae")])
+def test_a_model_with_its_own_compile_is_not_recompiled_without_its_arguments(override):
+    # keras_dp's optimizer=/loss=/metrics= recompiled through the model's own
+    # compile without its alpha: reset to 1.0, the loss trained 10x larger
+    # than the user's compile(alpha=0.1) asked, without a word (a keras.io
+    # Distiller's compile, with required arguments, failed inside keras_dp).
+    model = _scaled_loss(override.get("metrics"))
+    x, y = np.ones((8, 3), "float32"), np.ones((8, 1), "float32")
+    with pytest.raises(ValueError, match=r"ScaledLoss defines its own compile\(\).*\(alpha\).*"
+                       r"Received: (metrics=\['mae'\]|optimizer=Adam\(\.\.\.\), loss='mae')\. "
+                       r"Compile the model yourself"):
+        keras_dp.fit_sharded(model, x, y, verbose=0, devices=devices(2), **override)
+    assert model.alpha == 0.1 and model.loss == "mse"  # untouched
+    # The fix, compiling it yourself, trains as model.fit.
+    reference, ours = _scaled_loss(["mae"]), _scaled_loss(["mae"])
+    expected = reference.fit(x, y, batch_size=4, shuffle=False, verbose=0).history
+    got = keras_dp.fit_sharded(ours, x, y, batch_size=4, shuffle=False, verbose=0,
+                               devices=devices(2)).history
+    assert sorted(got) == sorted(expected) == ["loss", "mae"]
+    for key in expected:
+        np.testing.assert_allclose(got[key], expected[key], rtol=1e-6)
+
+
+def _scaled_loss(metrics):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((3,))
+    model = ScaledLoss(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(alpha=0.1, optimizer="sgd", loss="mse", metrics=metrics)
+    return model
+
+
+class LossPerOutput(keras.Model):
+    """Logs its `loss` as one value per output column, as a step of one's own may."""
+
+    def train_step(self, state, data):
+        x, y = data
+        trainable, non_trainable, optimizer_variables, metrics = state
+
+        def loss(trainable):
+            y_pred, new = self.stateless_call(trainable, non_trainable, x, training=True)
+            per_output = keras.ops.mean(keras.ops.square(y_pred - y), axis=0)
+            return keras.ops.sum(per_output), (per_output, new)
+
+        (total, (per_output, non_trainable)), grads = jax.value_and_grad(loss, has_aux=True)(
+            trainable)
+        trainable, optimizer_variables = self.optimizer.stateless_apply(
+            optimizer_variables, grads, trainable)
+        return ({"loss": per_output, "total": total},
+                (trainable, non_trainable, optimizer_variables, metrics))
+
+
+def _loss_per_output(steps_per_execution):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5,))
+    model = LossPerOutput(inputs, keras.layers.Dense(2)(inputs))
+    model.compile(optimizer=keras.optimizers.SGD(0.05), steps_per_execution=steps_per_execution)
+    return model
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 4])
+def test_a_loss_logged_as_several_values_trains_and_is_guarded_as_keras_logs_it(
+        steps_per_execution):
+    # The non-finite guard took logs["loss"] for one number: a step logging
+    # one loss per output failed in keras_dp's guard ("The shape of the
+    # target variable ... must match. variable.shape=(), Received:
+    # value.shape=(2,)"), where model.fit logs the vector each epoch.
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(45, 5)).astype("float32")
+    y = (x @ rng.normal(size=(5, 2))).astype("float32")
+    options = dict(batch_size=16, epochs=2, shuffle=False, verbose=0)
+    reference = _loss_per_output(steps_per_execution)
+    expected = reference.fit(x, y, **options).history
+    ours = _loss_per_output(steps_per_execution)
+    got = keras_dp.fit_sharded(ours, x, y, devices=devices(2), **options).history
+    assert sorted(got) == sorted(expected) == ["loss", "total"]
+    for key in expected:
+        np.testing.assert_allclose(np.stack(got[key]), np.stack(expected[key]), rtol=1e-5)
+    assert np.shape(got["loss"][0]) == (2,)
+    assert_weights_close(ours, reference)
+    # One value NaN (the second output's labels, from batch 1) stops training there.
+    y[16:32, 1] = np.nan
+    model = _loss_per_output(steps_per_execution)
+    with pytest.raises(FloatingPointError, match=r"became \[[^]]*nan\] at epoch 1, batch 1 "):
+        keras_dp.fit_sharded(model, x, y, devices=devices(2), **options)

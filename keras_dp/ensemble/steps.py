@@ -76,7 +76,7 @@ def _finite_count(logs, steps):
     """How many of the steps behind `logs` had a finite loss (all, with no loss)."""
     if "loss" not in logs:
         return jnp.asarray(steps, "int32")
-    return jnp.sum(jnp.isfinite(logs["loss"])).astype("int32")
+    return finite.finite_steps(logs["loss"], steps).astype("int32")
 
 
 def make_test_step(model, mesh, from_logits):
