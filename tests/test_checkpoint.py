@@ -201,6 +201,36 @@ def test_a_mid_epoch_checkpoint_refuses_another_batch_size_shuffle_or_data(data,
                              checkpoint_dir=tmp_path / "dataset")
 
 
+def test_a_backup_and_restore_beside_a_checkpoint_dir_is_refused_before_anything_is_written(
+        data, tmp_path):
+    # Each restored a rerun from its own point. After a SIGTERM after 3
+    # steps of epoch 2 (the backup at epoch 1's end), the rerun skipped 3
+    # steps from the backup's weights (21 steps of 24); after a crash past
+    # a backup every 2 batches, it retrained them (26 of 24).
+    model = mlp()
+    before = weights(model)
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"), save_freq=2)
+    message = (
+        "checkpoint_dir and keras.callbacks.BackupAndRestore both restore a rerun of this "
+        "fit, each from its own point (the checkpoint after the last step saved, the backup "
+        "at the start of its epoch), so together a rerun would train some batches twice or "
+        f"skip others. Received: checkpoint_dir='{tmp_path / 'ckpt'}' and callbacks[1]="
+        f"BackupAndRestore(backup_dir='{tmp_path / 'backup'}'). Pass one: checkpoint_dir "
+        "alone resumes exactly where the run stopped, mid-epoch too; BackupAndRestore alone "
+        "restarts the epoch of its backup, as under model.fit.")
+    for callbacks in ([keras.callbacks.History(), backup],
+                      keras.callbacks.CallbackList([keras.callbacks.History(), backup])):
+        with pytest.raises(ValueError) as refused:
+            fit(model, data, checkpoint_dir=tmp_path / "ckpt", callbacks=callbacks)
+        assert str(refused.value) == message
+    assert not (tmp_path / "ckpt").exists() and not (tmp_path / "backup").exists()
+    for now, was in zip(weights(model), before, strict=True):
+        np.testing.assert_array_equal(now, was)
+    # Each alone still trains.
+    assert fit(model, data, epochs=1, callbacks=[backup]).epoch == [0]
+    assert fit(model, data, epochs=1, checkpoint_dir=tmp_path / "ckpt").epoch == [0]
+
+
 def test_sigterm_during_a_save_leaves_it_complete(data, tmp_path, monkeypatch):
     save = checkpoint_lib.Checkpoints.save
 
