@@ -251,6 +251,31 @@ def test_sigterm_during_a_save_leaves_it_complete(data, tmp_path, monkeypatch):
     assert_weights_equal(resumed, model)
 
 
+def test_ctrl_c_during_a_save_waits_for_it_to_complete(data, tmp_path, monkeypatch):
+    # Before, the KeyboardInterrupt landed inside orbax's write: the epoch's
+    # checkpoint was dropped (a rerun trained that epoch again), or, in its
+    # cleanup, an older one was left beyond checkpoints_to_keep.
+    save = checkpoint_lib.Checkpoints.save
+
+    def interrupted_save(self, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, while this save runs
+        return save(self, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_lib.Checkpoints, "save", interrupted_save)
+    model = mlp()
+    with pytest.raises(KeyboardInterrupt) as interrupted:
+        fit(model, data, checkpoint_dir=tmp_path)
+    monkeypatch.undo()
+    assert interrupted.value.__notes__ == [
+        "keras_dp: the model holds the weights after 8 steps of epoch 1, "
+        "the last step that completed."]
+    # The save at the end of epoch 1 completed; a rerun goes on from it.
+    assert sorted(os.listdir(tmp_path)) == [".keras_dp.lock", "0"]
+    resumed = mlp(seed=7)
+    assert fit(resumed, data, epochs=1, checkpoint_dir=tmp_path).epoch == []
+    assert_weights_equal(resumed, model)
+
+
 def test_a_partly_written_checkpoint_is_never_restored(data, tmp_path):
     model = mlp()
     fit(model, data, epochs=1, checkpoint_dir=tmp_path)
