@@ -276,6 +276,32 @@ def test_ctrl_c_during_a_save_waits_for_it_to_complete(data, tmp_path, monkeypat
     assert_weights_equal(resumed, model)
 
 
+def test_ctrl_c_during_the_save_after_an_early_stop_waits_for_it(data, tmp_path, monkeypatch):
+    # The save after on_train_end (the best weights EarlyStopping restored)
+    # ran outside the fit's hold on Ctrl-C: interrupted, the rerun returned
+    # epoch 2's weights instead of epoch 1's.
+    save, saves = checkpoint_lib.Checkpoints.save, []
+
+    def interrupted_save(self, *args, **kwargs):
+        saves.append(args[1])
+        if len(saves) == 3:  # epochs 1 and 2, then the run's end
+            os.kill(os.getpid(), signal.SIGINT)
+        return save(self, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_lib.Checkpoints, "save", interrupted_save)
+    model, record = mlp(), EpochWeights()
+    with pytest.raises(KeyboardInterrupt):
+        fit(model, data, epochs=6, checkpoint_dir=tmp_path, callbacks=[
+            keras.callbacks.EarlyStopping(monitor="loss", patience=1, min_delta=10,
+                                          restore_best_weights=True), record])
+    monkeypatch.undo()
+    assert saves[2] == checkpoint_lib.Position(2, 0, stopped=True)
+    rerun = mlp(seed=7)
+    assert fit(rerun, data, epochs=6, checkpoint_dir=tmp_path).epoch == []
+    for mine, best in zip(weights(rerun), record.seen[0], strict=True):
+        np.testing.assert_array_equal(mine, best)
+
+
 def test_a_partly_written_checkpoint_is_never_restored(data, tmp_path):
     model = mlp()
     fit(model, data, epochs=1, checkpoint_dir=tmp_path)
