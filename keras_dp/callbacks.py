@@ -215,6 +215,36 @@ def check_callbacks(callbacks):
             )
 
 
+def check_one_restore(callbacks, checkpoint_dir):
+    """Raise a `ValueError` if `checkpoint_dir` is given with a `BackupAndRestore`.
+
+    Each restores a rerun from a point of its own: the checkpoint after the
+    last step it saved (mid-epoch on SIGTERM), the backup at the start of
+    the epoch it saved in, with the weights and optimizer it saved last
+    (every N batches, or at an epoch's end). Together, a rerun took one's
+    weights and the other's position: after a SIGTERM mid-epoch it skipped
+    the steps the checkpoint had done from the backup's weights, and after
+    a crash past a mid-epoch backup it trained that epoch's first batches
+    twice.
+    """
+    if checkpoint_dir is None:
+        return
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks = callbacks.callbacks
+    for index, callback in enumerate(keras.tree.flatten(callbacks or [])):
+        if isinstance(callback, keras.callbacks.BackupAndRestore):
+            raise ValueError(
+                "checkpoint_dir and keras.callbacks.BackupAndRestore both restore a rerun "
+                "of this fit, each from its own point (the checkpoint after the last step "
+                "saved, the backup at the start of its epoch), so together a rerun would "
+                "train some batches twice or skip others. Received: "
+                f"checkpoint_dir={checkpoint_dir!r} and callbacks[{index}]=BackupAndRestore("
+                f"backup_dir={callback.backup_dir!r}). Pass one: checkpoint_dir alone resumes "
+                "exactly where the run stopped, mid-epoch too; BackupAndRestore alone "
+                "restarts the epoch of its backup, as under model.fit."
+            )
+
+
 def to_python(logs, model, metrics=None, step="train_step"):
     """Logs as python floats (arrays for non-scalar metrics), in Keras's order.
 

@@ -168,9 +168,13 @@ class Checkpoints:
         """Save the state a fit has reached (`LiveModel.current`) at `position`.
 
         The live state as it lies, or the model's if a callback changed it.
+        Ctrl-C waits for the save to complete: a `KeyboardInterrupt` inside
+        orbax's write dropped the checkpoint, and one during its cleanup
+        left more than `max_to_keep`.
         """
         any_process = trainer.placement.any_process if trainer.multiprocess else None
-        self.save(live.current(trainer.init_state, any_process), position, trainer.seed)
+        with live.held():
+            self.save(live.current(trainer.init_state, any_process), position, trainer.seed)
 
     def check_room(self, model):
         """Raise `OSError` if the directory's filesystem cannot take the checkpoints to come."""

@@ -42,7 +42,8 @@ def fit_sharded(model, x=None, y=None, *, epochs=1, batch_size=None,
             device count give bitwise identical weights on CPU.
         checkpoint_dir: save the whole training state there after every
             epoch and on SIGTERM, and resume from it when it holds a
-            checkpoint (see `ShardedTrainer.fit`).
+            checkpoint (see `ShardedTrainer.fit`). Not with a
+            `keras.callbacks.BackupAndRestore` (a `ValueError`).
         checkpoints_to_keep: how many of the newest checkpoints stay in
             `checkpoint_dir` (orbax's `max_to_keep`; default 2: one older
             in case the newest is damaged).

@@ -10,7 +10,8 @@ handler, which calls the previous handler (Python's: raise
 `KeyboardInterrupt`) at once, except inside a `held()` block: there it only
 notes the signal, and the previous handler runs when the block ends, after
 the new state is recorded. A hand-over is one step's dispatch (on the first
-call, its compilation too), so Ctrl-C waits at most that long.
+call, its compilation too), so Ctrl-C waits at most that long; a
+checkpoint being written is held too, until it is complete.
 """
 
 import contextlib

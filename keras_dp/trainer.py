@@ -467,7 +467,9 @@ class ShardedTrainer:
                 replace `initial_epoch`) and ends as an unbroken run would;
                 one taken mid-epoch resumes only with the same `batch_size`,
                 training rows and `shuffle` (else a `ValueError` says which
-                changed). `~` is expanded.
+                changed). `~` is expanded. Not with a
+                `keras.callbacks.BackupAndRestore`, which restores from a
+                point of its own (a `ValueError` before any step).
             checkpoints_to_keep: how many of the newest checkpoints stay in
                 `checkpoint_dir` (orbax's `max_to_keep`); the older are deleted.
             profile_dir: write a `jax.profiler` trace of 5 calls of the
@@ -490,6 +492,7 @@ class ShardedTrainer:
             # a relative one names another directory in another working directory.
             checkpoint_dir = checkpoint_lib.check_dir(checkpoint_dir, "checkpoint_dir")
             checkpoint_lib.check_dir(profile_dir, "profile_dir")
+            callbacks_lib.check_one_restore(callbacks, checkpoint_dir)
             epochs = pipeline.check_count("epochs", epochs)
             initial_epoch = pipeline.check_count("initial_epoch", initial_epoch, 0)
             checkpoints_to_keep = pipeline.check_count(

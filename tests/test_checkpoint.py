@@ -201,6 +201,36 @@ def test_a_mid_epoch_checkpoint_refuses_another_batch_size_shuffle_or_data(data,
                              checkpoint_dir=tmp_path / "dataset")
 
 
+def test_a_backup_and_restore_beside_a_checkpoint_dir_is_refused_before_anything_is_written(
+        data, tmp_path):
+    # Each restored a rerun from its own point. After a SIGTERM after 3
+    # steps of epoch 2 (the backup at epoch 1's end), the rerun skipped 3
+    # steps from the backup's weights (21 steps of 24); after a crash past
+    # a backup every 2 batches, it retrained them (26 of 24).
+    model = mlp()
+    before = weights(model)
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"), save_freq=2)
+    message = (
+        "checkpoint_dir and keras.callbacks.BackupAndRestore both restore a rerun of this "
+        "fit, each from its own point (the checkpoint after the last step saved, the backup "
+        "at the start of its epoch), so together a rerun would train some batches twice or "
+        f"skip others. Received: checkpoint_dir='{tmp_path / 'ckpt'}' and callbacks[1]="
+        f"BackupAndRestore(backup_dir='{tmp_path / 'backup'}'). Pass one: checkpoint_dir "
+        "alone resumes exactly where the run stopped, mid-epoch too; BackupAndRestore alone "
+        "restarts the epoch of its backup, as under model.fit.")
+    for callbacks in ([keras.callbacks.History(), backup],
+                      keras.callbacks.CallbackList([keras.callbacks.History(), backup])):
+        with pytest.raises(ValueError) as refused:
+            fit(model, data, checkpoint_dir=tmp_path / "ckpt", callbacks=callbacks)
+        assert str(refused.value) == message
+    assert not (tmp_path / "ckpt").exists() and not (tmp_path / "backup").exists()
+    for now, was in zip(weights(model), before, strict=True):
+        np.testing.assert_array_equal(now, was)
+    # Each alone still trains.
+    assert fit(model, data, epochs=1, callbacks=[backup]).epoch == [0]
+    assert fit(model, data, epochs=1, checkpoint_dir=tmp_path / "ckpt").epoch == [0]
+
+
 def test_sigterm_during_a_save_leaves_it_complete(data, tmp_path, monkeypatch):
     save = checkpoint_lib.Checkpoints.save
 
@@ -219,6 +249,57 @@ def test_sigterm_during_a_save_leaves_it_complete(data, tmp_path, monkeypatch):
     resumed = mlp(seed=7)
     assert fit(resumed, data, epochs=1, checkpoint_dir=tmp_path).epoch == []
     assert_weights_equal(resumed, model)
+
+
+def test_ctrl_c_during_a_save_waits_for_it_to_complete(data, tmp_path, monkeypatch):
+    # Before, the KeyboardInterrupt landed inside orbax's write: the epoch's
+    # checkpoint was dropped (a rerun trained that epoch again), or, in its
+    # cleanup, an older one was left beyond checkpoints_to_keep.
+    save = checkpoint_lib.Checkpoints.save
+
+    def interrupted_save(self, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, while this save runs
+        return save(self, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_lib.Checkpoints, "save", interrupted_save)
+    model = mlp()
+    with pytest.raises(KeyboardInterrupt) as interrupted:
+        fit(model, data, checkpoint_dir=tmp_path)
+    monkeypatch.undo()
+    assert interrupted.value.__notes__ == [
+        "keras_dp: the model holds the weights after 8 steps of epoch 1, "
+        "the last step that completed."]
+    # The save at the end of epoch 1 completed; a rerun goes on from it.
+    assert sorted(os.listdir(tmp_path)) == [".keras_dp.lock", "0"]
+    resumed = mlp(seed=7)
+    assert fit(resumed, data, epochs=1, checkpoint_dir=tmp_path).epoch == []
+    assert_weights_equal(resumed, model)
+
+
+def test_ctrl_c_during_the_save_after_an_early_stop_waits_for_it(data, tmp_path, monkeypatch):
+    # The save after on_train_end (the best weights EarlyStopping restored)
+    # ran outside the fit's hold on Ctrl-C: interrupted, the rerun returned
+    # epoch 2's weights instead of epoch 1's.
+    save, saves = checkpoint_lib.Checkpoints.save, []
+
+    def interrupted_save(self, *args, **kwargs):
+        saves.append(args[1])
+        if len(saves) == 3:  # epochs 1 and 2, then the run's end
+            os.kill(os.getpid(), signal.SIGINT)
+        return save(self, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_lib.Checkpoints, "save", interrupted_save)
+    model, record = mlp(), EpochWeights()
+    with pytest.raises(KeyboardInterrupt):
+        fit(model, data, epochs=6, checkpoint_dir=tmp_path, callbacks=[
+            keras.callbacks.EarlyStopping(monitor="loss", patience=1, min_delta=10,
+                                          restore_best_weights=True), record])
+    monkeypatch.undo()
+    assert saves[2] == checkpoint_lib.Position(2, 0, stopped=True)
+    rerun = mlp(seed=7)
+    assert fit(rerun, data, epochs=6, checkpoint_dir=tmp_path).epoch == []
+    for mine, best in zip(weights(rerun), record.seen[0], strict=True):
+        np.testing.assert_array_equal(mine, best)
 
 
 def test_a_partly_written_checkpoint_is_never_restored(data, tmp_path):
