@@ -32,6 +32,7 @@ from keras_dp import interrupts
 from keras_dp import model_checks
 from keras_dp import preemption as preemption_lib
 from keras_dp import programs as programs_lib
+from keras_dp import state as state_lib
 from keras_dp import timing
 from keras_dp.state import LiveModel
 
@@ -80,7 +81,8 @@ def fit(trainer, batches, val, callbacks, *, epochs, resume, validation_freq, fe
     the last one written back. The exception's note says which
     (`LiveModel.report`). Then, as at the end of `model.fit` (in its
     `finally`, failed or not), the optimizer's `finalize_variable_values`
-    runs: with `use_ema`, the moving averages replace the weights.
+    runs: with `use_ema`, the moving averages replace the weights, each
+    variable keeping a buffer of its own (`state.finalize_variable_values`).
 
     A run that stops early (`stop_training`) marks its checkpoint stopped,
     and saves it once more after `on_train_end`, so that it holds what the
@@ -137,7 +139,7 @@ def fit(trainer, batches, val, callbacks, *, epochs, resume, validation_freq, fe
             run.profile.close()
         if epochs > 0 and not resume.stopped:  # a stopped run's checkpoint holds the end
             # Keras's own end of fit: e.g. copy EMA weights into the model.
-            model.optimizer.finalize_variable_values(model.trainable_weights)
+            state_lib.finalize_variable_values(model)
         if checkpoints is not None and not finished:
             checkpoints.close()
     if finished:

@@ -115,6 +115,52 @@ def write_back(state, model, variables=None):
             variable.assign(copy)
 
 
+def finalize_variable_values(model):
+    """Keras's own end of fit (`use_ema`: the moving averages become the weights), unshared.
+
+    `optimizer.finalize_variable_values` assigns each average variable to
+    its weight, and Keras's `assign` stores the average's array itself, so
+    the weight and the average then hold one buffer: Keras's next `predict`
+    or `evaluate` donates the weight's buffer and deletes the average with
+    it, and a `fit_sharded` after that fails ("Array has been deleted"), a
+    `model.fit` too (as Keras's own `model.fit` twice does). Afterwards each
+    of the model's variables owns its buffer (`own_buffers`), so any Keras
+    or keras_dp call may follow.
+    """
+    model.optimizer.finalize_variable_values(model.trainable_weights)
+    own_buffers(model)
+
+
+def own_buffers(model):
+    """Give a copy, made on the device, to each model variable whose buffer another holds.
+
+    Every variable of the training state (`TrainState.variables_of`) is
+    looked at once (a tied weight is one variable); the first holder of a
+    buffer keeps it, each later one gets its own. Returns the paths of the
+    variables given a copy.
+    """
+    seen, shared = set(), []
+    variables = {id(variable): variable
+                 for group in TrainState.variables_of(model) for variable in group}
+    for variable in variables.values():
+        buffers = _buffers(variable.value)
+        if buffers & seen:
+            shared.append(variable)
+        seen |= buffers
+    values = [variable.value for variable in shared]
+    for variable, copy in zip(shared, mesh_lib.local_copies(values, values)):
+        variable.assign(copy)
+    return [variable.path for variable in shared]
+
+
+def _buffers(value):
+    """The device buffers of a live `jax.Array`, as `(device, address)` pairs (none otherwise)."""
+    if not isinstance(value, jax.Array) or value.is_deleted():
+        return set()
+    return {(shard.device, shard.data.unsafe_buffer_pointer())
+            for shard in value.addressable_shards}
+
+
 def model_weights(model, mesh, shardings=None):
     """The model's `(trainable, non_trainable)` values on `mesh`.
 

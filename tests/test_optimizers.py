@@ -56,3 +56,47 @@ def test_optimizer_state_equals_keras_fit(make_optimizer, steps_per_execution, u
     for a, b in zip(ours, theirs, strict=True):
         a, b = np.asarray(a.value, np.float64), np.asarray(b.value, np.float64)
         assert_close_to_scale(a, b)
+
+
+def _give_each_its_buffer(model):
+    """What keras_dp does after `finalize_variable_values`, done by hand on Keras's model."""
+    seen = set()
+    for variable in model.weights + model.optimizer.variables:
+        if id(variable.value) in seen:
+            variable.assign(np.array(variable.value))
+        seen.add(id(variable.value))
+
+
+def test_after_fit_with_ema_keras_and_keras_dp_calls_follow_and_equal_keras():
+    """`use_ema`: Keras's `finalize_variable_values`, at the end of fit, assigns each
+    moving average to its weight, and the two then hold one buffer. Before,
+    keras_dp handed the model back so: Keras's `predict` donated the weights'
+    buffers, deleting the averages, and the next `model.fit` or `fit_sharded`
+    failed. Keras's own model is left so too (its `fit` after `predict` fails),
+    so the reference gets each variable a buffer of its own by hand.
+    """
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 6)).astype("float32"), rng.integers(0, 3, size=32)
+    options = dict(batch_size=8, shuffle=False, verbose=0)
+    make = lambda: _model(keras.optimizers.Adam(1e-2, use_ema=True))  # noqa: E731
+    reference, model = make(), make()
+    reference.fit(x, y, epochs=2, **options)
+    _give_each_its_buffer(reference)
+    keras_dp.fit_sharded(model, x, y, epochs=2, devices=devices(2), **options)
+    averages = [v for v in model.optimizer.variables if v.path.endswith("_average")]
+    for weight, average in zip(model.trainable_variables, averages, strict=True):
+        np.testing.assert_array_equal(weight.value, average.value)  # as Keras's fit ends
+        assert weight.value is not average.value
+    assert_close_to_scale(model.predict(x, verbose=0), reference.predict(x, verbose=0))
+    assert_close_to_scale(model.evaluate(x, y, verbose=0), reference.evaluate(x, y, verbose=0))
+    model.fit(x, y, epochs=1, **options)
+    reference.fit(x, y, epochs=1, **options)
+    _give_each_its_buffer(reference)
+    keras_dp.fit_sharded(model, x, y, epochs=1, devices=devices(2), **options)
+    reference.fit(x, y, epochs=1, **options)
+    assert int(model.optimizer.iterations) == int(reference.optimizer.iterations) == 16
+    ours = model.weights + model.optimizer.variables
+    theirs = reference.weights + reference.optimizer.variables
+    for a, b in zip(ours, theirs, strict=True):
+        assert_close_to_scale(np.asarray(a.value, np.float64), np.asarray(b.value, np.float64),
+                              err_msg=a.path)

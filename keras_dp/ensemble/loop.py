@@ -23,6 +23,7 @@ import numpy as np
 from keras_dp import _compat
 from keras_dp import callbacks as callbacks_lib
 from keras_dp import inflight
+from keras_dp import state as state_lib
 from keras_dp.ensemble import inference as ensemble_inference
 from keras_dp.ensemble import logs as logs_lib
 from keras_dp.ensemble import members as members_lib
@@ -223,7 +224,7 @@ def fit(trainer, sources, val, callbacks, *, epochs, validation_freq):
             live.finish()
             if epochs.stop > 0:  # Keras's own end of fit: e.g. EMA weights into the model
                 for member in trainer.members:
-                    member.optimizer.finalize_variable_values(member.trainable_weights)
+                    state_lib.finalize_variable_values(member)
     callbacks.on_train_end(logs)
     return _history(callbacks)
 
