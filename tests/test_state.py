@@ -53,3 +53,20 @@ def test_the_live_model_is_read_again_only_after_a_callback_changed_it():
     live.sync()
     model.trainable_variables[0].assign(np.zeros(model.trainable_variables[0].shape))
     assert live.needs_read()
+
+
+def test_own_buffers_copies_only_a_variable_whose_buffer_another_holds():
+    model = mlp()
+    model.build((None, 28, 28, 1))
+    model.optimizer.build(model.trainable_variables)
+    kernel, bias = model.trainable_variables[:2]
+    slot = next(v for v in model.optimizer.variables if v.shape == kernel.shape)  # a moment
+    slot.assign(kernel)  # Keras's assign stores the array itself: one buffer for two
+    assert slot.value is kernel.value
+    untouched = bias.value
+    assert keras_dp.state.own_buffers(model) == [slot.path]
+    assert slot.value is not kernel.value
+    assert slot.value.unsafe_buffer_pointer() != kernel.value.unsafe_buffer_pointer()
+    np.testing.assert_array_equal(slot.value, kernel.value)
+    assert bias.value is untouched  # a variable with a buffer of its own keeps it
+    assert keras_dp.state.own_buffers(model) == []
