@@ -12,10 +12,12 @@ float targets and custom losses are the user's to define.
 """
 
 import jax
+import jax.numpy as jnp
 import keras
 import numpy as np
 
 from keras_dp import _compat
+from keras_dp.pipeline.batch import is_real
 
 
 def label_check(model, x):
@@ -142,10 +144,10 @@ def _pairs(losses, y, classes, names):
 
 def _check_ids(y, classes, ignore_class, where):
     """Raise a `ValueError` if `y` holds anything but class ids in `[0, classes)`."""
-    if y.dtype.kind not in "biuf" or classes is None:
+    if not is_real(y.dtype) or classes is None:
         return
     bad = (y < 0) | (y >= classes)
-    if y.dtype.kind == "f":
+    if jnp.issubdtype(y.dtype, jnp.floating):  # bfloat16 too, whose numpy kind is 'V'
         with np.errstate(invalid="ignore"):
             bad |= ~np.isfinite(y) | (y != np.floor(y))
     if ignore_class is not None:

@@ -70,8 +70,14 @@ def check_option(data_on_device, multiprocess=False):
 
 
 def data_bytes(arrays):
-    """The bytes of a tree of numpy arrays."""
-    return sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(arrays))
+    """The bytes a tree of numpy arrays takes on a device, in JAX's dtypes.
+
+    Without `jax_enable_x64`, float64 and int64 arrays are kept as float32
+    and int32 (`ResidentFeed` puts them so), half their host bytes: a
+    float64 frame that fits was judged twice its size.
+    """
+    return sum(np.size(leaf) * jax.dtypes.canonicalize_dtype(np.asarray(leaf).dtype).itemsize
+               for leaf in jax.tree.leaves(arrays))
 
 
 def fits(nbytes, mesh, peak=None):

@@ -7,6 +7,9 @@ whose data it is, what is wrong and the fix. 3 simulated devices, 30 rows
 in batches of 8 (3, 3 and 2 rows per device, and a last batch of 6).
 """
 
+import warnings
+
+import jax.numpy as jnp
 import keras
 import numpy as np
 import pytest
@@ -61,6 +64,67 @@ def test_label_forms_keras_accepts_train_as_keras(data, case):
         binary = (y % 2).astype("float32")
         assert_trains_as_keras(lambda: mlp("binary_crossentropy", 1, "sigmoid"), x,
                                binary if case == "binary_row" else binary[:, None])
+
+
+def as_dtype(array, dtype):
+    """`array` as numpy in `dtype`, ml_dtypes' too (as `np.asarray(jax_array)` gives them)."""
+    return np.asarray(jnp.asarray(array, dtype))
+
+
+@pytest.mark.parametrize("case", ["x_bfloat16", "x_float8", "x_complex64", "one_hot_bfloat16"])
+def test_numbers_of_every_dtype_keras_takes_train_as_keras(data, case):
+    # numpy gives ml_dtypes' bfloat16 and float8 the kind 'V', as structured
+    # arrays: they were refused ("keras_dp trains on numeric arrays only"),
+    # and so was complex64, which Keras's layers cast to their dtype (the
+    # imaginary part dropped, with JAX's ComplexWarning) and a layer of its
+    # own can take whole.
+    x, y = data
+    if case == "one_hot_bfloat16":
+        assert_trains_as_keras(lambda: mlp("categorical_crossentropy"), x,
+                               as_dtype(np.eye(4)[y], "bfloat16"))
+        return
+    dtype = {"x_bfloat16": "bfloat16", "x_float8": "float8_e4m3fn"}.get(case)
+    x = as_dtype(x, dtype) if dtype else x + 1j * x[::-1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", np.exceptions.ComplexWarning)
+        assert_trains_as_keras(mlp, x, y)
+
+
+def test_a_tf_data_pipeline_of_bfloat16_and_a_bfloat16_label_check(data):
+    x, y = data
+    dataset = tf.data.Dataset.from_tensor_slices((tf.cast(x, tf.bfloat16), tf.cast(y, tf.uint8)))
+    ours, theirs = mlp(), mlp()
+    keras_dp.fit_sharded(ours, dataset.batch(8), devices=devices(3), epochs=2, shuffle=False,
+                         verbose=0)
+    theirs.fit(dataset.batch(8), epochs=2, shuffle=False, verbose=0)
+    assert_weights_close(ours, theirs)
+    # Sparse labels in bfloat16 are checked as class ids, as float32 ones are.
+    labels = y.astype("float32")
+    labels[5] = 2.5
+    with pytest.raises(ValueError, match=r"A label of the training data is not a class id: "
+                       r"y\[5\] = 2.5 \(row 5\)"):
+        fit(mlp(), x, as_dtype(labels, "bfloat16"))
+
+
+@pytest.mark.parametrize("array, named", [
+    (np.zeros((30, 6), np.longdouble), "a dtype Keras does not take .*Invalid dtype: float128.*"
+                                       r"x.astype\('float32'\)"),
+    (as_dtype(np.zeros((30, 6)), "int4"), "a dtype Keras does not take"),
+    (np.zeros(30, [("a", "f4"), ("b", "f4")]), "a structured array of fields a, b.*"
+                                              "structured_to_unstructured"),
+    (np.ones((30, 6), object), "holding Python numbers.*"
+                               r"np.asarray\(x, dtype='float32'\)"),
+], ids=["longdouble", "int4", "structured", "object_numbers"])
+def test_a_dtype_keras_does_not_take_is_refused_with_the_fix(data, array, named):
+    # Before: float128 and int4 failed in the model's build with Keras's
+    # "Invalid dtype: float128"; a structured array, or an object array of
+    # numbers, got the message for ragged sequences ("pad them to one
+    # length"), and none named whose data nor which array.
+    model = mlp()
+    with pytest.raises(ValueError, match=r"^The training data has an array of dtype .* \(x, "
+                       r"shape \(30,[^)]*\)\),? " + named):
+        fit(model, array, data[1])
+    assert int(model.optimizer.iterations.numpy()) == 0
 
 
 def two_inputs():

@@ -85,6 +85,22 @@ def test_data_on_device_true_refuses_what_it_cannot_keep(mnist, monkeypatch):
         keras_dp.ShardedTrainer(mlp(), devices=devices(2), data_on_device=True)
 
 
+def test_float64_data_is_sized_as_the_float32_the_devices_hold(mnist, monkeypatch):
+    # Without jax_enable_x64, float64 and int64 arrays go on the devices as
+    # float32 and int32; "auto" sized them at their host bytes, twice what
+    # the devices hold, and fed a float64 frame that fits from the host.
+    (x, y), _ = mnist
+    x, y = x[:128].astype("float64") / 255, y[:128].astype("int64")
+    assert resident.data_bytes((x, y)) == (x.size + y.size) * 4
+    monkeypatch.setattr(resident, "CPU_CAP_BYTES", 2 * (x.size + y.size) * 4)
+    trainer = keras_dp.ShardedTrainer(mlp(), devices=devices(2))
+    placed = count_host_batches(monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        trainer.fit(x, y, batch_size=64, verbose=0)
+    assert not placed
+
+
 def test_fits_compares_against_the_devices_memory_where_reported():
     class Device:
         def __init__(self, stats):

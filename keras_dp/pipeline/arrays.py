@@ -17,7 +17,7 @@ class ArrayBatches:
     def __init__(self, x, y, sample_weight, *, batch_size, shuffle, seed, class_weight,
                  what="The data"):
         arrays = jax.tree.map(np.asarray, (x, y, sample_weight))
-        check_dtypes(arrays)
+        check_dtypes(arrays, what)
         self.num_samples = array_rows(*arrays, what=what)
         if self.num_samples == 0:
             raise ValueError(f"{what} has no rows. Pass at least one sample.")

@@ -4,6 +4,7 @@ import numbers
 import operator
 
 import jax
+import jax.numpy as jnp
 import keras
 import numpy as np
 
@@ -334,21 +335,67 @@ def check_class_ids(class_weight):
                 "key class_weight by those ids.")
 
 
+def is_real(dtype):
+    """Whether `dtype` is a bool, integer or real float dtype, ml_dtypes' included.
+
+    numpy gives `bfloat16` and the `float8` types (from ml_dtypes, as JAX
+    makes them) the kind `'V'`, as it does structured arrays; JAX's
+    `issubdtype` knows them as floats (and `int4` as an integer).
+    """
+    return dtype.kind in "biuf" or (dtype.kind == "V" and dtype.names is None and (
+        jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)))
+
+
 def check_dtypes(batch, where="The data"):
-    """Raise a `ValueError` naming `where` if an array of `batch` is not numeric."""
-    for leaf in jax.tree.leaves(batch):
-        if leaf.dtype.kind in "biuf":
+    """Raise a `ValueError` naming `where` and the array if one of `batch`'s is of a dtype Keras does not train on.
+
+    `batch` is `(x, y, sample_weight)`, as `unpack` gives it.
+
+    Numbers pass where Keras's `model.fit` takes them: bool, integers,
+    floats (`bfloat16` and `float8` too), and complex numbers, which a layer
+    casts to its own dtype as under Keras. Text, objects, structured
+    arrays, and numbers of a dtype Keras does not take (`np.longdouble`,
+    `int4`) are refused with the fix.
+    """
+    for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
+        if (is_real(leaf.dtype) or leaf.dtype.kind == "c") and _keras_dtype(leaf.dtype):
             continue
-        what = f"{where} has an array of dtype {leaf.dtype} (shape {leaf.shape})"
-        if _holds_text(leaf):
-            raise ValueError(
-                f"{what} holding text; keras_dp compiles its steps with JAX, which "
-                f"has no strings. {TEXT_FIX}")
-        raise ValueError(
-            f"{what}; keras_dp trains on numeric arrays only. Convert it to "
-            "numbers first; ragged sequences become `object` arrays: pad them to "
-            "one length (keras.utils.pad_sequences)."
-        )
+        name = ("x", "y", "sample_weight")[path[0].idx] + jax.tree_util.keystr(path[1:])
+        raise ValueError(f"{where} has an array of dtype {leaf.dtype} ({name}, shape "
+                         f"{leaf.shape})" + _dtype_fix(leaf, name))
+
+
+def _keras_dtype(dtype):
+    """Whether Keras names `dtype` (`keras.backend.standardize_dtype`), as its fit needs."""
+    try:
+        keras.backend.standardize_dtype(dtype)
+    except ValueError:
+        return False
+    return True
+
+
+def _dtype_fix(array, name):
+    """The rest of the message refusing `array`'s dtype: why, and the fix."""
+    dtype = array.dtype
+    if _holds_text(array):
+        return (" holding text; keras_dp compiles its steps with JAX, which has no "
+                f"strings. {TEXT_FIX}")
+    if dtype.names:
+        return (f", a structured array of fields {', '.join(dtype.names)}; Keras trains on "
+                "plain arrays. Stack the fields into one: "
+                f"numpy.lib.recfunctions.structured_to_unstructured({name}), or pass a dict "
+                f"{{field: {name}[field]}} for a model with an input per field.")
+    if is_real(dtype) or dtype.kind == "c":
+        return (f", a dtype Keras does not take (model.fit fails with \"Invalid dtype: "
+                f"{dtype}\"). Cast it to one it does: {name}.astype('float32'), or "
+                "'int32' for ids.")
+    if dtype.kind == "O" and array.size and np.ndim(array.flat[0]) == 0 and isinstance(
+            array.flat[0], (numbers.Number, np.generic)):
+        return (" holding Python numbers; keras_dp, like model.fit, trains on arrays "
+                f"of a numeric dtype. Convert it: np.asarray({name}, dtype='float32').")
+    return ("; keras_dp trains on numeric arrays only. Convert it to numbers first; "
+            "ragged sequences become `object` arrays: pad them to one length "
+            "(keras.utils.pad_sequences).")
 
 
 def _holds_text(array):
