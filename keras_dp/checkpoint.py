@@ -44,6 +44,7 @@ import jax
 import numpy as np
 
 from keras_dp import checkpoint_guard as guard
+from keras_dp.pipeline import grain_source
 from keras_dp.pipeline.batch import batch_rows
 from keras_dp.state import TrainState
 from keras_dp.state import write_back
@@ -86,15 +87,20 @@ class Checkpoints:
         plan: what decides which rows each step of an epoch takes (`plan_of`),
             saved with the state; a checkpoint taken mid-epoch resumes only
             under the same plan. None: not saved, not checked.
+        topology: the processes, devices and rows per step of this run
+            (`topology_of`), saved with the state; a checkpoint that holds a
+            position within an epoch or a Grain stream resumes only on the
+            same number of processes. None: not saved, not checked.
 
     Raises:
         DirectoryInUseError: with `lock`, another live run holds `directory`.
     """
 
-    def __init__(self, directory, max_to_keep=2, lock=True, source=None, plan=None):
+    def __init__(self, directory, max_to_keep=2, lock=True, source=None, plan=None,
+                 topology=None):
         import orbax.checkpoint as ocp
 
-        self.source, self.plan = source, plan
+        self.source, self.plan, self.topology = source, plan, topology
         self.optimizer = None  # its name, saved and checked (`checkpoint_guard.optimizer_name`)
         self.variables = None  # the model's, saved and checked (`checkpoint_guard.variable_signatures`)
         self.restored = None  # the `Position` restored by `restore`, if any
@@ -135,9 +141,11 @@ class Checkpoints:
             "position": _position_tree(position.epoch, position.steps, seed),
         }
         if self.source is not None:  # where the input stands, per process
-            tree["input"] = self.source.saved(position)
+            tree[guard.INPUT] = self.source.saved(position)
         if self.plan is not None:
             tree[guard.PLAN] = _plan_tree(self.plan)
+        if self.topology is not None:
+            tree[guard.TOPOLOGY] = _plan_tree(self.topology)
         if position.stopped:
             tree[guard.STOPPED] = {"stopped": np.asarray(1, np.int64)}
         if self.optimizer is not None:
@@ -178,7 +186,8 @@ class Checkpoints:
 
     def check_room(self, model):
         """Raise `OSError` if the directory's filesystem cannot take the checkpoints to come."""
-        leaves = guard.leaves(_template(abstract_state(model), self.source, self.plan))
+        leaves = guard.leaves(_template(abstract_state(model), self.source, self.plan,
+                                        self.topology))
         nbytes = sum(leaf.size * np.dtype(leaf.dtype).itemsize for _, leaf in leaves)
         kept = len(self._manager.all_steps())
         guard.check_room(self.directory, nbytes + 8 * len(leaves),
@@ -238,9 +247,13 @@ class Checkpoints:
                 resumed run differ, or it was taken mid-epoch under another
                 plan (`plan_of`: batch size, rows, steps per epoch,
                 shuffle), so the rest of the epoch would take other rows.
+                Or it holds a position within an epoch (or a Grain stream's,
+                at any point) and another number of processes wrote it: each
+                process's share of the data, and its Grain position, would
+                not be the ones it left.
             DamagedCheckpointError: every checkpoint in the directory is damaged.
         """
-        template = _template(abstract, self.source, self.plan)
+        template = _template(abstract, self.source, self.plan, self.topology)
         if self.optimizer is not None:
             template[guard.OPTIMIZER] = guard.optimizer_tree(self.optimizer)
         tree = guard.newest_intact(self._manager, template, self._ocp.args.StandardRestore)
@@ -251,9 +264,10 @@ class Checkpoints:
         self._check_seed(tree, seed)
         position = Position(int(tree["position"]["epoch"]), int(tree["position"]["steps"]),
                             stopped=guard.STOPPED in tree)
+        self._check_topology(tree, position)
         self._check_plan(tree, position)
         if self.source is not None:
-            self.source.restore(position, tree["input"])
+            self.source.restore(position, tree[guard.INPUT])
         return TrainState(**tree["state"]), position
 
     def _check_seed(self, tree, seed):
@@ -265,6 +279,52 @@ class Checkpoints:
                 "shuffle order would differ from the interrupted run. Pass "
                 f"seed={saved_seed} to resume it, or a new checkpoint_dir."
             )
+
+    def _check_topology(self, tree, position):
+        """Refuse a position within an epoch saved by another number of processes.
+
+        Across processes each reads its own share of the data, so the rows
+        that an epoch's first steps took depend on how many processes split
+        it (and how each shuffled its share); a Grain position is each
+        process's own. At an epoch's end without a Grain position the next
+        epoch starts afresh on any number of processes and devices. Devices
+        alone do not change which rows a step takes.
+        """
+        if self.topology is None or position.stopped:  # a stopped run trains nothing
+            return
+        saved = {name: int(value) for name, value in tree.get(guard.TOPOLOGY, {}).items()}
+        held = guard.INPUT in tree and grain_source.holds_positions(tree[guard.INPUT])
+        if guard.INPUT in tree:  # one row per process, also before the topology was saved
+            saved.setdefault("processes", len(tree[guard.INPUT]))
+        processes = saved.get("processes", self.topology["processes"])
+        if processes == self.topology["processes"] or not (position.steps or held):
+            return
+        where = position.at() if position.steps else f"{position.at()} of a Grain stream"
+        if position.steps:
+            fix = (f"Resume on {processes} processes to finish that epoch (from its end, "
+                   "a run can go on with any number), or resume from the checkpoint kept "
+                   f"before it{self._older_words()}, or pass a new checkpoint_dir to start "
+                   "afresh.")
+        else:
+            fix = (f"Resume on {processes} processes, or pass a new checkpoint_dir to "
+                   "start afresh.")
+        raise ValueError(
+            f"The checkpoint in {self.directory} stopped {where}, written by "
+            f"{topology_words(saved, processes)}, and this fit runs on "
+            f"{topology_words(self.topology)}: each process's share of the data "
+            f"{'and its Grain position ' if held else ''}would not be the one it "
+            "left, so the rest of that epoch would train on other rows than the "
+            f"interrupted run's (some twice, some never). {fix}")
+
+    def _older_words(self):
+        """How to resume from the checkpoint before the newest one, if one is kept."""
+        steps = sorted(self._manager.all_steps())
+        if len(steps) < 2:
+            return " (none is kept here)"
+        newest = os.path.join(self.directory, str(steps[-1]))
+        return (f" (delete {newest}, which was written mid-epoch, and rerun: "
+                f"{os.path.join(self.directory, str(steps[-2]))} is then resumed, the end "
+                "of the epoch before if the run was stopped once in that epoch)")
 
     def _check_plan(self, tree, position):
         """Refuse a mid-epoch `position` saved under another plan than `self.plan`.
@@ -368,7 +428,7 @@ def check_dir(value, argument):
 
 
 def open_for_fit(checkpoint_dir, model, seed, multiprocess, initial_epoch,
-                 steps_per_epoch=None, source=None, plan=None, max_to_keep=2):
+                 steps_per_epoch=None, source=None, plan=None, max_to_keep=2, topology=None):
     """The `Checkpoints` of a fit and where it starts: `(checkpoints, Position)`.
 
     Without `checkpoint_dir`: `(None, Position(initial_epoch, 0))`. With one
@@ -379,8 +439,9 @@ def open_for_fit(checkpoint_dir, model, seed, multiprocess, initial_epoch,
     the same `checkpoint_dir`, on a filesystem they share; each restores the
     same newest checkpoint. A `source` (see `Checkpoints`) has its position
     saved with each checkpoint and restored from it; a `plan` (`plan_of`)
-    is saved with each, and a mid-epoch checkpoint of another plan refused.
-    The newest `max_to_keep` checkpoints are kept.
+    is saved with each, and a mid-epoch checkpoint of another plan refused;
+    so is a `topology` (`topology_of`), and a checkpoint that holds a position
+    within an epoch refused on another number of processes. The newest `max_to_keep` checkpoints are kept.
 
     The caller must `close` the `Checkpoints` (see `closing`): until then
     it holds the directory's lock. On an error here it is closed already.
@@ -406,7 +467,8 @@ def open_for_fit(checkpoint_dir, model, seed, multiprocess, initial_epoch,
     # orbax's save and restore take part in every process alike; the lock
     # is process 0's, for all of them.
     checkpoints = Checkpoints(checkpoint_dir, lock=not multiprocess or _process_index() == 0,
-                              source=source, plan=plan, max_to_keep=max_to_keep)
+                              source=source, plan=plan, max_to_keep=max_to_keep,
+                              topology=topology)
     checkpoints.optimizer = guard.optimizer_name(model.optimizer)
     checkpoints.variables = guard.variable_signatures(model)
     if source is not None:
@@ -446,6 +508,38 @@ def plan_of(batches, shuffle, multiprocess):
         "steps": steps if isinstance(steps, int) else -1,
         "shuffle": _SHUFFLE_CODES.get(shuffle, 1) if arrays else -1,
     }
+
+
+def topology_of(mesh, batches):
+    """The processes, `mesh`'s devices and the rows per step of a fit, as ints (-1: unknown).
+
+    `local_batch` is process 0's rows per step: the batch size for array data
+    (global / processes), a dataset's first batch otherwise.
+    """
+    if hasattr(batches, "order"):  # `pipeline.arrays.ArrayBatches`
+        local = batches.batch_size
+    elif getattr(batches, "resumable", None) is not None:  # a Grain position: not read yet
+        local = -1
+    else:
+        local = batch_rows(batches.peek())
+    return {"processes": jax.process_count(), "devices": int(mesh.devices.size),
+            "local_batch": local}
+
+
+def topology_words(topology, processes=None):
+    """A `topology_of` dict in words: "2 processes of 2 devices each, a global batch of ..."."""
+    processes = topology.get("processes", processes)
+    devices = topology.get("devices", -1)
+    words = f"{processes} process{'es' if processes != 1 else ''}"
+    if devices > 0:
+        each = devices // processes if devices % processes == 0 else None
+        words += (f" of {each} device{'s' if each != 1 else ''}{' each' if processes > 1 else ''}"
+                  if each else f" with {devices} devices in all")
+    local = topology.get("local_batch", -1)
+    if local > 0:
+        words += (f", a global batch of {local * processes} rows ({local} on process 0)"
+                  if processes > 1 else f", a batch of {local} rows")
+    return words
 
 
 def _plan_words(name, value):
@@ -499,13 +593,15 @@ def abstract_state(model, shardings=None):
     return TrainState.abstract_of(model, shardings)
 
 
-def _template(abstract, source=None, plan=None):
-    """A checkpoint's tree (without checksums) for an `abstract_state` (and `source`, `plan`)."""
+def _template(abstract, source=None, plan=None, topology=None):
+    """A checkpoint's tree (without checksums) for an `abstract_state` (and `source`, `plan`, `topology`)."""
     tree = {"state": dict(abstract._asdict()), "position": _position_tree(0, 0, 0)}
     if source is not None:
-        tree["input"] = source.template()
+        tree[guard.INPUT] = source.template()
     if plan is not None:
         tree[guard.PLAN] = _plan_tree(plan)
+    if topology is not None:
+        tree[guard.TOPOLOGY] = _plan_tree(topology)
     return tree
 
 

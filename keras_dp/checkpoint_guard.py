@@ -47,6 +47,12 @@ SUMS = "bitsums"  # the key of this keras_dp's checksums (`bitsums`)
 LEGACY_SUMS = "checksums"  # CRC-32s of each array's bytes, written before
 _SUM_DTYPES = {SUMS: np.uint32, LEGACY_SUMS: np.int64}
 PLAN = "plan"  # the rows-per-step plan of a fit (`checkpoint.plan_of`), absent before it was added
+# The processes, devices and rows per step that wrote a checkpoint
+# (`checkpoint.topology_of`), absent before it was added.
+TOPOLOGY = "topology"
+# A Grain source's position, one row per process of the run that wrote it:
+# read with the rows it has, whatever this run's process count.
+INPUT = "input"
 # Present only in the checkpoints of a run that `stop_training` ended
 # (`checkpoint.Position.stopped`); a reader's template never holds it: read along.
 STOPPED = "stopped"
@@ -293,10 +299,14 @@ def read_verified(manager, index, template, restore_args):
             return ("it holds no saved state (a save cut short, or a copy of one: "
                     "delete it)"), None
         return f"its metadata could not be read ({short(error)})", None
-    for key in (PLAN, OPTIMIZER):  # an older keras_dp's: nothing to check
+    for key in (PLAN, OPTIMIZER, TOPOLOGY):  # an older keras_dp's: nothing to check
         if key in template and key not in saved:
             template = {name: value for name, value in template.items() if name != key}
-    for key in (PLAN, STOPPED, OPTIMIZER, VARIABLES):  # a reader that checks none: read it along
+    if INPUT in template and len(getattr(saved.get(INPUT), "shape", ())) == 2:
+        # One row per saving process; `checkpoint.Checkpoints` checks the count.
+        template = dict(template, **{INPUT: np.zeros(saved[INPUT].shape,
+                                                      np.dtype(saved[INPUT].dtype))})
+    for key in (PLAN, STOPPED, OPTIMIZER, VARIABLES, TOPOLOGY):  # a reader that checks none: read it along
         if key in saved and key not in template:
             template = dict(template, **{key: {
                 name: np.zeros(saved[key][name].shape, np.dtype(saved[key][name].dtype))

@@ -552,7 +552,8 @@ class ShardedTrainer:
                 checkpoint_dir, self.model, self.seed, self.multiprocess, initial_epoch,
                 steps_per_epoch, source=getattr(batches, "resumable", None),
                 plan=checkpoint_lib.plan_of(batches, shuffle, self.multiprocess),
-                max_to_keep=checkpoints_to_keep)
+                max_to_keep=checkpoints_to_keep,
+                topology=checkpoint_lib.topology_of(self.mesh, batches))
             with checkpoint_lib.closing(checkpoints):  # its lock goes, whatever fails
                 note = checkpoints and checkpoints.resume_note(epochs)
                 if note and verbose != 0 and distributed.is_primary():

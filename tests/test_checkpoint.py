@@ -201,6 +201,38 @@ def test_a_mid_epoch_checkpoint_refuses_another_batch_size_shuffle_or_data(data,
                              checkpoint_dir=tmp_path / "dataset")
 
 
+def save_as_if_by(directory, processes, position, data, source=None):
+    """A checkpoint of `mlp()` at `position`, marked as written by `processes` processes of 2 devices."""
+    model = mlp()
+    trainer = keras_dp.ShardedTrainer(model, devices=devices(2))
+    trainer.build((data[0][:8], data[1][:8]))
+    topology = {"processes": processes, "devices": 2 * processes, "local_batch": BATCH // processes}
+    with checkpoint_lib.closing(checkpoint_lib.Checkpoints(
+            directory, source=source, topology=topology)) as saved:
+        saved.save(trainer.init_state(), position, seed=0)
+
+
+def test_a_mid_epoch_checkpoint_of_another_process_count_is_refused_naming_both(data, tmp_path):
+    # Each process reads its own share, shuffled on its own: the steps done
+    # in an epoch by 2 processes took other rows than the same steps of 1.
+    save_as_if_by(tmp_path, 2, checkpoint_lib.Position(1, 5), data)
+    with pytest.raises(ValueError) as refused:
+        fit(mlp(), data, checkpoint_dir=tmp_path)
+    assert str(refused.value) == (
+        f"The checkpoint in {tmp_path} stopped after 5 steps of epoch 2, written by "
+        "2 processes of 2 devices each, a global batch of 64 rows (32 on process 0), "
+        "and this fit runs on 1 process of 2 devices, a batch of 64 rows: each "
+        "process's share of the data would not be the one it left, so the rest of "
+        "that epoch would train on other rows than the interrupted run's (some twice, "
+        "some never). Resume on 2 processes to finish that epoch (from its end, a run "
+        "can go on with any number), or resume from the checkpoint kept before it "
+        "(none is kept here), or pass a new checkpoint_dir to start afresh.")
+    # Saved at an epoch's end, it resumes on any number: the next epoch starts afresh.
+    other = tmp_path / "at an epoch's end"
+    save_as_if_by(other, 2, checkpoint_lib.Position(1, 0), data)
+    assert fit(mlp(), data, epochs=2, checkpoint_dir=other).epoch == [1]
+
+
 def test_a_backup_and_restore_beside_a_checkpoint_dir_is_refused_before_anything_is_written(
         data, tmp_path):
     # Each restored a rerun from its own point. After a SIGTERM after 3

@@ -227,6 +227,37 @@ def test_a_grain_checkpoint_resumed_with_arrays_is_refused_naming_the_input(data
         checkpoint_lib.open_for_fit(tmp_path, model, 0, False, 0)  # arrays: no source
 
 
+class TwoProcesses:
+    """A Grain source's checkpoint side as 2 processes saved it: each row one process's state."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def template(self):
+        return np.zeros((2, grain_source.STATE_BYTES), np.uint8)
+
+    def saved(self, position):
+        return np.stack([grain_source._encode(self.state)] * 2)
+
+
+def test_a_grain_checkpoint_of_2_processes_resumes_on_1_at_an_epochs_end_only(data, tmp_path):
+    from test_checkpoint import save_as_if_by
+
+    # At an epoch's end no position is held: the next epoch is a fresh pass
+    # on any number of processes (before, refused as "another input").
+    save_as_if_by(tmp_path, 2, Position(1, 0), data, source=TwoProcesses(None))
+    assert fit(mlp(), batched(Rows(*data)), epochs=2, checkpoint_dir=tmp_path).epoch == [1]
+    # Mid-epoch each process's iterator state is its own share's.
+    other = tmp_path / "mid-epoch"
+    save_as_if_by(other, 2, Position(1, 3), data, source=TwoProcesses({"next_index": 96}))
+    with pytest.raises(ValueError, match=(
+            r"stopped after 3 steps of epoch 2, written by 2 processes of 2 devices each, "
+            r".*and this fit runs on 1 process of 2 devices: each process's share of the "
+            r"data and its Grain position would not be the one it left.* Resume on 2 "
+            r"processes to finish that epoch")):
+        fit(mlp(), batched(Rows(*data)), epochs=2, checkpoint_dir=other)
+
+
 @pytest.mark.slow
 def test_steps_per_epoch_over_a_repeated_dataset_resumes_bitwise_mid_stream(data, tmp_path):
     # `.shuffle().repeat()`: Grain reshuffles each repetition; epochs of 5

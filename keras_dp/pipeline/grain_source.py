@@ -128,9 +128,28 @@ class GrainEpochs:
         return np.asarray(multihost_utils.process_allgather(row))
 
     def restore(self, position, saved):
-        """Continue epoch `position.epoch` after `position.steps` steps from `saved` (see `saved`)."""
-        state = _decode(np.asarray(saved)[jax.process_index()])
+        """Continue epoch `position.epoch` after `position.steps` steps from `saved` (see `saved`).
+
+        `saved` has a row per process of the run that wrote it. Another
+        process count is read only when every row is empty (an epoch's end:
+        a fresh pass); `keras_dp.checkpoint` refuses the rest before this.
+        """
+        saved = np.asarray(saved)
+        if len(saved) != jax.process_count():
+            if holds_positions(saved):
+                raise ValueError(
+                    f"keras_dp: the checkpoint holds the Grain positions of {len(saved)} "
+                    f"processes, and this run has {jax.process_count()}. Please report "
+                    "this: it should have been refused with the reason before.")
+            self._restored = None
+            return
+        state = _decode(saved[jax.process_index()])
         self._restored = None if state is None else (position.epoch, position.steps, state)
+
+
+def holds_positions(saved):
+    """Whether a checkpoint's saved states (see `GrainEpochs.saved`) hold any position."""
+    return any(_decode(row) is not None for row in np.asarray(saved))
 
 
 def _close(iterator):
