@@ -49,6 +49,33 @@ def callback_list(callbacks, model, verbose, history=True, collective_reads=Fals
     )
 
 
+# Keras's callbacks whose `verbose` only prints what they decide ("Epoch 3:
+# early stopping", "ReduceLROnPlateau reducing learning rate to ...").
+ANNOUNCERS = (keras.callbacks.EarlyStopping, keras.callbacks.ReduceLROnPlateau,
+              keras.callbacks.LearningRateScheduler)
+
+
+@contextlib.contextmanager
+def announced_on_process_0(callbacks):
+    """Run the block with the `CallbackList`'s `ANNOUNCERS` silent on processes other than 0.
+
+    Every process runs them on the same logs and decides the same, so each
+    printed the same message ("[process 1] Epoch 2: early stopping" under
+    `keras-dp launch`), where the progress bar is process 0's alone. Their
+    `verbose` is 0 during the block and given back after it, whatever ends it.
+    """
+    quiet = [] if distributed_lib.is_primary() else [
+        (callback, callback.verbose) for callback in callbacks.callbacks
+        if isinstance(callback, ANNOUNCERS) and callback.verbose]
+    for callback, _ in quiet:
+        callback.verbose = 0
+    try:
+        yield
+    finally:
+        for callback, verbose in quiet:
+            callback.verbose = verbose
+
+
 def beyond_logs(callbacks):
     """Whether a callback of the `CallbackList` may read the model, not only the logs.
 

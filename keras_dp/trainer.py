@@ -566,11 +566,12 @@ class ShardedTrainer:
                 )
                 feed = resident.make_feed(self, batches, plan)  # first: its data takes memory
                 self._use_train_programs(donate=not memory_lib.keep_last_good(self, plan))
-                return loop.fit(
-                    self, batches, val, callbacks, epochs=epochs, resume=resume,
-                    validation_freq=validation_freq, checkpoints=checkpoints,
-                    feed=feed, profile_dir=profile_dir,
-                )
+                with callbacks_lib.announced_on_process_0(callbacks):
+                    return loop.fit(
+                        self, batches, val, callbacks, epochs=epochs, resume=resume,
+                        validation_freq=validation_freq, checkpoints=checkpoints,
+                        feed=feed, profile_dir=profile_dir,
+                    )
 
     def evaluate(self, x=None, y=None, *, batch_size=None, verbose="auto",
                  sample_weight=None, steps=None, callbacks=None, return_dict=False):

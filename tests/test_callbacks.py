@@ -14,6 +14,7 @@ import pytest
 
 import keras_dp
 import conftest
+from keras_dp import distributed
 from conftest import assert_close_to_scale, assert_weights_close
 from conftest import devices
 from conftest import weights
@@ -284,6 +285,33 @@ def test_backup_and_restore_resumes_at_the_interrupted_epoch(data, tmp_path):
     assert_weights_close(resumed, unbroken)
     # The restored epoch applies to that fit only (Keras would keep it).
     assert keras_dp.fit_sharded(resumed, x, y, **dict(kwargs, epochs=1)).epoch == [0]
+
+
+def test_kerass_callbacks_announce_their_decisions_on_process_0_only(monkeypatch, capsys):
+    # Under `keras-dp launch` every process printed "Epoch 2: early stopping"
+    # and the learning-rate messages, where the progress bar is process 0's
+    # alone. Process 1 (`is_primary()` False here) now runs them silent and
+    # decides the same; their `verbose` is theirs again after the fit.
+    rng = np.random.default_rng(0)
+    x, y = rng.random((16, 28, 28, 1), "float32"), rng.integers(0, 10, 16)
+    runs = {}
+    for primary in (True, False):
+        monkeypatch.setattr(distributed, "is_primary", lambda primary=primary: primary)
+        callbacks = [
+            keras.callbacks.EarlyStopping(monitor="loss", min_delta=10, patience=1, verbose=1),
+            keras.callbacks.ReduceLROnPlateau(monitor="loss", min_delta=10, patience=0,
+                                              verbose=1),
+            keras.callbacks.LearningRateScheduler(lambda epoch, rate: rate, verbose=2)]
+        history = keras_dp.fit_sharded(conftest.mlp(), x, y, batch_size=8, epochs=5,
+                                       shuffle=False, callbacks=callbacks, devices=devices(2))
+        runs[primary] = history.history, capsys.readouterr().out
+        assert [callback.verbose for callback in callbacks] == [1, 1, 2]
+    (shown, out), (silent, quiet) = runs[True], runs[False]
+    for message in ("Epoch 2: early stopping", "Epoch 2: ReduceLROnPlateau reducing",
+                    "Epoch 1: LearningRateScheduler setting learning rate", "Epoch 2/5"):
+        assert message in out, out
+    assert quiet == ""
+    assert list(silent) == list(shown) and silent["loss"] == shown["loss"]
 
 
 def test_an_item_of_callbacks_that_is_not_a_callback_is_named():

@@ -1,5 +1,7 @@
 """steps_per_execution: K steps in one compiled call, exactly, in fit, evaluate and predict."""
 
+import re
+
 import jax
 import keras
 import numpy as np
@@ -183,3 +185,45 @@ def test_steps_fewer_than_k_read_exactly_that_many_batches_where_keras_runs_a_wh
     assert_close_to_scale(trainer.predict(x, **options), build(1).predict(x, **options))
     np.testing.assert_allclose(trainer.evaluate(x, y, **options),
                                build(1).evaluate(x, y, **options), rtol=1e-6)
+
+
+class EveryBarUpdate(keras.callbacks.ProgbarLogger):
+    """Keras's progress bar, drawing every update (Keras's skips those within 0.05 s)."""
+
+    def on_epoch_begin(self, epoch, logs=None):
+        super().on_epoch_begin(epoch, logs)
+        self.progbar.interval = 0
+
+
+def bar_counts(out):
+    """The `n/total` of every bar drawn in `out`, in order (`3/Unknown` while the total is)."""
+    bars = re.sub(r"\x1b\[[0-9;]*m|Epoch \d+/\d+", "", out)
+    return re.findall(r"\d+/(?:\d+|Unknown)", bars)
+
+
+def test_the_bar_counts_leftover_batches_one_by_one_and_never_passes_its_total(capsys):
+    # README (Several steps per call): 10 batches at K=4 run calls of 4, 4,
+    # then 1 and 1, and the bar shows 4, 8, 9, 10 of 10; Keras 3.15.1 runs
+    # the last 2 as one short call, which it reports as batch 12 ("12/10"),
+    # and with a dataset of unknown length it sets the total to 12 after
+    # epoch 1.
+    tf = pytest.importorskip("tensorflow")
+    x = np.random.default_rng(0).random((20, 4), "float32")
+    y = np.arange(len(x)) % 3
+    unknown = tf.data.Dataset.from_tensor_slices((x, y)).batch(2).filter(lambda *_: True)
+    counts = {}
+    for fit in ("keras", "sharded"):
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy",
+                      steps_per_execution=4)
+        runner = model if fit == "keras" else keras_dp.ShardedTrainer(model, devices=devices(2))
+        for data, batch_size in (((x, y), 2), ((unknown,), None)):
+            runner.fit(*data, batch_size=batch_size, epochs=2, shuffle=False,
+                       callbacks=[EveryBarUpdate()])
+            counts[fit, len(data)] = bar_counts(capsys.readouterr().out)
+    epoch = ["4/10", "8/10", "9/10", "10/10", "10/10"]  # the last: the epoch's end
+    assert counts["sharded", 2] == epoch * 2
+    assert counts["sharded", 1] == ["4/Unknown", "8/Unknown", "9/Unknown", "10/Unknown",
+                                    "10/10"] + epoch
+    assert counts["keras", 2] == ["4/10", "8/10", "12/10", "10/10"] * 2
+    assert counts["keras", 1][3:] == ["12/12", "4/12", "8/12", "12/12", "12/12"]
