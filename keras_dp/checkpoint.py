@@ -44,6 +44,7 @@ import jax
 import numpy as np
 
 from keras_dp import checkpoint_guard as guard
+from keras_dp import interrupts
 from keras_dp.pipeline import grain_source
 from keras_dp.pipeline.batch import batch_rows
 from keras_dp.state import TrainState
@@ -132,10 +133,37 @@ class Checkpoints:
         (see the module docstring for who writes what: nothing is
         gathered). A checksum of every array (`checkpoint_guard.bitsums`)
         is written with it, checked on restore. Across processes, every
-        process must call this at the same point.
+        process must call this at the same point. Ctrl-C waits for the save
+        to complete and acts after it (`interrupts.Deferred`).
         """
-        index = self._manager.latest_step()
-        index = 0 if index is None else index + 1
+        # Ctrl-C waits for the save to complete: a KeyboardInterrupt inside
+        # orbax's write dropped the checkpoint, and one in its cleanup left
+        # more than max_to_keep.
+        with interrupts.Deferred() as deferred, deferred.held():
+            index = self._manager.latest_step()
+            index = 0 if index is None else index + 1
+            tree = self._tree(state, position, seed)
+            try:
+                with _orbax_errors_held():
+                    self._manager.save(index, args=self._ocp.args.StandardSave(tree), force=True)
+                    self._manager.wait_until_finished()
+            except Exception as error:  # noqa: BLE001 - one clear error, not orbax's chain
+                failed = (f"Saving the checkpoint {_of(position)} in {self.directory} failed "
+                          f"({guard.short(error)}). The model holds the weights it trained; "
+                          "the newest complete checkpoint there is unchanged.")
+                code = getattr(error, "errno", None)
+                if isinstance(error, OSError) or code:
+                    raise OSError(code or errno.EIO,
+                                  f"{failed} Free space or fix the directory, then rerun the "
+                                  "same fit to resume.") from None
+                # Not the disk's or the directory's, as far as the error says: its
+                # chain stays, for what orbax or TensorStore reports.
+                raise RuntimeError(
+                    f"{failed} If the disk or the directory is at fault, fix it and "
+                    "rerun the same fit to resume.") from error
+
+    def _tree(self, state, position, seed):
+        """What `save` writes: the state, the position and what resuming checks, with checksums."""
         tree = {
             "state": dict(state._asdict()),
             "position": _position_tree(position.epoch, position.steps, seed),
@@ -153,36 +181,15 @@ class Checkpoints:
         if self.variables is not None:
             tree[guard.VARIABLES] = guard.variables_tree(self.variables)
         tree[guard.SUMS] = guard.bitsums(tree)
-        try:
-            with _orbax_errors_held():
-                self._manager.save(index, args=self._ocp.args.StandardSave(tree), force=True)
-                self._manager.wait_until_finished()
-        except Exception as error:  # noqa: BLE001 - one clear error, not orbax's chain
-            failed = (f"Saving the checkpoint {_of(position)} in {self.directory} failed "
-                      f"({guard.short(error)}). The model holds the weights it trained; "
-                      "the newest complete checkpoint there is unchanged.")
-            code = getattr(error, "errno", None)
-            if isinstance(error, OSError) or code:
-                raise OSError(code or errno.EIO,
-                              f"{failed} Free space or fix the directory, then rerun the "
-                              "same fit to resume.") from None
-            # Not the disk's or the directory's, as far as the error says: its
-            # chain stays, for what orbax or TensorStore reports.
-            raise RuntimeError(
-                f"{failed} If the disk or the directory is at fault, fix it and "
-                "rerun the same fit to resume.") from error
+        return tree
 
     def save_live(self, live, trainer, position):
         """Save the state a fit has reached (`LiveModel.current`) at `position`.
 
         The live state as it lies, or the model's if a callback changed it.
-        Ctrl-C waits for the save to complete: a `KeyboardInterrupt` inside
-        orbax's write dropped the checkpoint, and one during its cleanup
-        left more than `max_to_keep`.
         """
         any_process = trainer.placement.any_process if trainer.multiprocess else None
-        with live.held():
-            self.save(live.current(trainer.init_state, any_process), position, trainer.seed)
+        self.save(live.current(trainer.init_state, any_process), position, trainer.seed)
 
     def check_room(self, model):
         """Raise `OSError` if the directory's filesystem cannot take the checkpoints to come."""

@@ -28,7 +28,6 @@ from keras_dp import checkpoint as checkpoint_lib
 from keras_dp import explain
 from keras_dp import inference
 from keras_dp import inflight
-from keras_dp import interrupts
 from keras_dp import model_checks
 from keras_dp import preemption as preemption_lib
 from keras_dp import programs as programs_lib
@@ -145,10 +144,8 @@ def fit(trainer, batches, val, callbacks, *, epochs, resume, validation_freq, fe
     if finished:
         callbacks.on_train_end(epoch_logs)
         if checkpoints is not None and stopped is not None:
-            # What the run ends with (EarlyStopping's best weights) is what a
-            # rerun gets; Ctrl-C waits for it, as for every save.
-            with interrupts.Deferred() as deferred, deferred.held():
-                checkpoints.save(trainer.init_state(), stopped, trainer.seed)
+            # What the run ends with (EarlyStopping's best weights) is what a rerun gets.
+            checkpoints.save(trainer.init_state(), stopped, trainer.seed)
     if checkpoints is not None:
         checkpoints.close()
     return model.history

@@ -273,10 +273,6 @@ class LiveModel:
         finally:
             _compat.unshadow_state_sync(self.model)
 
-    def held(self):
-        """A block that Ctrl-C does not interrupt (a checkpoint being written); it acts at the end."""
-        return self._interrupts.held()
-
     def read(self, state, position):
         """Take `state`, just read from the model (which is at `position`), as the live state.
 

@@ -287,13 +287,13 @@ def test_ctrl_c_during_a_save_waits_for_it_to_complete(data, tmp_path, monkeypat
     # Before, the KeyboardInterrupt landed inside orbax's write: the epoch's
     # checkpoint was dropped (a rerun trained that epoch again), or, in its
     # cleanup, an older one was left beyond checkpoints_to_keep.
-    save = checkpoint_lib.Checkpoints.save
+    bitsums = checkpoint_lib.guard.bitsums
 
-    def interrupted_save(self, *args, **kwargs):
-        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, while this save runs
-        return save(self, *args, **kwargs)
+    def interrupted_bitsums(tree):
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, while a save runs
+        return bitsums(tree)
 
-    monkeypatch.setattr(checkpoint_lib.Checkpoints, "save", interrupted_save)
+    monkeypatch.setattr(checkpoint_lib.guard, "bitsums", interrupted_bitsums)
     model = mlp()
     with pytest.raises(KeyboardInterrupt) as interrupted:
         fit(model, data, checkpoint_dir=tmp_path)
@@ -312,15 +312,19 @@ def test_ctrl_c_during_the_save_after_an_early_stop_waits_for_it(data, tmp_path,
     # The save after on_train_end (the best weights EarlyStopping restored)
     # ran outside the fit's hold on Ctrl-C: interrupted, the rerun returned
     # epoch 2's weights instead of epoch 1's.
-    save, saves = checkpoint_lib.Checkpoints.save, []
+    save, saves, bitsums = checkpoint_lib.Checkpoints.save, [], checkpoint_lib.guard.bitsums
 
-    def interrupted_save(self, *args, **kwargs):
+    def recorded_save(self, *args, **kwargs):
         saves.append(args[1])
-        if len(saves) == 3:  # epochs 1 and 2, then the run's end
-            os.kill(os.getpid(), signal.SIGINT)
         return save(self, *args, **kwargs)
 
-    monkeypatch.setattr(checkpoint_lib.Checkpoints, "save", interrupted_save)
+    def interrupted_bitsums(tree):
+        if len(saves) == 3:  # epochs 1 and 2, then the run's end: Ctrl-C while it saves
+            os.kill(os.getpid(), signal.SIGINT)
+        return bitsums(tree)
+
+    monkeypatch.setattr(checkpoint_lib.Checkpoints, "save", recorded_save)
+    monkeypatch.setattr(checkpoint_lib.guard, "bitsums", interrupted_bitsums)
     model, record = mlp(), EpochWeights()
     with pytest.raises(KeyboardInterrupt):
         fit(model, data, epochs=6, checkpoint_dir=tmp_path, callbacks=[
