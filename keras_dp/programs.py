@@ -59,8 +59,9 @@ class Programs(NamedTuple):
     `resident_steps`, the same over data kept on the devices
     (`keras_dp.resident.make_steps`); `test_step`/`test_steps` and
     `predict_step`/`predict_steps` (`keras_dp.steps.make_test_step`,
-    `make_predict_step` and their K-step forms). The train programs donate their state or keep
-    it, as the trainer's fit chose (`ShardedTrainer.keeps_last_good`).
+    `make_predict_step` and their K-step forms). The train programs donate
+    their state or keep it, as the trainer's fit chose
+    (`ShardedTrainer.keeps_last_good`).
     `train(steps)`, `resident(steps)`, `test(steps)` and `predict(steps)`
     pick the program of a call of `steps` steps.
     """

@@ -236,7 +236,6 @@ class ResidentFeed:
         return self._trainer.programs.resident(steps), (self._arrays,)
 
 
-
 def abstract_arguments(batches, mesh):
     """The arguments after the state of a fit's first one-step call, as abstract arrays.
 
