@@ -39,7 +39,7 @@ print("MARK imported", time.time(), flush=True)
 
 cache, batch_size, early = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "early"
 if early:  # as `keras-dp train` does: before the model's initializers compile
-    keras_dp.compilation_cache.enable(cache, min_compile_time_s=0)
+    keras_dp.diagnostics.compilation_cache.enable(cache, min_compile_time_s=0)
 rng = np.random.default_rng(0)
 x = rng.random((4 * batch_size, 28, 28, 1), dtype=np.float32)
 y = rng.integers(0, 10, 4 * batch_size)

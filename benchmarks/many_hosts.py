@@ -50,7 +50,7 @@ args = parser.parse_args()
 def worker():
     import keras_dp
     from keras_dp import distributed
-    from keras_dp import timing
+    from keras_dp.diagnostics import timing
 
     if distributed.requested_by_environment():
         distributed.initialize()

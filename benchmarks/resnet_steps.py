@@ -43,7 +43,7 @@ def main(argv=None):
     import numpy as np
 
     import keras_dp
-    from keras_dp import finite
+    from keras_dp.core import finite
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from systems import _guide_train_step

@@ -19,7 +19,7 @@ first call compiles:
   trainer's per-backend default (unrolled on CPU, rolled elsewhere) buys
   (opt-in: `--systems keras_dp,rolled,unrolled`).
 - `KerasDPHost`: keras_dp with `data_on_device=False`, every batch copied
-  from the host, to measure what device-resident data (`keras_dp.resident`,
+  from the host, to measure what device-resident data (`keras_dp.core.feed`,
   the default for arrays that fit) buys (opt-in: `--systems keras_dp,host`).
 - `KerasDPDonating`: keras_dp with `keep_last_good=False`, the state
   donated to each step, to measure what keeping the last completed state

@@ -10,7 +10,7 @@ the process; the persistent compilation cache is off), the modes
 interleaved run by run:
 
 - `ahead` (keras_dp's default): the validation's programs are compiled
-  during epoch 1, after its first train call (`keras_dp.programs`);
+  during epoch 1, after its first train call (`keras_dp.core.programs`);
 - `first-use` (`EvalPrograms.ahead = False`, as before): each compiles
   when validation first calls it, at the end of epoch 1.
 
@@ -44,7 +44,7 @@ def measure(mode, batch_size, train_rows):
     import keras
 
     import keras_dp
-    from keras_dp import programs
+    from keras_dp.core import programs
 
     programs.EvalPrograms.ahead = mode == "ahead"
     (x, y), (x_val, y_val) = keras_dp.datasets.load_mnist()

@@ -27,12 +27,12 @@ _PUBLIC = {
     "EnsembleResult": "keras_dp.ensemble",
     "EnsembleTrainer": "keras_dp.ensemble",
     "ShardedTrainer": "keras_dp.trainer",
-    "TrainState": "keras_dp.state",
+    "TrainState": "keras_dp.core.state",
     "fit_ensemble": "keras_dp.ensemble",
-    "fit_sharded": "keras_dp.fit",
-    "make_mesh": "keras_dp.mesh",
-    "memory_plan": "keras_dp.memory",
-    "shard_for_processes": "keras_dp.pipeline.shards",
+    "fit_sharded": "keras_dp.api",
+    "make_mesh": "keras_dp.sharding",
+    "memory_plan": "keras_dp.diagnostics.memory",
+    "shard_for_processes": "keras_dp.sources.shards",
 }
 _MODULES = ("datasets", "distributed", "models")
 

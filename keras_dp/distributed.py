@@ -10,7 +10,7 @@ now crosses hosts.
 What does change is the input. Each process reads only its own share of the
 data (`process_share`) and passes it to keras_dp as it would on one host,
 with the global `batch_size` (`local_batch_size` is each process's part);
-`keras_dp.global_batches.MultiProcessPlacement` assembles the global batches.
+`keras_dp.multihost.batches.MultiProcessPlacement` assembles the global batches.
 This module holds the runtime and the processes' shares; nothing here runs
 inside a step.
 """
@@ -116,7 +116,7 @@ def _end_after_uncaught_error():
     runtime stops the others within the heartbeat timeout. A clean exit
     (or a caught exception) shuts down as JAX does, unless this process's
     error left a call the others were in and one of them ended for it
-    (`keras_dp.peers`): then it ends too, with status 1, where JAX's
+    (`keras_dp.multihost.peers`): then it ends too, with status 1, where JAX's
     shutdown would wait for it and abort.
 
     Process 0 runs the coordination service, whose end stops the others
@@ -125,7 +125,7 @@ def _end_after_uncaught_error():
     """
     if not (_compat.jax_backend_started() and jax.process_count() > 1):
         return
-    from keras_dp import peers
+    from keras_dp.multihost import peers
 
     uncaught = getattr(sys, "last_value", None) is not None
     if uncaught and not (peers.posted() and is_primary()):
@@ -141,7 +141,7 @@ def _end_after_uncaught_error():
 
 
 def _end_now():
-    from keras_dp import peers
+    from keras_dp.multihost import peers
 
     peers.leaving()  # process 0 may wait for it before ending
     sys.stdout.flush()
@@ -262,7 +262,7 @@ def publish_host_name():
 
     In JAX's coordination service's key-value store, once per process;
     nothing in one process. Every process does it as it makes a trainer
-    across processes (`keras_dp.global_batches.MultiProcessPlacement`).
+    across processes (`keras_dp.multihost.batches.MultiProcessPlacement`).
     """
     if jax.process_count() == 1:
         return
@@ -284,10 +284,10 @@ def host_names():
     processes' next collective.
 
     Raises:
-        keras_dp.agreement.NotEveryProcess: a process left no name within
-            `keras_dp.agreement.timeout()` seconds (it made no trainer).
+        keras_dp.multihost.agreement.NotEveryProcess: a process left no name within
+            `keras_dp.multihost.agreement.timeout()` seconds (it made no trainer).
     """
-    from keras_dp import agreement
+    from keras_dp.multihost import agreement
 
     publish_host_name()
     client, seconds = _compat.distributed_client(), agreement.timeout()

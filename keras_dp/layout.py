@@ -33,7 +33,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
-from keras_dp import mesh as mesh_lib
+from keras_dp import sharding as mesh_lib
 
 MODES = ("replicated", "optimizer", "full")
 # Below this many elements a variable stays replicated (16 KiB in float32).

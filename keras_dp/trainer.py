@@ -4,9 +4,9 @@ Its parts are public so a user can run training by hand (`build`,
 `init_state`, `shard`, `train_step`, `write_back`), and `fit`, `evaluate`
 and `predict` run them the way `model.fit`, `model.evaluate` and
 `model.predict` do, with Keras's callbacks and progress bar. The route of a
-batch: `keras_dp.pipeline` makes host batches of the user's data,
-`keras_dp.placement` puts them on the mesh, `keras_dp.loop` runs the epochs,
-and `keras_dp.steps` holds the compiled programs.
+batch: `keras_dp.sources` makes host batches of the user's data,
+`keras_dp.core.placement` puts them on the mesh, `keras_dp.core.loop` runs the epochs,
+and `keras_dp.core.steps` holds the compiled programs.
 
 The Keras model is the record of truth between calls; during `fit`, the
 device state is, and the model is updated from it whenever a callback looks,
@@ -15,31 +15,31 @@ at the end of fit, and whenever `fit` exits by an exception or an interrupt.
 
 
 from keras_dp import _compat
-from keras_dp import agreement
-from keras_dp import build as build_lib
-from keras_dp import callbacks as callbacks_lib
-from keras_dp import checkpoint as checkpoint_lib
-from keras_dp import compilation_cache as compilation_cache_lib
-from keras_dp import describe as describe_lib
+from keras_dp.multihost import agreement
+from keras_dp.keras import build as build_lib
+from keras_dp.keras import callbacks as callbacks_lib
+from keras_dp.checkpoint import store as checkpoint_lib
+from keras_dp.diagnostics import compilation_cache as compilation_cache_lib
+from keras_dp.diagnostics import describe as describe_lib
 from keras_dp import distributed
-from keras_dp import inflight
+from keras_dp.core import inflight
 from keras_dp import layout
-from keras_dp import inference
-from keras_dp import labels as labels_lib
-from keras_dp import loop
-from keras_dp import memory as memory_lib
-from keras_dp import mesh as mesh_lib
-from keras_dp import model_checks
-from keras_dp import peers
-from keras_dp import pipeline
-from keras_dp import placement as placement_lib
-from keras_dp import programs as programs_lib
-from keras_dp import resident
-from keras_dp import state as state_lib
-from keras_dp import steps as steps_lib
-from keras_dp.state import TrainState
-from keras_dp.state import model_weights
-from keras_dp.state import write_back
+from keras_dp.core import evaluate as inference
+from keras_dp.checks import labels as labels_lib
+from keras_dp.core import loop
+from keras_dp.diagnostics import memory as memory_lib
+from keras_dp import sharding as mesh_lib
+from keras_dp.checks import model as model_checks
+from keras_dp.multihost import peers
+from keras_dp import sources as pipeline
+from keras_dp.core import placement as placement_lib
+from keras_dp.core import programs as programs_lib
+from keras_dp.core import feed as resident
+from keras_dp.core import state as state_lib
+from keras_dp.core import steps as steps_lib
+from keras_dp.core.state import TrainState
+from keras_dp.core.state import model_weights
+from keras_dp.core.state import write_back
 
 
 class ShardedTrainer:
@@ -87,7 +87,7 @@ class ShardedTrainer:
         data_on_device: keep array training data on the devices during
             `fit` and gather each step's rows there, bitwise the same
             training without a host-to-device copy per batch (see
-            `keras_dp.resident`): `"auto"` (default; `None` too) when the
+            `keras_dp.core.feed`): `"auto"` (default; `None` too) when the
             data is arrays on one process and fits, with a warning when it
             does not fit; `True` or raise; `False` never.
         keep_last_good: keep the last completed step's state while the next
@@ -95,25 +95,25 @@ class ShardedTrainer:
             callback that raises) loses no completed step. It costs
             `steps_in_flight` more states per device (the steps no longer
             donate their input): `"auto"` (default; `None` too) when that
-            fits comfortably (`keras_dp.memory.keeps_fit`), `True`, or
+            fits comfortably (`keras_dp.diagnostics.memory.keeps_fit`), `True`, or
             `False` (donated: a failure loses the steps since the model last
             received the state). `keeps_last_good` says what fit chose.
         compilation_cache: JAX's persistent compilation cache, so that a
             rerun loads its compiled steps from disk: `True` (default) sets
             a per-user directory unless `KERAS_DP_COMPILATION_CACHE=0` or
             JAX has one already; a path uses that; `False` leaves JAX's
-            setting alone (see `keras_dp.compilation_cache`). The directory
+            setting alone (see `keras_dp.diagnostics.compilation_cache`). The directory
             in use is `compilation_cache_dir`.
 
     Attributes:
         timings: after `fit`, one dict per epoch of where its time went:
             seconds waiting for input, in compiled steps, in callbacks and
             in validation, samples and FLOPs per second, and the fraction
-            of the devices' peak where known (`keras_dp.timing`).
+            of the devices' peak where known (`keras_dp.diagnostics.timing`).
         keeps_last_good: whether the train programs keep their input state
             (chosen by each fit, from `keep_last_good`).
         programs: the jitted programs the loops call, for one step and for
-            K steps of each kind (`keras_dp.programs.Programs`).
+            K steps of each kind (`keras_dp.core.programs.Programs`).
 
     Raises:
         TypeError: `model` is not a `keras.Model`.
@@ -205,7 +205,7 @@ class ShardedTrainer:
     def build(self, batch, for_training=True):
         """Build the model, its loss, metrics and optimizer from a host batch.
 
-        As `model.fit` builds it (`keras_dp.build.build`), with or without
+        As `model.fit` builds it (`keras_dp.keras.build.build`), with or without
         labels; `for_training=False` builds the layers only (enough to
         predict, for an uncompiled model too).
 
@@ -216,7 +216,7 @@ class ShardedTrainer:
             ValueError: the model cannot be built on `x`, or the labels do
                 not fit its output; or a Keras distribution other than
                 `DataParallel` was set since the trainer was made
-                (`keras_dp.mesh.check_keras_distribution`; `fit`, `evaluate`
+                (`keras_dp.sharding.check_keras_distribution`; `fit`, `evaluate`
                 and `predict` build first, so they refuse it too).
         """
         mesh_lib.check_keras_distribution()
@@ -231,7 +231,7 @@ class ShardedTrainer:
         Raises:
             ValueError: the model, its metrics or optimizer are not built,
                 or a layer's `trainable` changed since the optimizer was
-                built (`keras_dp.model_checks.check_trainable_unchanged`).
+                built (`keras_dp.checks.model.check_trainable_unchanged`).
         """
         self._require_built("The training state")
         model_checks.check_trainable_unchanged(self.model)
@@ -329,7 +329,7 @@ class ShardedTrainer:
                 their shapes; or, with `data_on_device`, all of it. Read as
                 `fit` reads them: a tuple `x` without `y` is `(x, y[,
                 sample_weight])` unless it is the model's inputs
-                (`keras_dp.pipeline.model_inputs`).
+                (`keras_dp.sources.model_inputs`).
             batch_size: the global batch to plan for.
             data_on_device: False (the default): plan the step fed from
                 the host. True or "auto" (as `ShardedTrainer`'s): `x`, `y`
@@ -339,7 +339,7 @@ class ShardedTrainer:
                 include the data, every device holding all of it).
 
         Returns:
-            A `keras_dp.memory.MemoryPlan` (print it for a summary), of the
+            A `keras_dp.diagnostics.memory.MemoryPlan` (print it for a summary), of the
             step a fit would run. On XLA:CPU that is the one
             `keep_last_good` picks, and a fit on batches of this size
             finds it compiled; on accelerators it is the step that donates
@@ -347,7 +347,7 @@ class ShardedTrainer:
 
         Raises:
             ValueError: `data_on_device=True` and data a fit could not
-                keep on the devices (see `keras_dp.resident`); data that
+                keep on the devices (see `keras_dp.core.feed`); data that
                 is not arrays (a dataset, a list of batches).
         """
         data_on_device = resident.check_option(data_on_device, self.multiprocess)
@@ -428,7 +428,7 @@ class ShardedTrainer:
 
         Args:
             x, y, sample_weight, batch_size: the training data (see
-                `keras_dp.pipeline.make_batches`); `batch_size` is global and
+                `keras_dp.sources.make_batches`); `batch_size` is global and
                 need not divide by the device count.
             epochs: the index of the last epoch, as in `model.fit`: training
                 runs epochs `initial_epoch` to `epochs - 1`.
@@ -460,7 +460,7 @@ class ShardedTrainer:
             validation_freq: validate every this many epochs (an int), or
                 after the listed epochs (1-based, as in Keras).
             checkpoint_dir: save the whole training state there (see
-                `keras_dp.checkpoint`) after every epoch, and when SIGTERM
+                `keras_dp.checkpoint.store`) after every epoch, and when SIGTERM
                 arrives: then at the next step boundary, after which the
                 process exits with status 143. If the directory holds a
                 checkpoint, training resumes from it (its epoch and step

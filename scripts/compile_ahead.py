@@ -7,7 +7,7 @@ One fresh process per run (JAX keeps compiled programs for the process; the
 persistent compilation cache is off). 2 simulated CPU devices, 2,000 MNIST
 rows, batch 64, steps_per_execution=4: three programs (4 steps of 64 rows,
 1 of 64, 1 of 16), the first compiled before the epoch's first call, the
-other two after it (`keras_dp.programs`). Prints epoch 1's wall and steps
+other two after it (`keras_dp.core.programs`). Prints epoch 1's wall and steps
 seconds (`trainer.timings`). Interleave runs of both modes on a loaded
 machine.
 """
@@ -26,7 +26,7 @@ def main(mode):
     import keras
 
     import keras_dp
-    from keras_dp import programs
+    from keras_dp.core import programs
 
     programs.CompilingFeed.background = mode == "background"
     (x, y), _ = keras_dp.datasets.load_mnist()

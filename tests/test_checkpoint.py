@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import keras_dp
-from keras_dp import checkpoint as checkpoint_lib
+from keras_dp.checkpoint import store as checkpoint_lib
 from conftest import assert_close_to_scale
 from conftest import assert_weights_equal
 from conftest import devices
@@ -491,7 +491,7 @@ def test_an_older_checkpoint_is_restored_checked_by_its_crc32s_or_unchecked(
         data, tmp_path, sums):
     import orbax.checkpoint as ocp
 
-    from keras_dp import checkpoint_guard as guard
+    from keras_dp.checkpoint import integrity as guard
 
     # What keras_dp wrote before these checksums: the state and the position,
     # then CRC-32s of each array's bytes.
@@ -519,7 +519,7 @@ def test_an_older_checkpoint_is_restored_checked_by_its_crc32s_or_unchecked(
 
 HOLD_THE_LOCK = """
 import sys, time
-from keras_dp.checkpoint_guard import DirectoryLock
+from keras_dp.checkpoint.integrity import DirectoryLock
 lock = DirectoryLock(sys.argv[1])
 print("locked", flush=True)
 time.sleep(300)
@@ -745,7 +745,7 @@ def test_a_checkpoint_of_the_same_shapes_in_other_layers_is_refused_naming_the_f
 def test_variable_signatures_name_each_weights_layer_class_not_its_path():
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dropout(0.5),
                               keras.layers.BatchNormalization()])
-    from keras_dp import checkpoint_guard
+    from keras_dp.checkpoint import integrity as checkpoint_guard
 
     assert checkpoint_guard.variable_signatures(model) == [
         "Dense/kernel (4, 3) float32", "Dense/bias (3,) float32",
@@ -860,7 +860,7 @@ def test_sigterm_ends_the_process_again_after_a_fit_whose_handler_before_was_not
     # `signal.signal` returns None when the handler it replaces was set
     # outside Python. The watcher then left its own handler installed after
     # the fit: a later SIGTERM was recorded on it and never acted on.
-    from keras_dp import preemption
+    from keras_dp.checkpoint import preemption
 
     real = signal.signal
     calls = []
@@ -882,7 +882,7 @@ def test_sigterm_ends_the_process_again_after_a_fit_whose_handler_before_was_not
 
 def test_the_sigterm_message_says_where_the_run_stopped_in_words(capsys):
     # At an epoch's end it said "after 0 steps of epoch 3" for the end of epoch 2.
-    from keras_dp import preemption
+    from keras_dp.checkpoint import preemption
 
     for position, where in ((checkpoint_lib.Position(2, 0), "at the end of epoch 2"),
                             (checkpoint_lib.Position(2, 5), "after 5 steps of epoch 3")):
@@ -920,7 +920,7 @@ def test_the_preemption_sync_step_ids_keep_growing_across_fits(monkeypatch):
     # given) could lie beyond a shorter next fit, which then never saw it.
     from jax.experimental import multihost_utils
 
-    from keras_dp import preemption
+    from keras_dp.checkpoint import preemption
 
     given = []
     monkeypatch.setattr(preemption, "_preemption_service_enabled", lambda: True)

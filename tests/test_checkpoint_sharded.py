@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 import keras_dp
-from keras_dp import checkpoint as checkpoint_lib
+from keras_dp.checkpoint import store as checkpoint_lib
 from keras_dp import layout
-from keras_dp import mesh as mesh_lib
+from keras_dp import sharding as mesh_lib
 from conftest import devices
 from conftest import mlp
 
@@ -168,7 +168,7 @@ def test_two_processes_each_write_their_own_shards_and_one_process_restores_them
 
 
 def test_the_checksum_is_the_same_however_an_array_is_split_and_finds_one_changed_bit():
-    from keras_dp import checkpoint_guard as guard
+    from keras_dp.checkpoint import integrity as guard
 
     rng = np.random.default_rng(0)
     arrays = [rng.standard_normal((64, 24)).astype(dtype) for dtype in ("float32", "float16")]

@@ -1,4 +1,4 @@
-"""JAX's persistent compilation cache (`keras_dp.compilation_cache`): a rerun loads its steps."""
+"""JAX's persistent compilation cache (`keras_dp.diagnostics.compilation_cache`): a rerun loads its steps."""
 
 import json
 import os
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from keras_dp import compilation_cache
+from keras_dp.diagnostics import compilation_cache
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # One small fit on 2 devices; prints the cache directory in use and the
@@ -29,8 +29,8 @@ logger = logging.getLogger("jax._src.compiler")
 logger.setLevel(logging.DEBUG)
 logger.addHandler(handler)
 if os.environ.get("EARLY"):  # as `keras-dp train` does
-    import keras_dp.compilation_cache
-    keras_dp.compilation_cache.enable(min_compile_time_s=0)
+    import keras_dp.diagnostics.compilation_cache
+    keras_dp.diagnostics.compilation_cache.enable(min_compile_time_s=0)
     messages.append("EARLY ENABLED")
 keras.utils.set_random_seed(0)
 model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])

@@ -294,7 +294,7 @@ def test_the_processes_the_tests_start_import_this_checkouts_keras_dp(tmp_path):
 
 
 def test_a_bad_agreement_timeout_is_refused_naming_the_variable(monkeypatch):
-    from keras_dp import agreement
+    from keras_dp.multihost import agreement
 
     monkeypatch.delenv("KERAS_DP_AGREEMENT_TIMEOUT", raising=False)
     assert agreement.timeout() == 300
@@ -313,8 +313,8 @@ def test_the_same_training_data_on_every_process_is_warned_of(recwarn):
     # shard), the data trained each row P times per epoch, silently. Here
     # the settings round's values of 2 processes are made in one: the whole
     # data on both, then shares; arrays, then lists of batches.
-    from keras_dp import agreement
-    from keras_dp import pipeline
+    from keras_dp.multihost import agreement
+    from keras_dp import sources as pipeline
 
     x, y = np.arange(40.0).reshape(20, 2), np.arange(20.0)
     arrays = lambda x, y: dict(x=x, y=y, batch_size=4)
@@ -718,7 +718,7 @@ def test_processes_restored_at_different_points_refuse_to_start_apart():
     # Only a BackupAndRestore's start was compared: a checkpoint that one
     # process read and another did not (another directory, a failed read)
     # started them at different steps, mixing batches or waiting forever.
-    from keras_dp import agreement
+    from keras_dp.multihost import agreement
 
     class Placement:  # the round's result: every process's (epoch, steps)
         def __init__(self, starts):

@@ -14,7 +14,7 @@ import pytest
 
 import keras_dp
 from conftest import InferenceNoise, StopAtBatch, assert_close_to_scale, devices, mlp, unseeded_mlp
-from keras_dp.pipeline import make_batches
+from keras_dp.sources import make_batches
 from keras_dp.ensemble.scores import classification_scores
 
 COLLECTIVES = ("all-reduce", "all-gather", "collective-permute", "all-to-all", "reduce-scatter")
@@ -1144,7 +1144,7 @@ def test_training_sample_weights_train_each_member_as_its_own_model_fit():
 def test_an_ensemble_turns_the_compilation_cache_on_as_a_sharded_trainer_does(monkeypatch):
     # EnsembleTrainer never enabled it: `keras-dp train --ensemble` and
     # fit_ensemble compiled every program again in every run.
-    from keras_dp import compilation_cache
+    from keras_dp.diagnostics import compilation_cache
 
     asked = []
     monkeypatch.setattr(compilation_cache, "enable",

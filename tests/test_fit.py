@@ -198,7 +198,7 @@ def test_shuffle_batch_permutes_rows_within_each_batch_as_keras_does():
     # only within a batch; keras_dp used to read "batch" as a full shuffle.
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(100, 8)).astype("float32"), rng.integers(0, 3, 100)
-    batches = keras_dp.pipeline.make_batches(x, y, batch_size=32, shuffle="batch", seed=3)
+    batches = keras_dp.sources.make_batches(x, y, batch_size=32, shuffle="batch", seed=3)
     order = batches.order(1)
     assert not np.array_equal(order, np.arange(100))
     for start in range(0, 100, 32):
@@ -356,7 +356,7 @@ def test_the_first_batch_is_not_read_again_at_every_step(data_on_device):
     # permutation of the whole epoch's order per step, 19 ms at 1M rows.
     from unittest import mock
 
-    from keras_dp.pipeline.arrays import ArrayBatches
+    from keras_dp.sources.arrays import ArrayBatches
 
     rng = np.random.default_rng(0)
     x, y = rng.integers(0, 255, (96, 28, 28, 1), dtype=np.uint8), rng.integers(0, 10, 96)

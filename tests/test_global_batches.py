@@ -7,10 +7,10 @@ checked in milliseconds.
 
 import numpy as np
 
-from keras_dp import exchange
-from keras_dp import global_batches
-from keras_dp import pipeline
-from keras_dp import placement
+from keras_dp.multihost import channel as exchange
+from keras_dp.multihost import batches as global_batches
+from keras_dp import sources as pipeline
+from keras_dp.core import placement
 
 
 class FakeChannel:

@@ -9,9 +9,9 @@ import pytest
 grain = pytest.importorskip("grain")
 
 import keras_dp  # noqa: E402
-from keras_dp import pipeline  # noqa: E402
-from keras_dp.checkpoint import Position  # noqa: E402
-from keras_dp.pipeline import grain_source  # noqa: E402
+from keras_dp import sources as pipeline  # noqa: E402
+from keras_dp.checkpoint.store import Position  # noqa: E402
+from keras_dp.sources import grain as grain_source  # noqa: E402
 from conftest import assert_weights_equal  # noqa: E402
 from conftest import devices  # noqa: E402
 from conftest import mlp  # noqa: E402
@@ -215,7 +215,7 @@ def test_a_dataloader_with_workers_and_unparsed_flags_says_how_to_parse_them(dat
 
 
 def test_a_grain_checkpoint_resumed_with_arrays_is_refused_naming_the_input(data, tmp_path):
-    from keras_dp import checkpoint as checkpoint_lib
+    from keras_dp.checkpoint import store as checkpoint_lib
 
     model = mlp()
     trainer = keras_dp.ShardedTrainer(model, devices=devices(2))

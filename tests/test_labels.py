@@ -1,11 +1,11 @@
-"""Labels that are not class ids fail before they are trained on (`keras_dp.labels`)."""
+"""Labels that are not class ids fail before they are trained on (`keras_dp.checks.labels`)."""
 
 import keras
 import numpy as np
 import pytest
 
 import keras_dp
-from keras_dp import labels
+from keras_dp.checks import labels
 from conftest import BatchEnds, assert_weights_close, devices
 
 ROWS = 96

@@ -12,8 +12,8 @@ import pytest
 
 import keras_dp
 from conftest import batches_of, devices, mlp
-from keras_dp import memory
-from keras_dp import pipeline
+from keras_dp.diagnostics import memory
+from keras_dp import sources as pipeline
 
 MiB, GiB = 2**20, 2**30
 
@@ -61,7 +61,7 @@ def test_a_kept_state_is_not_consumed_by_the_step(mnist):
         trainer.build(batch)
         state = trainer.init_state()
         states[keep], _ = trainer.train_step(state, trainer.shard(batch))
-        assert keras_dp.state.is_alive(state) == keep
+        assert keras_dp.core.state.is_alive(state) == keep
     for kept, donated in zip(jax.tree.leaves(states[True]), jax.tree.leaves(states[False])):
         np.testing.assert_array_equal(np.asarray(kept), np.asarray(donated))
 

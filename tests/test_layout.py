@@ -242,7 +242,7 @@ def test_a_step_over_the_devices_memory_is_a_memory_error_with_the_numbers_and_f
     # no capacity (the check passes), so the plan's capacity is set here.
     import dataclasses
 
-    from keras_dp import memory
+    from keras_dp.diagnostics import memory
 
     (x, y), _ = mnist
     plan = keras_dp.memory_plan(mlp(), x[:4], y[:4], batch_size=64, devices=devices(2))

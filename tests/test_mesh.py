@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import keras_dp
-from keras_dp import mesh as mesh_lib
+from keras_dp import sharding as mesh_lib
 from conftest import assert_close_to_scale, devices
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import keras_dp
-from keras_dp import explain
+from keras_dp.checks import errors as explain
 from conftest import InferenceNoise
 from conftest import SubclassedClassifier
 from conftest import assert_close_to_scale, assert_weights_close
@@ -1049,7 +1049,7 @@ def test_class_weight_keyed_by_integral_floats_weights_those_classes():
     # class 1, as in Keras's class_weight.get(int(label)).
     y = np.array([0, 1, 2, 1])
     for class_weight in ({0.0: 1.0, np.float64(1.0): 3.0}, {False: 1.0, np.True_: 3.0}):
-        _, _, weights = keras_dp.pipeline.batch.apply_class_weight((None, y, None), class_weight)
+        _, _, weights = keras_dp.sources.batch.apply_class_weight((None, y, None), class_weight)
         np.testing.assert_array_equal(weights, [1.0, 3.0, 1.0, 3.0])
 
 

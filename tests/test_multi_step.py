@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import keras_dp
-from keras_dp import pipeline
-from keras_dp import placement
+from keras_dp import sources as pipeline
+from keras_dp.core import placement
 from conftest import BatchEnds, assert_close_to_scale, devices, mlp
 
 

@@ -1,4 +1,4 @@
-"""The host pipeline (`keras_dp.pipeline`): user data to host batches, in order, every row once."""
+"""The host pipeline (`keras_dp.sources`): user data to host batches, in order, every row once."""
 
 import keras
 import numpy as np
@@ -13,7 +13,7 @@ def test_prefetch_keeps_order_raises_in_place_and_stops_when_closed():
     import threading
     import time
 
-    from keras_dp.pipeline import prefetch
+    from keras_dp.sources import prefetch
 
     assert list(prefetch(iter(range(50)), 2)) == list(range(50))
     assert list(prefetch(iter(range(5)), 0)) == list(range(5))
@@ -190,19 +190,19 @@ def batches_then(mnist, bad):
 
 
 def _rows(batch):
-    return keras_dp.pipeline.batch_rows(batch)
+    return keras_dp.sources.batch_rows(batch)
 
 
 def test_group_steps_groups_k_equal_batches_and_runs_the_rest_alone():
     batches = [np.zeros((4, 1))] * 5 + [np.zeros((3, 1))]
-    groups = list(keras_dp.pipeline.group_steps(batches, 2))
+    groups = list(keras_dp.sources.group_steps(batches, 2))
     assert [[_rows(b) for b in group] for group in groups] == [[4, 4], [4, 4], [4], [3]]
-    assert list(keras_dp.pipeline.group_steps(batches, 1)) == [[b] for b in batches]
+    assert list(keras_dp.sources.group_steps(batches, 1)) == [[b] for b in batches]
 
 
 def test_array_batches_use_every_row_once_in_a_seeded_order():
     x, y = np.arange(10.0)[:, None], np.arange(10)
-    batches = keras_dp.pipeline.make_batches(x, y, batch_size=4, shuffle=True, seed=3)
+    batches = keras_dp.sources.make_batches(x, y, batch_size=4, shuffle=True, seed=3)
     assert batches.steps == 3
     epoch0 = list(batches.epoch(0))
     assert [_rows(b) for b in epoch0] == [4, 4, 2]
@@ -218,20 +218,20 @@ def test_array_batches_use_every_row_once_in_a_seeded_order():
 def test_class_weight_becomes_sample_weight_for_ids_and_one_hot():
     ids = np.array([0, 1, 2, 1])
     np.testing.assert_array_equal(
-        keras_dp.pipeline.class_weight_to_sample_weight(ids, {1: 3.0}), [1, 3, 1, 3])
+        keras_dp.sources.class_weight_to_sample_weight(ids, {1: 3.0}), [1, 3, 1, 3])
     one_hot = np.eye(3)[ids]
     np.testing.assert_array_equal(
-        keras_dp.pipeline.class_weight_to_sample_weight(one_hot, {0: 0.5, 2: 2}), [0.5, 1, 2, 1])
+        keras_dp.sources.class_weight_to_sample_weight(one_hot, {0: 0.5, 2: 2}), [0.5, 1, 2, 1])
 
 
 def test_split_validation_holds_out_the_last_rows_before_shuffling():
     x, y = np.arange(10.0), np.arange(10)
-    (x_train, y_train, _), (x_val, y_val, _) = keras_dp.pipeline.split_validation(x, y, None, 0.25)
+    (x_train, y_train, _), (x_val, y_val, _) = keras_dp.sources.split_validation(x, y, None, 0.25)
     # floor(10 * 0.75) = 7 rows train, as in Keras's train_validation_split.
     np.testing.assert_array_equal(y_train, np.arange(7))
     np.testing.assert_array_equal(y_val, [7, 8, 9])
     with pytest.raises(ValueError, match="both need at least one"):
-        keras_dp.pipeline.split_validation(x[:1], y[:1], None, 0.5)
+        keras_dp.sources.split_validation(x[:1], y[:1], None, 0.5)
 
 
 class RunsOn(keras.callbacks.Callback):
@@ -294,8 +294,8 @@ def test_an_endless_input_without_a_step_count_is_refused_before_any_step(kind):
                                    validation_steps=2, **fit)
     assert int(model.optimizer.iterations.numpy()) == 3 and len(history.history["val_loss"]) == 1
     if kind == 2:  # an IterDataset made from it is endless too, as is a repeat(2) not
-        assert keras_dp.pipeline.make_batches(data.to_iter_dataset()).endless
-        assert keras_dp.pipeline.make_batches(data.slice(slice(0, 4)).repeat(2)).endless is None
+        assert keras_dp.sources.make_batches(data.to_iter_dataset()).endless
+        assert keras_dp.sources.make_batches(data.slice(slice(0, 4)).repeat(2)).endless is None
 
 
 class Slices(keras.utils.PyDataset):
@@ -487,7 +487,7 @@ def test_a_reshuffled_tf_data_epoch_reads_the_order_of_an_unbroken_run_when_resu
     # epoch 2 and the rerun ended 0.016 away from the unbroken run; now bitwise).
     def batches():
         dataset = tf.data.Dataset.range(12).shuffle(12, seed=4).batch(4)
-        return keras_dp.pipeline.make_batches(dataset)
+        return keras_dp.sources.make_batches(dataset)
 
     def rows(epoch):
         return [batch[0].tolist() for batch in epoch]
@@ -531,10 +531,10 @@ def test_tensorflow_holding_the_gpus_already_is_said_not_passed_over(monkeypatch
     monkeypatch.setattr(tf.config, "set_visible_devices", started)
     monkeypatch.setattr(tf.config, "list_logical_devices", lambda kind: ["/device:GPU:0"])
     with pytest.warns(UserWarning, match="TensorFlow started before keras_dp could hide"):
-        keras_dp.pipeline.hide_gpus_from_tensorflow()
+        keras_dp.sources.hide_gpus_from_tensorflow()
     monkeypatch.setattr(tf.config, "list_logical_devices", lambda kind: [])
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no GPU held: nothing to say
-        keras_dp.pipeline.hide_gpus_from_tensorflow()
+        keras_dp.sources.hide_gpus_from_tensorflow()

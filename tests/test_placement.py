@@ -1,4 +1,4 @@
-"""Placement (`keras_dp.placement`): host batches onto the mesh, padded, and cut back inside a step."""
+"""Placement (`keras_dp.core.placement`): host batches onto the mesh, padded, and cut back inside a step."""
 
 import jax
 import keras
@@ -6,18 +6,18 @@ import numpy as np
 import pytest
 
 import keras_dp
-from keras_dp import placement
+from keras_dp.core import placement
 from conftest import assert_close_to_scale, devices, mlp
 
 
 def test_every_batch_is_sharded_padded_to_split_evenly():
     mesh = keras_dp.make_mesh(devices(4))
-    even = keras_dp.placement.to_device((np.zeros((8, 2)), np.zeros(8), None), mesh)
+    even = keras_dp.core.placement.to_device((np.zeros((8, 2)), np.zeros(8), None), mesh)
     assert even.rows == 8
     assert [s.data.shape for s in even.data[0].addressable_shards] == [(2, 2)] * 4
     # 6 rows on 4 devices: padded to 8 with copies of the last row.
     x = np.arange(12.0).reshape(6, 2)
-    uneven = keras_dp.placement.to_device((x, np.arange(6), None), mesh)
+    uneven = keras_dp.core.placement.to_device((x, np.arange(6), None), mesh)
     assert uneven.rows == 6 and uneven.data[2] is None
     assert [s.data.shape for s in uneven.data[0].addressable_shards] == [(2, 2)] * 4
     np.testing.assert_array_equal(np.asarray(uneven.data[0]), np.concatenate([x, x[[5, 5]]]))
@@ -38,7 +38,7 @@ def test_a_batch_of_blocks_trains_like_its_real_rows_concatenated(mnist):
     mesh = keras_dp.make_mesh(devices(4))
     rows = np.concatenate([np.arange(5), np.full(3, 4), 8 + np.arange(3), np.full(5, 10)])
     blocked = placement.DeviceBatch(
-        jax.device_put((x[rows], y[rows], None), keras_dp.mesh.batch_sharded(mesh)), 8, (5, 3)
+        jax.device_put((x[rows], y[rows], None), keras_dp.sharding.batch_sharded(mesh)), 8, (5, 3)
     )
     real = np.concatenate([np.arange(5), 8 + np.arange(3)])
     results = []
@@ -51,8 +51,8 @@ def test_a_batch_of_blocks_trains_like_its_real_rows_concatenated(mnist):
         results.append((jax.device_get(state.trainable), jax.device_get(logs)))
     for a, b in zip(*(jax.tree.leaves(result) for result in results)):
         assert_close_to_scale(a, b)
-    predictions, _ = keras_dp.steps.make_predict_step(trainer.model, mesh, state_sharding="replicated")(
-        keras_dp.state.model_weights(trainer.model, mesh),
+    predictions, _ = keras_dp.core.steps.make_predict_step(trainer.model, mesh, state_sharding="replicated")(
+        keras_dp.core.state.model_weights(trainer.model, mesh),
         placement.DeviceBatch(blocked.data[0], 8, (5, 3)),
     )
     predictions = np.asarray(predictions)

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 import keras_dp
-from keras_dp import pipeline
-from keras_dp import placement
-from keras_dp import programs
-from keras_dp import resident
-from keras_dp import timing
+from keras_dp import sources as pipeline
+from keras_dp.core import placement
+from keras_dp.core import programs
+from keras_dp.core import feed as resident
+from keras_dp.diagnostics import timing
 from conftest import devices, mlp
 
 

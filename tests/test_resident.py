@@ -1,4 +1,4 @@
-"""Device-resident data (`keras_dp.resident`): bitwise the host path, and its refusals."""
+"""Device-resident data (`keras_dp.core.feed`): bitwise the host path, and its refusals."""
 
 import warnings
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import keras_dp
-from keras_dp import placement
-from keras_dp import resident
+from keras_dp.core import placement
+from keras_dp.core import feed as resident
 from conftest import devices, mlp, weights
 
 

@@ -1,4 +1,4 @@
-"""The training state (`keras_dp.state`): one definition, read from and written back to the model."""
+"""The training state (`keras_dp.core.state`): one definition, read from and written back to the model."""
 
 import jax
 import numpy as np
@@ -34,7 +34,7 @@ def test_the_state_follows_keras_variable_order_and_round_trips():
     assert state.weights == (state.trainable, state.non_trainable)
     assert [v.shape for v in state.trainable] == [tuple(v.shape) for v in model.trainable_variables]
     doubled = jax.tree.map(lambda value: value * 2, state)
-    keras_dp.state.write_back(doubled, model)
+    keras_dp.core.state.write_back(doubled, model)
     for variable, value in zip(model.trainable_variables, state.trainable):
         np.testing.assert_array_equal(np.asarray(variable.value), 2 * np.asarray(value))
 
@@ -44,7 +44,7 @@ def test_the_live_model_is_read_again_only_after_a_callback_changed_it():
     model.build((None, 28, 28, 1))
     model.optimizer.build(model.trainable_variables)
     mesh = keras_dp.make_mesh(devices(2))
-    live = keras_dp.state.LiveModel(model)
+    live = keras_dp.core.state.LiveModel(model)
     assert live.needs_read()
     live.read(keras_dp.TrainState.from_model(model, mesh), (0, 0))
     assert not live.needs_read()
@@ -64,9 +64,9 @@ def test_own_buffers_copies_only_a_variable_whose_buffer_another_holds():
     slot.assign(kernel)  # Keras's assign stores the array itself: one buffer for two
     assert slot.value is kernel.value
     untouched = bias.value
-    assert keras_dp.state.own_buffers(model) == [slot.path]
+    assert keras_dp.core.state.own_buffers(model) == [slot.path]
     assert slot.value is not kernel.value
     assert slot.value.unsafe_buffer_pointer() != kernel.value.unsafe_buffer_pointer()
     np.testing.assert_array_equal(slot.value, kernel.value)
     assert bias.value is untouched  # a variable with a buffer of its own keeps it
-    assert keras_dp.state.own_buffers(model) == []
+    assert keras_dp.core.state.own_buffers(model) == []

@@ -1,4 +1,4 @@
-"""The compiled steps (`keras_dp.steps`): pure, donated, one all-reduce, K steps equal to K single ones."""
+"""The compiled steps (`keras_dp.core.steps`): pure, donated, one all-reduce, K steps equal to K single ones."""
 
 import jax
 import numpy as np

@@ -1,4 +1,4 @@
-"""Where an epoch's time goes (`keras_dp.timing`), and the profiler trace."""
+"""Where an epoch's time goes (`keras_dp.diagnostics.timing`), and the profiler trace."""
 
 import time
 
@@ -7,7 +7,7 @@ import keras
 import pytest
 
 import keras_dp
-from keras_dp import timing
+from keras_dp.diagnostics import timing
 from conftest import devices, mlp
 
 

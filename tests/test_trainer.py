@@ -59,7 +59,7 @@ def test_dropout_masks_differ_between_shards_and_match_one_device():
 
     def masks(n_devices):
         mesh = keras_dp.make_mesh(devices(n_devices))
-        x_device = jax.device_put(x, keras_dp.mesh.batch_sharded(mesh))
+        x_device = jax.device_put(x, keras_dp.sharding.batch_sharded(mesh))
         seed_state = [np.asarray(v.value) for v in model.non_trainable_variables]
         call = jax.jit(lambda s, x: model.stateless_call([], s, x, training=True)[0])
         return np.asarray(call(seed_state, x_device))
@@ -73,7 +73,7 @@ def test_dropout_masks_differ_between_shards_and_match_one_device():
 
 def test_the_model_is_traced_once_per_kind_of_data(mnist, monkeypatch):
     # Re-tracing the model on every fit call cost small models several steps.
-    from keras_dp import build as build_lib
+    from keras_dp.keras import build as build_lib
 
     calls = []
     real_build = build_lib.build
@@ -164,7 +164,7 @@ def test_describe_shows_each_devices_real_rows_and_its_padding_in_mesh_order():
 
 
 def test_describe_prints_each_groups_bytes_on_one_device_as_the_shards_hold_them():
-    from keras_dp import memory
+    from keras_dp.diagnostics import memory
 
     batch = ({"a": np.zeros((8, 64), "float32"), "b": np.zeros((8, 5), "float32")},
              {"cls": np.zeros(8, "int32"), "reg": np.zeros((8, 1), "float32")})
@@ -193,7 +193,7 @@ def test_describe_prints_each_groups_bytes_on_one_device_as_the_shards_hold_them
 
 
 def test_describe_shows_the_state_without_copying_it_to_the_devices():
-    from keras_dp import memory
+    from keras_dp.diagnostics import memory
 
     # It read the state's layout from a placed copy (`init_state`): a whole
     # extra state per device for a moment, and across processes a broadcast.
@@ -240,8 +240,8 @@ def test_describe_says_where_the_fits_data_lives_and_how_k_batches_stack():
 
 
 def test_describe_numbers_real_rows_across_process_blocks_as_the_step_joins_them():
-    from keras_dp import describe
-    from keras_dp.placement import DeviceBatch
+    from keras_dp.diagnostics import describe
+    from keras_dp.core.placement import DeviceBatch
 
     # Two processes' blocks of 4 padded rows holding 3 and 1 real rows: the
     # step joins rows 0-2 of block 0 and row 4 (its 4th real row, row 3).

@@ -22,7 +22,7 @@ import time
 
 from keras_dp import cli
 from keras_dp import distributed
-from keras_dp import preemption
+from keras_dp.checkpoint import preemption
 
 # Commands of keras-dp itself; anything else after `--` runs as a program.
 KERAS_DP_COMMANDS = ("train",)

@@ -1,6 +1,6 @@
 """Training curves and throughput as a PNG, with matplotlib's file-only backend."""
 
-# The parts of an epoch's time stacked in the throughput panel (`keras_dp.timing`).
+# The parts of an epoch's time stacked in the throughput panel (`keras_dp.diagnostics.timing`).
 TIME_PARTS = ("input_s", "steps_s", "callbacks_s", "validation_s", "other_s")
 
 

@@ -22,14 +22,14 @@ def train(args):
     import jax
 
     import keras_dp
-    import keras_dp.compilation_cache
+    import keras_dp.diagnostics.compilation_cache
     from keras_dp import _compat
     from keras_dp import distributed
 
     # Before the model exists, so a rerun loads its initializers' programs
     # from the cache too (`benchmarks/compile_cache.py`).
     vars(args).setdefault("files", {})  # what was written, which main reports on Ctrl-C
-    keras_dp.compilation_cache.enable(min_compile_time_s=0)
+    keras_dp.diagnostics.compilation_cache.enable(min_compile_time_s=0)
     _compat.set_random_seed(args.seed)  # Keras's, without importing TensorFlow
     data = load_data(args.data_dir, args.train_samples)
     epochs = epochs_for(args, data)
@@ -236,7 +236,7 @@ class EpochReport(keras.callbacks.ProgbarLogger):
     with `verbose=0`, as the bar shows them otherwise), then where the
     epoch's time went, its samples per second (training only) and its
     FLOP/s, with the fraction of the devices' peak where known
-    (`trainer.timings`, `keras_dp.timing.describe`; the first epoch's time
+    (`trainer.timings`, `keras_dp.diagnostics.timing.describe`; the first epoch's time
     includes compiling the train programs).
     """
 
@@ -259,7 +259,7 @@ class EpochReport(keras.callbacks.ProgbarLogger):
         self._report()
 
     def _report(self):
-        from keras_dp import timing
+        from keras_dp.diagnostics import timing
 
         timings = self._trainer.timings
         while self._reported < min(len(self._logs), len(timings)):

@@ -1,6 +1,6 @@
 """The ensemble's loops that run the members without training them: `evaluate` and `predict`.
 
-They run as `keras_dp.inference` runs one model: Keras's callback hooks
+They run as `keras_dp.core.evaluate` runs one model: Keras's callback hooks
 around each compiled call (a progress bar unless `verbose=0`), the
 non-trainable values carried from batch to batch, and each call's results
 read to the host before the next is dispatched (one call in flight, on every
@@ -13,8 +13,8 @@ runs.
 import jax
 import numpy as np
 
-from keras_dp import mesh as mesh_lib
-from keras_dp import pipeline
+from keras_dp import sharding as mesh_lib
+from keras_dp import sources as pipeline
 from keras_dp.ensemble import logs as logs_lib
 from keras_dp.ensemble import members as members_lib
 from keras_dp.ensemble.scores import classification_scores
@@ -31,7 +31,7 @@ def evaluate(trainer, weights, batches, callbacks, before_end):
     `before_end(non_trainable, metrics)` gets the stacked values the last
     step left, before `on_test_end`: where Keras's evaluate gives them to
     the model, so that what a callback changes there is kept (as
-    `keras_dp.inference.evaluate` does for one model).
+    `keras_dp.core.evaluate.evaluate` does for one model).
 
     Returns:
         `{name: [M values]}` for each member's log, plus the floats

@@ -9,7 +9,7 @@ one float per name: the members' mean.
 import jax
 import numpy as np
 
-from keras_dp import callbacks as callbacks_lib
+from keras_dp.keras import callbacks as callbacks_lib
 
 
 def member_logs(trainer, logs, metrics, step="train_step"):

@@ -1,6 +1,6 @@
 """The ensemble's `fit` loop: epochs of compiled calls, with Keras's callbacks.
 
-It runs the way `keras_dp.loop` runs one model's `fit`: `on_train_begin`,
+It runs the way `keras_dp.core.loop` runs one model's `fit`: `on_train_begin`,
 then per epoch `on_epoch_begin`, one compiled call of one or K steps per
 `on_train_batch_begin` / `on_train_batch_end`, validation, `on_epoch_end`,
 and `stop_training` honoured after every call and epoch. The model the
@@ -21,14 +21,14 @@ import keras
 import numpy as np
 
 from keras_dp import _compat
-from keras_dp import callbacks as callbacks_lib
-from keras_dp import inflight
-from keras_dp import state as state_lib
+from keras_dp.keras import callbacks as callbacks_lib
+from keras_dp.core import inflight
+from keras_dp.core import state as state_lib
 from keras_dp.ensemble import inference as ensemble_inference
 from keras_dp.ensemble import logs as logs_lib
 from keras_dp.ensemble import members as members_lib
-from keras_dp.state import LiveModel
-from keras_dp.state import TrainState
+from keras_dp.core.state import LiveModel
+from keras_dp.core.state import TrainState
 
 
 class MembersLive(LiveModel):

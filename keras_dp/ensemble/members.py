@@ -14,10 +14,10 @@ import keras
 import numpy as np
 
 from keras_dp import _compat
-from keras_dp import labels
-from keras_dp import mesh as mesh_lib
-from keras_dp.state import TrainState
-from keras_dp.state import write_back
+from keras_dp.checks import labels
+from keras_dp import sharding as mesh_lib
+from keras_dp.core.state import TrainState
+from keras_dp.core.state import write_back
 
 
 def member_mesh(members=None, mesh=None, devices=None):

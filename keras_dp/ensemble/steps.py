@@ -17,19 +17,19 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from keras_dp import _compat
-from keras_dp import finite
-from keras_dp import mesh as mesh_lib
-from keras_dp import steps as steps_lib
+from keras_dp.core import finite
+from keras_dp import sharding as mesh_lib
+from keras_dp.core import steps as steps_lib
 
 
 def make_train_step(model, mesh, per_member_batches=False, steps=1):
     """Return the jitted `train_step(state, batch) -> (state, logs, finite)`.
 
-    The per-member step is the one `keras_dp.steps` runs: Keras's
+    The per-member step is the one `keras_dp.core.steps` runs: Keras's
     `model.compute_loss_and_updates`, its gradient, and
     `optimizer.stateless_apply`; the metrics update as under `model.fit`.
     A member whose loss or update is not finite keeps its weights and
-    optimizer state from before that step (`keras_dp.finite.keep_if_not_finite`,
+    optimizer state from before that step (`keras_dp.core.finite.keep_if_not_finite`,
     as `fit_sharded` does), so one member's NaN never reaches the others or
     its own weights.
 

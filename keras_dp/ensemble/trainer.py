@@ -3,19 +3,19 @@
 import jax
 import numpy as np
 
-from keras_dp import build as build_lib
-from keras_dp import callbacks as callbacks_lib
-from keras_dp import compilation_cache as compilation_cache_lib
-from keras_dp import mesh as mesh_lib
-from keras_dp import model_checks
-from keras_dp import pipeline
-from keras_dp import state as state_lib
+from keras_dp.keras import build as build_lib
+from keras_dp.keras import callbacks as callbacks_lib
+from keras_dp.diagnostics import compilation_cache as compilation_cache_lib
+from keras_dp import sharding as mesh_lib
+from keras_dp.checks import model as model_checks
+from keras_dp import sources as pipeline
+from keras_dp.core import state as state_lib
 from keras_dp.ensemble import inference as ensemble_inference
 from keras_dp.ensemble import loop as ensemble_loop
 from keras_dp.ensemble import members as members_lib
 from keras_dp.ensemble import recipe
 from keras_dp.ensemble import steps as ensemble_steps
-from keras_dp.state import TrainState
+from keras_dp.core.state import TrainState
 
 
 class EnsembleTrainer:
@@ -147,7 +147,7 @@ class EnsembleTrainer:
                 the devices.
             ValueError: `state` was donated to an earlier step, or a Keras
                 distribution other than `DataParallel` is active
-                (`keras_dp.mesh.check_keras_distribution`).
+                (`keras_dp.sharding.check_keras_distribution`).
         """
         mesh_lib.check_keras_distribution()  # one set since the trainer was made too
         state_lib.check_usable(state, "trainer.train_step")

@@ -152,7 +152,7 @@ if sys.argv[1] == "unwritable":
     # Process 1 alone cannot write the shared checkpoint directory (another
     # user's mount, say): its fit fails as it opens the checkpoints, and it
     # catches that and goes on, while process 0 opens them and trains.
-    from keras_dp import checkpoint_guard
+    from keras_dp.checkpoint import integrity as checkpoint_guard
 
     def refuse(directory):
         raise PermissionError(f"checkpoint_dir {directory} cannot be written to on process {ME}")

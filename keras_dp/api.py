@@ -1,0 +1,96 @@
+"""`fit_sharded`: `model.fit` on every local device, in one call."""
+
+from keras_dp.trainer import ShardedTrainer
+
+
+def fit_sharded(model, x=None, y=None, *, epochs=1, batch_size=None,
+                validation_split=0.0, validation_data=None, callbacks=None,
+                verbose="auto", shuffle=True, class_weight=None,
+                sample_weight=None, initial_epoch=0, steps_per_epoch=None,
+                validation_steps=None, validation_batch_size=None, validation_freq=1,
+                steps_per_execution=None, optimizer=None,
+                loss=None, metrics=None, mesh=None, devices=None, seed=0,
+                checkpoint_dir=None, checkpoints_to_keep=2, state_sharding="replicated",
+                data_on_device="auto",
+                keep_last_good="auto", compilation_cache=True, profile_dir=None):
+    """Train `model` with synchronous data parallelism and return its History.
+
+    Each global batch is split by rows over the devices, every device holds
+    the whole model, and gradients are averaged across devices inside each
+    compiled step, so the result equals training on one device with the
+    same batches (up to float summation order), whatever the batch size:
+    a batch that does not divide by the device count is split unevenly,
+    never dropped or padded into the result. When the call returns,
+    normally or by an exception, the model holds the trained weights.
+
+    Args:
+        model: a `keras.Model`, compiled or not.
+        x: arrays (with `y`), a `(x, y[, sample_weight])` tuple, a
+            `tf.data.Dataset` of batches, or a re-iterable of batches.
+        y, sample_weight: arrays, with array `x` only.
+        epochs, batch_size, validation_split, validation_data, callbacks,
+            verbose, shuffle, class_weight, initial_epoch, steps_per_epoch,
+            validation_steps, validation_batch_size, validation_freq: as in
+            `model.fit` (see `ShardedTrainer.fit`); `batch_size` and
+            `validation_batch_size` are global batches, of any size.
+        steps_per_execution: steps per compiled call in training and
+            validation (default: the model's, from `compile`); the result
+            equals single steps.
+        optimizer, loss, metrics: override what the model was compiled with.
+        mesh, devices: where to train (default: all of JAX's devices).
+        seed: seed of the per-epoch shuffle order; the same seed, data and
+            device count give bitwise identical weights on CPU.
+        checkpoint_dir: save the whole training state there after every
+            epoch and on SIGTERM, and resume from it when it holds a
+            checkpoint (see `ShardedTrainer.fit`). Not with a
+            `keras.callbacks.BackupAndRestore` (a `ValueError`).
+        checkpoints_to_keep: how many of the newest checkpoints stay in
+            `checkpoint_dir` (orbax's `max_to_keep`; default 2: one older
+            in case the newest is damaged).
+        state_sharding: `"replicated"` (default), `"optimizer"` or `"full"`:
+            keep a full copy of the state on every device, or split the
+            optimizer state, or the whole state, over the devices
+            (`keras_dp.layout`); the steps computed are the same.
+        profile_dir: write a `jax.profiler` trace of a few steps of the
+            first epoch there (see `ShardedTrainer.fit`); `~` is expanded.
+        data_on_device: keep array data on the devices and gather each
+            step's rows there (`"auto"`, the default: when it fits; `True`;
+            `False`); see `ShardedTrainer` and `keras_dp.core.feed`.
+        keep_last_good: keep the last completed step's state on the devices,
+            so that a step failing at run time loses no completed step
+            (`"auto"`, the default: when it fits; `True`; `False`: donate
+            it); see `ShardedTrainer`.
+        compilation_cache: JAX's persistent compilation cache in a per-user
+            directory (`True`, the default), a directory, or `False`; see
+            `keras_dp.diagnostics.compilation_cache`.
+
+    Returns:
+        A `keras.callbacks.History`, as `model.fit` returns.
+
+    Example:
+
+    ```python
+    import keras_dp
+
+    model = keras_dp.models.convnet()
+    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True), metrics=["accuracy"])
+    history = keras_dp.fit_sharded(model, x_train, y_train, batch_size=64, epochs=2)
+    ```
+    """
+    trainer = ShardedTrainer(
+        model, optimizer=optimizer, loss=loss, metrics=metrics, mesh=mesh,
+        devices=devices, seed=seed, steps_per_execution=steps_per_execution,
+        state_sharding=state_sharding, data_on_device=data_on_device,
+        keep_last_good=keep_last_good, compilation_cache=compilation_cache,
+    )
+    return trainer.fit(
+        x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
+        callbacks=callbacks, validation_split=validation_split,
+        validation_data=validation_data, shuffle=shuffle,
+        class_weight=class_weight, sample_weight=sample_weight,
+        initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
+        validation_steps=validation_steps, validation_batch_size=validation_batch_size,
+        validation_freq=validation_freq, checkpoint_dir=checkpoint_dir,
+        checkpoints_to_keep=checkpoints_to_keep, profile_dir=profile_dir,
+    )

@@ -1,0 +1,1 @@
+"""Checkpoints: the store, its integrity, and preemption."""

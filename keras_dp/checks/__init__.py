@@ -1,0 +1,1 @@
+"""Refusals with the fix: data, labels, the model, and errors rewritten."""

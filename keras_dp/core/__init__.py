@@ -1,0 +1,1 @@
+"""The training core: state, compiled steps and programs, feeds, the loops."""

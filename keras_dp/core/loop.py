@@ -1,0 +1,377 @@
+"""The loop of `fit`, as short functions, in the order they run.
+
+`fit` runs epochs; each epoch is `start_epoch` (callbacks, the state in),
+`train_batches` (batches from a feed: host batches placed on the devices,
+`placement.HostFeed`, or rows gathered from data kept there,
+`resident.ResidentFeed`;
+one compiled call per step or per K steps, callbacks around each),
+`validate` (`keras_dp.core.evaluate.evaluate` with the live weights), and the
+epoch's end (`end_epoch`: a checkpoint, a preemption exit). The state of the epoch in progress is held by a
+`keras_dp.core.state.LiveModel`, so that a callback, an exception or an
+interrupt always finds the Keras model current. Each epoch's time is split
+by part as it goes (`keras_dp.diagnostics.timing`).
+
+Every function takes the `ShardedTrainer` whose parts it runs (through the
+`FitRun`): its `model`, `placement`, compiled train steps, `steps_per_execution`
+and `steps_in_flight`.
+"""
+
+import contextlib
+import dataclasses
+import functools
+import os
+
+from keras_dp import _compat
+from keras_dp.multihost import agreement
+from keras_dp.keras import callbacks as callbacks_lib
+from keras_dp.checkpoint import store as checkpoint_lib
+from keras_dp.checks import errors as explain
+from keras_dp.core import evaluate as inference
+from keras_dp.core import inflight
+from keras_dp.checks import model as model_checks
+from keras_dp.checkpoint import preemption as preemption_lib
+from keras_dp.core import programs as programs_lib
+from keras_dp.core import state as state_lib
+from keras_dp.diagnostics import timing
+from keras_dp.core.state import LiveModel
+
+
+@dataclasses.dataclass
+class FitRun:
+    """What every epoch of one `fit` shares."""
+
+    trainer: object
+    batches: object
+    live: LiveModel
+    callbacks: object
+    feed: object = None
+    checkpoints: object = None
+    preemption: object = None
+    profile: object = None  # a `timing.Profile` of the first epoch
+    timer: object = None  # the `timing.EpochTimer` of the epoch in progress
+    validation: object = None  # the validation's `programs.EvalPrograms`
+
+    @property
+    def model(self):
+        """The Keras model being trained."""
+        return self.trainer.model
+
+
+def fit(trainer, batches, val, callbacks, *, epochs, resume, validation_freq, feed,
+        checkpoints=None, profile_dir=None):
+    """Train from `resume` to epoch `epochs - 1`; return the model's History.
+
+    `resume` (a `checkpoint.Position`) is the epoch to start at and how many
+    of its steps a restored checkpoint has done already; a
+    `keras.callbacks.BackupAndRestore` that restores a backup in
+    `on_train_begin` moves the start, as under `model.fit`. `feed` brings
+    the batches to the steps (`placement.HostFeed` or
+    `resident.ResidentFeed`, as `resident.make_feed` chose; its programs
+    are compiled ahead where the epoch's plan is known,
+    `programs.CompilingFeed`, and with them, during the first epoch, the
+    validation's, if any epoch validates). Each epoch's
+    `timing.EpochTimer.result()` is appended to `trainer.timings`, emptied
+    first; with `profile_dir`, a few calls of the first epoch are traced
+    there (`timing.Profile`). Whatever ends the loop (an exception, Ctrl-C
+    at any moment), the model holds the state of the last completed step
+    when this returns or raises, a step that failed at run time included
+    when the steps keep their input (`trainer.keeps_last_good`); if the
+    failing step had consumed that state (it was donated), the model holds
+    the last one written back. The exception's note says which
+    (`LiveModel.report`). Then, as at the end of `model.fit` (in its
+    `finally`, failed or not), the optimizer's `finalize_variable_values`
+    runs: with `use_ema`, the moving averages replace the weights, each
+    variable keeping a buffer of its own (`state.finalize_variable_values`).
+
+    A run that stops early (`stop_training`) marks its checkpoint stopped,
+    and saves it once more after `on_train_end`, so that it holds what the
+    model ends with (`EarlyStopping`'s best weights); a `resume` from such
+    a checkpoint (`resume.stopped`) trains nothing.
+    """
+    model = trainer.model
+    model.stop_training = False
+    last = resume.epoch if resume.stopped else epochs  # a stopped run trains nothing
+    validation = _validation_programs(trainer, val, range(resume.epoch, last), validation_freq)
+    feed = programs_lib.CompilingFeed(feed, trainer, batches, validation)
+    before_gather = None
+    if trainer.reads_collectively:
+        before_gather = functools.partial(agreement.same_read, trainer.placement)
+    run = FitRun(trainer, batches, LiveModel(model, before_gather), callbacks, feed,
+                 checkpoints, validation=validation)
+    run.profile = _profile(profile_dir)
+    trainer.timings = []
+    epoch_logs, finished, stopped = {}, False, None
+    callbacks.on_train_begin()
+    start = _compat.take_initial_epoch(model) or resume.epoch
+    try:
+        if trainer.multiprocess and (checkpoints is not None
+                                     or callbacks_lib.restores(callbacks)):
+            agreement.same_start(trainer.placement, start,
+                                 resume.steps if start == resume.epoch else 0)
+        with run.live.attached(), preemption_lib.preemption(
+                trainer.multiprocess, saving=checkpoints is not None) as preemption:
+            # Across processes JAX's runtime takes SIGTERM: act on it, saved or not.
+            run.preemption = preemption
+            for epoch in range(start, last):
+                validate_now = val is not None and callbacks_lib.should_validate(
+                    epoch, validation_freq)
+                skip = resume.steps if epoch == resume.epoch else 0
+                epoch_logs = run_epoch(run, epoch, skip, val if validate_now else None)
+                stop = stops_after(run, epoch, epochs)
+                stopped = checkpoint_lib.Position(epoch + 1, 0, stopped=True) if stop else None
+                end_epoch(run, epoch, stop)
+                if stop:
+                    break
+        if run.live.lost is not None:  # never silently: a state left unwritten
+            raise RuntimeError(run.live.report())
+        finished = True
+    except BaseException as error:
+        # A FloatingPointError says what the model holds itself; SystemExit
+        # follows a checkpoint's own message.
+        if not isinstance(error, (FloatingPointError, SystemExit)):
+            error.add_note(run.live.report())
+        _compat.shut_down_callback_pool(callbacks)  # on_train_end will not run
+        raise
+    finally:
+        feed.close()  # no compile ahead for a fit that has ended
+        if run.profile is not None:
+            run.profile.close()
+        if epochs > 0 and not resume.stopped:  # a stopped run's checkpoint holds the end
+            # Keras's own end of fit: e.g. copy EMA weights into the model.
+            state_lib.finalize_variable_values(model)
+        if checkpoints is not None and not finished:
+            checkpoints.close()
+    if finished:
+        callbacks.on_train_end(epoch_logs)
+        if checkpoints is not None and stopped is not None:
+            # What the run ends with (EarlyStopping's best weights) is what a rerun gets.
+            checkpoints.save(trainer.init_state(), stopped, trainer.seed)
+    if checkpoints is not None:
+        checkpoints.close()
+    return model.history
+
+
+def _profile(profile_dir):
+    """The `timing.Profile` of `profile_dir` (`~` expanded, made now), or None.
+
+    Made before any step: a path that cannot be a directory fails here, not
+    in `jax.profiler.start_trace` after the first call.
+    """
+    if profile_dir is None:
+        return None
+    directory = checkpoint_lib.check_dir(profile_dir, "profile_dir")
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as error:
+        reason = ("it exists and is not a directory" if os.path.exists(directory)
+                  else error.strerror or str(error))
+        raise ValueError(
+            "`profile_dir` must be a directory keras_dp can create and write to: "
+            f"{directory} {reason}. Received: profile_dir={profile_dir!r}. "
+            "Pass a directory's path."
+        ) from None
+    return timing.Profile(directory)
+
+
+def _validation_programs(trainer, val, epochs, validation_freq):
+    """The `programs.EvalPrograms` of `val` if one of `epochs` validates, else None."""
+    if val is None or not callbacks_lib.validations(epochs, validation_freq):
+        return None
+    return programs_lib.EvalPrograms(trainer, val)
+
+
+def stops_after(run, epoch, epochs):
+    """Whether training stops after `epoch` (`stop_training`, a stream run dry).
+
+    Across processes they decide together, in one round, unless `epoch` is
+    the last anyway and no checkpoint is kept (whose `stopped` mark they
+    share): a callback that stops one process (an `EarlyStopping` on a
+    value of its own) stops all, where the others would wait for it in the
+    next step for ever.
+    """
+    stop = run.model.stop_training or getattr(run.batches, "exhausted", False)
+    if run.trainer.placement.multiprocess and (
+            epoch + 1 < epochs or run.checkpoints is not None):
+        stop = run.model.stop_training = run.trainer.placement.any_process(stop)
+    return stop
+
+
+def run_epoch(run, epoch, skip, val):
+    """One epoch: start, train, validate, end callbacks. Returns the epoch logs.
+
+    `skip` steps of the epoch are done already (a restored checkpoint, whose
+    metrics hold their running totals).
+    """
+    run.timer = timing.EpochTimer(epoch, timing.peak_flops_per_s(run.trainer.mesh, run.model))
+    start_epoch(run, epoch, skip)
+    logs = train_batches(run, epoch, skip)
+    # No logs: a one-shot stream ran dry at the epoch's start (fit stops).
+    epoch_logs = {} if logs is None else callbacks_lib.to_python(
+        logs, run.model, run.live.state.metrics)
+    # As Keras's fit does at each epoch's end, the model gets the state
+    # before validation and `on_epoch_end`, whether the callbacks look
+    # through `self.model` or not (a LambdaCallback's closure over the
+    # model), and what they change is read before the next step
+    # (`LiveModel`). Keras's History and progress bar read only the logs:
+    # with no other callback, the state is written back at the fit's end.
+    user_callbacks = callbacks_lib.beyond_logs(run.callbacks)
+    if user_callbacks:
+        run.live.sync()
+    run.timer.lap("other_s")
+    if val is not None and logs is not None:
+        epoch_logs.update(validate(run, val))  # syncs again before on_test_end
+        run.timer.lap("validation_s")
+    run.callbacks.on_epoch_end(epoch, epoch_logs)
+    run.timer.lap("callbacks_s")
+    run.trainer.timings.append(run.timer.result(run.feed.flops))
+    return epoch_logs
+
+
+def start_epoch(run, epoch, skip):
+    """Reset the metrics, call `on_epoch_begin`, and bring the state in.
+
+    The state stays on the devices from epoch to epoch unless a callback
+    changed the model (weights, learning rate) since they met; a change of
+    a layer's `trainable` is refused. Across
+    processes, reading the model is a broadcast of process 0's in which
+    every process takes part, so they decide together (one host round
+    trip): if any process's callbacks changed its model, every process
+    reads process 0's.
+    """
+    trainer, live = run.trainer, run.live
+    if not skip:
+        run.model.reset_metrics()
+    run.timer.lap("other_s")
+    run.callbacks.on_epoch_begin(epoch)
+    run.timer.lap("callbacks_s")
+    # A layer's `trainable` set by a callback during the fit is refused here
+    # (or at the read of a model a callback changed), before the next step.
+    model_checks.check_trainable_unchanged(run.model)
+    needs_read = live.needs_read()
+    if trainer.placement.multiprocess:
+        needs_read = trainer.placement.any_process(needs_read)
+        if needs_read:
+            live.sync()  # process 0's model must hold its latest state
+    if needs_read:
+        live.read(trainer.init_state(), (epoch, skip))
+    elif not skip:
+        live.state = trainer.reset_metrics(live.state)
+    run.timer.lap("other_s")
+
+
+def train_batches(run, epoch, skip):
+    """Run the epoch's steps; return the last step's logs (None if no step ran).
+
+    Keeps at most `steps_in_flight` calls unfinished, checks each call's
+    loss when it finishes, and stops early on `stop_training`. Counts the
+    time waiting for input, in steps and in callbacks (`run.timer`), and
+    starts and stops the profile (`run.profile`).
+
+    Raises:
+        FloatingPointError: a step's loss was NaN or Inf (unless a callback
+            such as `TerminateOnNaN` stopped training instead).
+    """
+    throttle = inflight.Throttle(run.trainer.steps_in_flight)
+    placed = run.feed.epoch(epoch, skip)
+    index, logs, timer = skip, None, run.timer
+    # Closing it on a break (stop_training) stops the look-ahead thread now.
+    with contextlib.closing(placed):
+        for calls, (steps, device_batch) in enumerate(placed, 1):
+            timer.lap("input_s")
+            if run.preemption is not None and run.preemption.requested:
+                throttle.drain()
+                save_and_exit(run, checkpoint_lib.Position(epoch, index))
+            run.callbacks.on_train_batch_begin(index)
+            timer.lap("callbacks_s")
+            logs = train_call(run, steps, device_batch, throttle, (epoch, index))
+            if run.profile is not None:
+                run.profile.after_call(calls, logs)
+            timer.lap("steps_s")
+            index += steps
+            timer.samples += steps * device_batch.rows
+            run.callbacks.on_train_batch_end(index - 1, logs)
+            timer.lap("callbacks_s")
+            if throttle.failure is not None or run.model.stop_training:
+                if throttle.failure is None and run.trainer.multiprocess:
+                    _check_stop_everywhere(run, epoch, index - 1, placed)
+                break
+        timer.lap("input_s")  # the wait that found the epoch's end
+    throttle.drain()
+    timer.lap("steps_s")
+    if run.profile is not None:
+        run.profile.close()  # the first epoch only
+    if throttle.failure is not None and not run.model.stop_training:
+        raise FloatingPointError(inflight.failure_message(epoch, *throttle.failure))
+    return logs
+
+
+def _check_stop_everywhere(run, epoch, batch, placed):
+    """Across processes, a stop before the epoch's last batch must be every process's.
+
+    A stop at the last batch needs nothing: every process goes on to the
+    epoch's end, where they agree (`stops_after`). Finding which it is
+    places the next batch (if any), which the stop then drops.
+    """
+    if next(placed, None) is not None:
+        agreement.stop_mid_epoch(run.trainer.placement, epoch, batch)
+
+
+def train_call(run, steps, device_batch, throttle, at):
+    """Dispatch one compiled call of `steps` steps at `at` (epoch, index); return its logs.
+
+    The new state is recorded before Ctrl-C can interrupt (`LiveModel.advance`).
+    """
+    trainer, live = run.trainer, run.live
+    (epoch, index) = at
+    if live.needs_read():  # a callback changed the model
+        live.read(trainer.init_state(), at)
+    with explain.shape_change(run.batches.peek, steps, device_batch, at), \
+            explain.jit_failures(trainer.model):
+        logs, finite = live.advance(
+            lambda state: run.feed.call(state, steps, device_batch), (epoch, index + steps))
+    throttle.add((index, finite, logs))
+    return logs
+
+
+def validate(run, val):
+    """Score the validation data with the live weights: `val_*` logs.
+
+    As under `model.fit`, the non-trainable values the test steps leave (a
+    seed generator advanced in inference mode) carry into the next epoch,
+    and what a callback changed in the model is honoured: at the last
+    batch's end it is scored and trained on; in `on_test_begin` it is
+    scored (`SwapEMAWeights` swaps the moving averages in), and what
+    `on_test_end` leaves (the averages swapped out, a changed BatchNorm
+    statistic) is trained on: the model gets the test steps' values before
+    `on_test_end`, as Keras's evaluate gives them.
+    """
+    live, read = run.live, run.trainer.init_state
+    any_process = run.trainer.placement.any_process if run.trainer.multiprocess else None
+
+    tested = functools.partial(live.tested, read, any_process=any_process,
+                               model_read=callbacks_lib.beyond_logs(run.callbacks))
+    logs = inference.evaluate(
+        run.trainer, lambda: live.current(read, any_process).weights, val, run.callbacks,
+        tested, run.validation)
+    return {f"val_{name}": value for name, value in logs.items()}
+
+
+def end_epoch(run, epoch, stop=False):
+    """Save a checkpoint of the finished epoch (marked `stop`ped); exit if SIGTERM asked to."""
+    position = checkpoint_lib.Position(epoch + 1, 0, stopped=stop)
+    if run.checkpoints is not None:
+        run.checkpoints.save_live(run.live, run.trainer, position)
+    if run.preemption is not None and run.preemption.requested:
+        _exit(run, position)
+
+
+def save_and_exit(run, position):
+    """Write the state at `position` (with a checkpoint_dir); exit with 143."""
+    if run.checkpoints is not None:
+        run.checkpoints.save_live(run.live, run.trainer, position)
+    _exit(run, position)
+
+
+def _exit(run, position):
+    directory = None if run.checkpoints is None else run.checkpoints.directory
+    preemption_lib.exit_after_preemption(directory, position)

@@ -1,0 +1,150 @@
+"""A plain-text picture of what runs where: the mesh, the state, a batch."""
+
+import jax
+
+from keras_dp import layout
+from keras_dp.diagnostics import memory
+from keras_dp import sharding as mesh_lib
+
+
+def describe(mesh, state=None, batch=None, hosts=None, steps_per_execution=1):
+    """Describe `mesh`, and how `state` and a device `batch` are placed on it.
+
+    Args:
+        mesh: the `"batch"` mesh.
+        state: an optional `TrainState` on the mesh (any `state_sharding`),
+            of arrays or of `jax.ShapeDtypeStruct`s with their shardings.
+        batch: an optional `DeviceBatch`.
+        hosts: for a mesh across processes, each process's host name, by
+            process index (`keras_dp.distributed.host_names`).
+        steps_per_execution: K; above 1, a line says how a call's K
+            batches are stacked.
+
+    Returns:
+        A multi-line string: the devices (across processes, one line per
+        process: its host and devices, for the whole mesh); for each state
+        group its array count, size, bytes per device and how many arrays
+        are split; for each batch array its shape, sharding and the rows
+        each device of this process holds.
+    """
+    devices = list(mesh.devices.flat)
+    lines = [
+        f"Mesh: {len(devices)} device(s) along axis {mesh_lib.BATCH_AXIS!r}, "
+        f"platform {devices[0].platform}"
+    ]
+    if mesh_lib.spans_processes(mesh):
+        lines[0] += f", {len({device.process_index for device in devices})} processes"
+        lines.extend(_process_lines(devices, hosts))
+    else:
+        lines.append("  " + ", ".join(_device_name(device) for device in devices))
+    if state is not None:
+        lines.extend(_state_lines(state))
+    if batch is not None:
+        padded = jax.tree.leaves(batch.data)[0].shape[0]
+        lines.append(
+            f"Batch: {batch.rows} rows, split along 'batch'"
+            + (f" (padded to {padded}; the step cuts rows {batch.rows}-{padded - 1} off)"
+               if padded != batch.rows else "")
+            + ":"
+        )
+        for path, array in jax.tree_util.tree_leaves_with_path(batch.data):
+            lines.append(
+                f"  {_batch_name(path):<14}{str(array.shape):<18}"
+                f"{str(array.dtype):<9}PartitionSpec{tuple(array.sharding.spec)}"
+            )
+            lines.append("    " + " | ".join(_shard_rows(array, batch)))
+        if steps_per_execution > 1:
+            lines.append(
+                f"  A call of {steps_per_execution} steps takes {steps_per_execution} such "
+                f"batches stacked, [{steps_per_execution}, {padded}, ...], "
+                "PartitionSpec(None, 'batch'): each device holds its rows of all "
+                f"{steps_per_execution}.")
+    return "\n".join(lines)
+
+
+def data_line(rows, nbytes, devices, keep, why_not):
+    """Where a fit's training data lives: on the devices (`keep`) or on the host."""
+    size = ("Training data: batches read as they come" if rows is None
+            else f"Training data: {rows:,} rows, {memory.format_bytes(nbytes)}")
+    if keep:
+        where = "on the device" if devices == 1 else f"on each of the {devices}"
+        return (f"{size}, kept on the devices for the fit: a full copy {where} "
+                "(PartitionSpec()), each step gathering its rows there.")
+    return (f"{size}, fed from the host, each batch copied to the devices when its "
+            "step comes" + (f" ({why_not})." if why_not else " (data_on_device=False)."))
+
+
+def _process_lines(devices, hosts):
+    """One line per process, in mesh order: its host and its devices."""
+    lines = []
+    for process in dict.fromkeys(device.process_index for device in devices):
+        host = f" on {hosts[process]}" if hosts else ""
+        names = ", ".join(_device_name(d) for d in devices if d.process_index == process)
+        lines.append(f"  process {process}{host}: {names}")
+    return lines
+
+
+def _state_lines(state):
+    """One line per state group: values, bytes per device, split or replicated."""
+    lines = ["Model state (bytes per device; split arrays hold 1/N of their values):"]
+    for name, values in state.groups():
+        size = sum(value.size for value in values)
+        per_device = sum(layout.bytes_per_device(value) for value in values)
+        split = sum(not value.sharding.is_fully_replicated for value in values)
+        where = (f"{split} split over 'batch', {len(values) - split} replicated" if split
+                 else "all replicated: PartitionSpec()")
+        lines.append(
+            f"  {name:<14}{len(values):>4} arrays {size:>12,} values "
+            f"{memory.format_bytes(per_device):>10} per device  ({where})"
+        )
+    return lines
+
+
+def _batch_name(path):
+    """'x', 'y', 'sample_weight', then any nested keys: x['image']."""
+    names = ("x", "y", "sample_weight")
+    if path and isinstance(path[0], jax.tree_util.SequenceKey) and path[0].idx < 3:
+        return names[path[0].idx] + jax.tree_util.keystr(path[1:])
+    return jax.tree_util.keystr(path) or "x"
+
+
+def _shard_rows(array, batch):
+    """Each local device's real rows, in mesh order, and the padding it holds."""
+    shards = sorted(array.addressable_shards,
+                    key=lambda s: (s.index[0] if s.index else slice(None)).indices(
+                        array.shape[0])[0])
+    rows = []
+    for shard in shards:
+        index = shard.index[0] if shard.index else slice(None)
+        start, stop, _ = index.indices(array.shape[0])
+        real = _real_span(start, stop, batch, array.shape[0])
+        pad = stop - start - (0 if real is None else real[1] - real[0])
+        text = ("no rows" if real is None else f"row {real[0]}" if real[1] - real[0] == 1
+                else f"rows {real[0]}-{real[1] - 1}")
+        rows.append(f"{_device_name(shard.device)}: {text}"
+                    + (f" + {pad} padding" if pad else ""))
+    return rows
+
+
+def _real_span(start, stop, batch, padded):
+    """The real rows among padded rows `start:stop`, numbered as the step sees them.
+
+    `None` when all are padding. Across processes (`batch.blocks`) each
+    block's real rows come first; they are numbered after the real rows
+    of the blocks before it.
+    """
+    blocks = batch.blocks or (batch.rows,)
+    size = padded // len(blocks)
+    first = last = None
+    before = 0
+    for number, real in enumerate(blocks):
+        low, high = max(start, number * size), min(stop, number * size + real)
+        if low < high:
+            first = before + low - number * size if first is None else first
+            last = before + high - number * size
+        before += real
+    return None if first is None else (first, last)
+
+
+def _device_name(device):
+    return f"{device.platform}:{device.id}"

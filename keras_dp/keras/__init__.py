@@ -1,0 +1,1 @@
+"""What touches Keras: building and compiling the model, its callbacks."""

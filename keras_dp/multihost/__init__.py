@@ -1,0 +1,1 @@
+"""Many processes: the channel between them, their agreement, global batches."""
