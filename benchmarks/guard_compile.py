@@ -3,7 +3,7 @@
     python benchmarks/guard_compile.py --model resnet18
     python benchmarks/guard_compile.py --model convnet
 
-`keras_dp.core.finite.keep_if_not_finite` checks that every new weight and
+`keras_dp.core.steps.keep_if_not_finite` checks that every new weight and
 optimizer value is finite. Checked with one reduction per variable, that
 check made ResNet-18's train step compile about 3x slower on XLA:CPU; the
 trainer now checks the replicated values of each dtype as one joined vector
@@ -35,7 +35,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import keras_dp  # noqa: E402
-from keras_dp.core import finite  # noqa: E402
+from keras_dp.core import steps as finite  # noqa: E402
 
 guard = finite.keep_if_not_finite
 VARIANTS = {

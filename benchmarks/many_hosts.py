@@ -5,7 +5,7 @@ The guide's convnet on MNIST (`--samples` rows), global batch `--batch-size`,
 only feed across processes), one warm-up epoch then `--epochs` timed ones
 (`trainer.timings`' samples per second, median). The two set-ups alternate
 `--reps` times. Also prints the host round trips per epoch the processes
-made to agree on their row counts (`placement.exchange.rounds`), and the
+made to agree on their row counts (`trainer.hosts.exchange.rounds`), and the
 all-reduces in one train step's compiled program: each is a collective
 between the processes, and the convnet's exact BatchNorm statistics make
 most of them (`--model mlp`, without BatchNorm, has only its gradients').
@@ -76,7 +76,7 @@ def worker():
     trainer.fit(x, y, batch_size=args.batch_size, epochs=1 + args.epochs, verbose=0,
                 callbacks=callbacks)
     rates = [entry["samples_per_s"] for entry in trainer.timings[1:]]
-    rounds = getattr(getattr(trainer.placement, "exchange", None), "rounds", 0)
+    rounds = getattr(getattr(trainer.hosts, "exchange", None), "rounds", 0)
     # The all-reduces in one step's program, each a collective between the
     # processes (through gloo over TCP across processes, in memory in one).
     rows = args.batch_size // jax.process_count()

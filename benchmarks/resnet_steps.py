@@ -43,7 +43,7 @@ def main(argv=None):
     import numpy as np
 
     import keras_dp
-    from keras_dp.core import finite
+    from keras_dp.core import steps as finite
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from systems import _guide_train_step
@@ -125,7 +125,7 @@ def main(argv=None):
     dp = keras_dp.ShardedTrainer(new_model())
     keras_model = new_model()
     timings = {name: [] for name in [*variants, "keras model.fit"]}
-    defaults = (dp.steps_in_flight, dp.placement.prefetch)
+    defaults = (dp.steps_in_flight, dp.hosts.prefetch)
 
     def run(name):
         start = time.perf_counter()
@@ -134,9 +134,9 @@ def main(argv=None):
         else:
             options = dict(variants[name])
             shuffle = options.pop("shuffle", True)
-            dp.steps_in_flight, dp.placement.prefetch = defaults
+            dp.steps_in_flight, dp.hosts.prefetch = defaults
             for key, value in options.items():
-                setattr(dp.placement if key == "prefetch" else dp, key, value)
+                setattr(dp.hosts if key == "prefetch" else dp, key, value)
             dp.fit(x, y, batch_size=batch, epochs=1, shuffle=shuffle, verbose=0)
         return time.perf_counter() - start
 

@@ -62,7 +62,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import keras_dp  # noqa: E402
-from keras_dp import layout  # noqa: E402
+from keras_dp import sharding  # noqa: E402
 
 
 def time_step(trainer, batch, reps):
@@ -86,7 +86,7 @@ for name in args.models.split(","):
         x = rng.integers(0, 255, (batch_size, 28, 28, 1)).astype("uint8")
         y = rng.integers(0, 10, batch_size)
         seconds = {}
-        for mode in layout.MODES:
+        for mode in sharding.MODES:
             keras.utils.set_random_seed(0)
             model = keras_dp.models.compile_classifier(keras_dp.models.MODELS[name]())
             trainer = keras_dp.ShardedTrainer(model, devices=jax.devices()[:args.devices],
@@ -97,7 +97,7 @@ for name in args.models.split(","):
                 "model": name, "batch": batch_size, "devices": args.devices,
                 "state_sharding": mode, "step_ms": round(1000 * seconds[mode], 2),
                 "ratio_to_replicated": round(seconds[mode] / seconds["replicated"], 3),
-                "bytes_per_device": {group: sum(layout.bytes_per_device(v) for v in values)
+                "bytes_per_device": {group: sum(sharding.bytes_per_device(v) for v in values)
                                      for group, values in state.groups()},
                 "platform": jax.devices()[0].platform,
             }), flush=True)

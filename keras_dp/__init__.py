@@ -31,7 +31,7 @@ _PUBLIC = {
     "fit_ensemble": "keras_dp.ensemble",
     "fit_sharded": "keras_dp.api",
     "make_mesh": "keras_dp.sharding",
-    "memory_plan": "keras_dp.diagnostics.memory",
+    "memory_plan": "keras_dp.api",
     "shard_for_processes": "keras_dp.sources.shards",
 }
 _MODULES = ("datasets", "distributed", "models")

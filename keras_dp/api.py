@@ -1,4 +1,4 @@
-"""`fit_sharded`: `model.fit` on every local device, in one call."""
+"""What a user calls: `fit_sharded` (`model.fit` on every device, in one call) and `memory_plan`."""
 
 from keras_dp.trainer import ShardedTrainer
 
@@ -94,3 +94,43 @@ def fit_sharded(model, x=None, y=None, *, epochs=1, batch_size=None,
         validation_freq=validation_freq, checkpoint_dir=checkpoint_dir,
         checkpoints_to_keep=checkpoints_to_keep, profile_dir=profile_dir,
     )
+
+
+def memory_plan(model, x, y=None, *, batch_size=32, sample_weight=None, devices=None,
+                mesh=None, state_sharding="replicated", optimizer=None, loss=None,
+                metrics=None, data_on_device=False):
+    """Plan the memory of training `model` on `devices` before running it.
+
+    Args:
+        model: a `keras.Model`, compiled or given `optimizer`/`loss`.
+        x, y, sample_weight: a few rows of the data as arrays, for their
+            shapes (all of it with `data_on_device`), read as `fit` reads
+            them.
+        batch_size: the global batch to plan for.
+        devices, mesh, state_sharding, optimizer, loss, metrics: as for
+            `ShardedTrainer`.
+        data_on_device: False (the default): plan the step fed from the
+            host. True or "auto" (as `ShardedTrainer`'s): `x`, `y` and
+            `sample_weight` are the whole training data, and when a fit
+            with that setting keeps them on the devices, the plan is of its
+            step over the resident data (whose arguments then include the
+            data, every device holding all of it).
+
+    Returns:
+        A `keras_dp.diagnostics.memory.MemoryPlan` (print it for a summary):
+        per device, the bytes of weights, optimizer and metrics as laid
+        out, and the compiled step's arguments, temporaries and peak from
+        XLA's memory analysis, of the step a fit would run. On XLA:CPU that
+        is the one `keep_last_good` picks, and a fit on batches of this size
+        finds it compiled; on accelerators it is the step that donates its
+        state, whose plan a fit reads to choose.
+
+    Raises:
+        ValueError: `data_on_device=True` and data a fit could not keep on
+            the devices (see `keras_dp.core.feed`); data that is not arrays
+            (a dataset, a list of batches).
+    """
+    trainer = ShardedTrainer(model, optimizer=optimizer, loss=loss, metrics=metrics,
+                             devices=devices, mesh=mesh, state_sharding=state_sharding)
+    return trainer.memory_plan(x, y, batch_size=batch_size, sample_weight=sample_weight,
+                               data_on_device=data_on_device)

@@ -36,6 +36,37 @@ _JAX_HEARTBEAT_TIMEOUT = 100
 _heartbeat_s = None  # what `initialize` passed to JAX's runtime
 # How much later than keras_dp's own timeout JAX's native deadline falls.
 _JAX_DEADLINE_MARGIN_S = 60
+# How long a process waits for the others at a round of keras_dp's own (`timeout`).
+TIMEOUT_ENV = "KERAS_DP_AGREEMENT_TIMEOUT"
+DEFAULT_TIMEOUT = 300
+# Run at exit after `initialize`: `hook(uncaught)` of the modules that watch a
+# call across processes (`keras_dp.multihost.peers`), then this process's own
+# end; and `hook()` just before this process ends early (`end_now`).
+EXIT_HOOKS = []
+END_HOOKS = []
+
+
+class NotEveryProcess(TimeoutError):
+    """A process did not come to a call (or a stop) that the others made, within `timeout()`."""
+
+
+def timeout():
+    """Seconds a process waits for the others at a round: `KERAS_DP_AGREEMENT_TIMEOUT`, else 300.
+
+    Raises:
+        ValueError: the variable is not a positive number.
+    """
+    text = os.environ.get(TIMEOUT_ENV)
+    if text is None:
+        return DEFAULT_TIMEOUT
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0
+    if not seconds > 0:
+        raise ValueError(f"The environment variable {TIMEOUT_ENV} is a number of seconds "
+                         f"above 0. Received: {TIMEOUT_ENV}={text!r}.") from None
+    return seconds
 
 
 def initialize(coordinator_address=None, num_processes=None, process_id=None, *,
@@ -116,34 +147,22 @@ def _end_after_uncaught_error():
     runtime stops the others within the heartbeat timeout. A clean exit
     (or a caught exception) shuts down as JAX does, unless this process's
     error left a call the others were in and one of them ended for it
-    (`keras_dp.multihost.peers`): then it ends too, with status 1, where JAX's
-    shutdown would wait for it and abort.
-
-    Process 0 runs the coordination service, whose end stops the others
-    at once with JAX's own error: when its error left a call that the
-    others are in, it first waits for them to end with keras_dp's message.
+    (`keras_dp.multihost.peers`, an `EXIT_HOOKS` entry): then it ends too,
+    with status 1, where JAX's shutdown would wait for it and abort.
     """
     if not (_compat.jax_backend_started() and jax.process_count() > 1):
         return
-    from keras_dp.multihost import peers
-
     uncaught = getattr(sys, "last_value", None) is not None
-    if uncaught and not (peers.posted() and is_primary()):
-        _end_now()
-    if peers.ended_for_this_process():
-        if not uncaught:
-            print(f"keras_dp: process {jax.process_index()} ends with status 1: its error "
-                  "left a call the other processes were in, and they have ended.",
-                  file=sys.stderr)
-        _end_now()
+    for hook in EXIT_HOOKS:
+        hook(uncaught)
     if uncaught:
-        _end_now()
+        end_now()
 
 
-def _end_now():
-    from keras_dp.multihost import peers
-
-    peers.leaving()  # process 0 may wait for it before ending
+def end_now():
+    """End this process now, with status 1 (`END_HOOKS` first), flushing what it printed."""
+    for hook in END_HOOKS:
+        hook()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(1)
@@ -279,18 +298,13 @@ def host_names():
     Read from JAX's coordination service, where each process leaves its
     own (`publish_host_name`), not gathered through the devices: one
     process alone may call it (process 0, to print `trainer.describe()`).
-    Before, a device all-gather, which a call on process 0 alone failed
-    in after 30 s (gloo's "GetKeyValue() timed out"), or met the other
-    processes' next collective.
 
     Raises:
-        keras_dp.multihost.agreement.NotEveryProcess: a process left no name within
-            `keras_dp.multihost.agreement.timeout()` seconds (it made no trainer).
+        NotEveryProcess: a process left no name within `timeout()`
+            seconds (it made no trainer).
     """
-    from keras_dp.multihost import agreement
-
     publish_host_name()
-    client, seconds = _compat.distributed_client(), agreement.timeout()
+    client, seconds = _compat.distributed_client(), timeout()
     names = []
     for process in range(jax.process_count()):
         try:
@@ -299,11 +313,11 @@ def host_names():
         except jax.errors.JaxRuntimeError as error:
             if not _compat.key_value_timed_out(error):
                 raise
-            raise agreement.NotEveryProcess(
+            raise NotEveryProcess(
                 f"Process {jax.process_index()} waited {seconds:g} s for process "
                 f"{process}'s host name, which each process leaves as it makes a "
                 "ShardedTrainer (or calls fit_sharded). Make the same trainers on "
-                f"every process. ({agreement.TIMEOUT_ENV} sets how long a process "
+                f"every process. ({TIMEOUT_ENV} sets how long a process "
                 "waits.)") from None
     return names
 

@@ -1,10 +1,47 @@
-"""Devices and shardings: the 1-D `"batch"` mesh and where arrays live on it.
+"""Where every array lives: the mesh, its batch axis, the state's layout, a batch's rows.
 
-Every sharding keras_dp places arrays with comes from this module: model state is
-*replicated* (`PartitionSpec()`, a full copy on every device) unless
-`state_sharding` splits it (`keras_dp.layout` gives those shardings), and
-each batch is *sharded* along its leading axis over the mesh axis `"batch"`.
+A `Layout` is one trainer's answer to "where": a named `jax.sharding.Mesh`,
+the name of its batch axis, and the rule that places each state variable
+(`state_sharding`). Everything else in keras_dp asks a `Layout`, so nothing
+outside this module assumes the mesh has one axis or that its batch axis is
+called `"batch"`. Axes other than the batch axis hold replicas today.
+
+The state rule (`variable_sharding`) has three modes:
+
+- `"replicated"` (the default): every device holds the whole state.
+- `"optimizer"` (ZeRO-1/2): optimizer slots and metric accumulators are
+  split over the batch axis; the gradients are constrained to the same
+  split, so each device updates only its slice of the weights, and the new
+  weights are all-gathered back (they stay replicated). XLA's partitioner
+  sums each split gradient as an all-reduce followed by each device's
+  slice; XLA's GPU pipeline fuses the pair into a reduce-scatter, XLA:CPU's
+  keeps it (tests/test_layout.py reads the HLO).
+- `"full"` (FSDP / ZeRO-3): the weights and non-trainable variables are
+  split too; XLA all-gathers each one inside the compiled step where a
+  layer needs it.
+
+Which variables are split, and along which dimension: a floating-point
+variable of at least `MIN_SPLIT_SIZE` elements is split along its largest
+dimension that the batch axis divides (the last such on a tie); smaller
+variables (biases, BatchNorm parameters, scalars, seed-generator states)
+and variables with no dimension that divides stay replicated, since
+splitting them saves little and costs a collective. Nothing is padded. The
+layout is a pure function of the variables' shapes, so the host (placing
+the state) and every compiled step (constraining it) agree on it. The
+split changes where numbers live, not what is computed: every mode gives
+the same steps as `"replicated"` up to float summation order.
+
+A global batch of any size goes on the mesh (`DeviceBatch`): the host pads
+its rows (repeating the last row) to a multiple of the batch axis's size,
+the only split `jax.device_put` accepts, and records the real row count as
+a static part of the batch. Inside a compiled step, `real_rows` cuts the
+padding off again, so the model, its loss, BatchNorm's batch statistics and
+the metrics all see exactly the real rows, split unevenly over the devices:
+XLA's SPMD partitioner masks the missing rows out of every reduction. No
+row is dropped, none is invented, and no model needs a mask.
 """
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -15,8 +52,18 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
 from keras_dp import distributed
+from keras_dp._messages import short_list
 
+# The batch axis of the mesh keras_dp makes (`make_mesh`).
 BATCH_AXIS = "batch"
+MODES = ("replicated", "optimizer", "full")
+# Below this many elements a variable stays replicated (16 KiB in float32).
+MIN_SPLIT_SIZE = 4096
+_SPLIT_GROUPS = {
+    "replicated": (),
+    "optimizer": ("optimizer", "metrics"),
+    "full": ("trainable", "non_trainable", "optimizer", "metrics"),
+}
 
 
 def make_mesh(devices=None, mesh=None):
@@ -97,182 +144,136 @@ def _users_mesh(mesh):
     return mesh
 
 
-def check_keras_distribution():
-    """Refuse a Keras distribution whose layout keras_dp would ignore.
-
-    keras_dp lays out every variable itself (replicated, or split as
-    `state_sharding` says) and splits each batch over its own mesh. Under
-    `keras.distribution.DataParallel` that is what Keras would do too; any
-    other distribution (`ModelParallel`'s sharded variables) would be
-    silently replaced by keras_dp's layout, so it is refused: when a trainer
-    is made, and again when it builds the model (first in `fit`, `evaluate`
-    and `predict`) or runs a step by hand, since a distribution set after
-    the trainer was made would lay out the variables the build creates and
-    add its own layout constraints to the step's trace.
+def check_mode(state_sharding):
+    """Return `state_sharding` if it is one of `MODES`.
 
     Raises:
-        ValueError: a distribution other than `DataParallel` is set.
+        ValueError: an unknown mode.
     """
-    import keras  # noqa: PLC0415  (keras_dp sets the backend before Keras loads)
-
-    current = keras.distribution.distribution()
-    if current is not None and not isinstance(current, keras.distribution.DataParallel):
+    if state_sharding not in MODES:
         raise ValueError(
-            "keras_dp trains with data parallelism only: it lays out every "
-            "variable itself (a full copy on every device, or split over them "
-            "by state_sharding) and ignores Keras layouts. "
-            f"Received: a {type(current).__name__} distribution, set with "
-            "keras.distribution.set_distribution() or entered with "
-            "`with distribution.scope():`. Call keras_dp outside that scope, "
-            "after keras.distribution.set_distribution(None) (a model created "
-            "under it trains as well), with state_sharding='full' if its "
-            "variables must be split over the devices to fit; or train a "
-            "model-parallel layout with Keras's own model.fit."
+            f"`state_sharding` must be one of {', '.join(map(repr, MODES))}. "
+            f"Received: state_sharding={state_sharding!r}."
         )
+    return state_sharding
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where a trainer's arrays live: `mesh`, its `batch_axis`, and the state's rule.
+
+    Batches split their rows over `batch_axis` and are replicated over the
+    mesh's other axes; state variables are replicated, or split over
+    `batch_axis` where `state_sharding` says (see the module doc).
+
+    Attributes:
+        mesh: a `jax.sharding.Mesh` of any number of named axes.
+        state_sharding: one of `MODES`.
+        batch_axis: the name of the axis each batch's rows split over.
+    """
+
+    mesh: Mesh
+    state_sharding: str = "replicated"
+    batch_axis: str = BATCH_AXIS
+
+    def __post_init__(self):
+        check_mode(self.state_sharding)
+        if self.batch_axis not in self.mesh.axis_names:
+            raise ValueError(
+                f"The batch axis {self.batch_axis!r} is not an axis of the mesh. "
+                f"Received: mesh.axis_names={self.mesh.axis_names}.")
+
+    @property
+    def batch_shards(self):
+        """How many parts each global batch splits into: the batch axis's size."""
+        return self.mesh.shape[self.batch_axis]
+
+    @property
+    def devices(self):
+        """The mesh's devices, in mesh order."""
+        return list(self.mesh.devices.flat)
+
+    @property
+    def on_cpu(self):
+        """Whether the mesh's devices are XLA:CPU's (simulated or not), not accelerators."""
+        return on_cpu(self.mesh)
+
+    @property
+    def spans_processes(self):
+        """Whether the mesh has devices of more than one process."""
+        return spans_processes(self.mesh)
+
+    @property
+    def replicated(self):
+        """The sharding that keeps a full copy of an array on every device."""
+        return replicated(self.mesh)
+
+    @property
+    def batch(self):
+        """The sharding that splits an array's leading axis over the batch axis."""
+        return NamedSharding(self.mesh, PartitionSpec(self.batch_axis))
+
+    @property
+    def stacked_batch(self):
+        """For `[steps, batch, ...]` stacks: steps whole, rows split over the batch axis."""
+        return NamedSharding(self.mesh, PartitionSpec(None, self.batch_axis))
+
+    def variable_sharding(self, shape, dtype, split=True):
+        """The `NamedSharding` of one variable (see the module doc).
+
+        Args:
+            shape, dtype: the variable's.
+            split: whether this variable's group is split in the current mode.
+        """
+        shards = self.batch_shards
+        # jnp's issubdtype, not numpy's: numpy counts no ml_dtypes type
+        # (bfloat16, float8_*) as floating, and a "bfloat16" model's weights
+        # would then all stay replicated.
+        if (not split or shards == 1 or not jnp.issubdtype(dtype, jnp.floating)
+                or int(np.prod(shape, dtype=np.int64)) < MIN_SPLIT_SIZE):
+            return self.replicated
+        candidates = [axis for axis, size in enumerate(shape) if size % shards == 0]
+        if not candidates:
+            return self.replicated
+        axis = max(candidates, key=lambda axis: (shape[axis], axis))
+        spec = [None] * len(shape)
+        spec[axis] = self.batch_axis
+        return NamedSharding(self.mesh, PartitionSpec(*spec))
+
+    def state_shardings(self, state):
+        """The sharding of every array of `state` (a `TrainState`).
+
+        `state`'s leaves need only `shape` and `dtype` (arrays, Keras
+        variables or `jax.ShapeDtypeStruct`s). Returns a `TrainState` of lists
+        of `NamedSharding`, in the same order; a `None` group stays `None`.
+        """
+        return type(state)(*(
+            None if values is None else self.group_shardings(values, name)
+            for name, values in zip(state._fields, state)
+        ))
+
+    def group_shardings(self, values, group):
+        """The shardings of one state group's arrays (`group`: "trainable", ...)."""
+        split = group in _SPLIT_GROUPS[self.state_sharding]
+        return [self.variable_sharding(v.shape, v.dtype, split) for v in values]
+
+    def gradient_shardings(self, trainable):
+        """Where the gradients of `trainable` go before the optimizer update.
+
+        Split like a weight of that shape would be in any mode but
+        `"replicated"` (None then: the gradients stay replicated, one
+        all-reduce). Constraining a gradient to a split layout leaves each
+        device the sum of its slice only: a reduce-scatter where XLA's
+        pipeline forms one (GPU), an all-reduce and a slice on XLA:CPU.
+        """
+        if self.state_sharding == "replicated":
+            return None
+        return [self.variable_sharding(v.shape, v.dtype, True) for v in trainable]
 
 
 def replicated(mesh):
-    """The sharding that keeps a full copy of an array on every device."""
+    """The sharding that keeps a full copy of an array on every device of `mesh`."""
     return NamedSharding(mesh, PartitionSpec())
-
-
-def batch_sharded(mesh):
-    """The sharding that splits an array's leading axis across `"batch"`."""
-    return NamedSharding(mesh, PartitionSpec(BATCH_AXIS))
-
-
-def stacked_batch_sharded(mesh):
-    """For `[steps, batch, ...]` stacks: steps whole, rows split over `"batch"`."""
-    return NamedSharding(mesh, PartitionSpec(None, BATCH_AXIS))
-
-
-def place(tree, mesh, shardings, same_on_every_process=False):
-    """Copy every array of `tree` onto `mesh`, laid out as `shardings`.
-
-    Each value is first copied where it lies (a `jax.Array` on its device,
-    with no trip through the host; a numpy array on the host): `jax.device_put`
-    may alias its argument's buffer, even with `may_alias=False`, and the
-    train step donates the state, so without the copy donation would delete
-    the Keras variables it came from.
-
-    When `mesh` spans several processes, every process gets process 0's
-    values (one broadcast, through the host), unless the caller vouches
-    that they are already the same everywhere (`same_on_every_process`,
-    for example metrics' reset values): then there is no broadcast.
-
-    Args:
-        tree: arrays (numpy, or `jax.Array`s anywhere).
-        mesh: the `"batch"` mesh.
-        shardings: one sharding for all, or a tree of shardings matching
-            `tree` (see `keras_dp.layout`).
-        same_on_every_process: the values are known to be equal in every
-            process, so no broadcast is needed.
-
-    Returns:
-        A tree of the same structure whose leaves are `jax.Array`s with
-        the given shardings.
-    """
-    if not spans_processes(mesh):
-        return jax.device_put(_fresh_copies(tree), shardings)
-    if not same_on_every_process:
-        # Each process places its own values on its own devices: take process
-        # 0's, so that replicas on different hosts can never start apart
-        # (different seeds, a callback run on one host).
-        from jax.experimental import multihost_utils
-
-        host = jax.tree.map(lambda value: np.array(value, copy=True), tree)
-        tree = multihost_utils.broadcast_one_to_all(host)
-    return _from_equal_values(tree, shardings)
-
-
-def _from_equal_values(tree, shardings):
-    """Global arrays from values equal on every process, each placing its own devices' parts.
-
-    `jax.device_put` would check that they are equal by gathering every
-    value from every process through the hosts (`multihost_utils.assert_equal`):
-    a blocking host collective per array, where the caller knows they are.
-    """
-    if isinstance(shardings, jax.sharding.Sharding):
-        shardings = jax.tree.map(lambda _: shardings, tree)
-
-    def put(value, sharding):
-        value = np.array(value, copy=True)
-        return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
-
-    return jax.tree.map(put, tree, shardings)
-
-
-def _fresh_copies(tree):
-    """`tree` with every array copied where it lies: numpy on the host, `jax.Array`s on device.
-
-    The `jax.Array`s are copied by one compiled program per sharding they
-    have (one for a model's variables, usually): `jnp.copy` on each would
-    compile a program per distinct shape, 13 for the guide's convnet and
-    its optimizer, each time a process starts.
-    """
-    leaves, treedef = jax.tree.flatten(tree)
-    by_sharding = {}
-    for index, value in enumerate(leaves):
-        if isinstance(value, jax.Array):
-            by_sharding.setdefault(value.sharding, []).append(index)
-        else:
-            leaves[index] = np.array(value, copy=True)
-    for indices in by_sharding.values():
-        copies = _copy_all([leaves[index] for index in indices])
-        for index, copy in zip(indices, copies):
-            leaves[index] = copy
-    return treedef.unflatten(leaves)
-
-
-# New buffers on the arrays' own devices (no donation: the inputs stay valid).
-_copy_all = jax.jit(lambda arrays: [jnp.copy(array) for array in arrays])
-
-
-def local_copy(array, like=None):
-    """A fresh single-device copy of a state array, made on the device.
-
-    A replicated array: copies one local shard on its device (no trip
-    through the host); a split one (`keras_dp.layout`) is gathered. Then
-    moves it to `like`'s sharding when `like` (the Keras variable's current
-    value) lies elsewhere. The result shares no buffer with `array`, so
-    donating `array` later leaves it intact. A numpy array is copied as it is.
-    """
-    return local_copies([array], [like])[0]
-
-
-def local_copies(arrays, likes):
-    """`local_copy(array, like)` of each pair, the replicated arrays in one compiled program.
-
-    What write-back copies: `jnp.copy` on each would compile a program per
-    distinct shape (13 for the convnet's state) in every process; one
-    program copies a device's shards together.
-    """
-    copies = [None] * len(arrays)
-    shards = {}  # position -> one local shard of a replicated array
-    for position, (array, like) in enumerate(zip(arrays, likes, strict=True)):
-        if not isinstance(array, jax.Array):
-            copies[position] = np.array(array, copy=True)
-        elif array.sharding.is_fully_replicated:
-            shards[position] = array.addressable_data(0)
-        else:  # split (`state_sharding`): gather it
-            copies[position] = _gathered_copy(array, like)
-    for position, copy in zip(shards, _fresh_copies(list(shards.values()))):
-        like = likes[position]
-        if isinstance(like, jax.Array) and like.sharding != copy.sharding:
-            copy = jax.device_put(copy, like.sharding)
-        copies[position] = copy
-    return copies
-
-
-def _gathered_copy(array, like):
-    """A whole single-device copy of a split array, gathered device to device."""
-    if not array.is_fully_addressable:  # split over processes: through the hosts
-        from jax.experimental import multihost_utils
-
-        return jnp.asarray(multihost_utils.process_allgather(array, tiled=True))
-    target = like.sharding if isinstance(like, jax.Array) else jax.sharding.SingleDeviceSharding(
-        array.addressable_shards[0].device)
-    return jnp.copy(jax.device_put(array, target))
 
 
 def spans_processes(mesh):
@@ -280,11 +281,203 @@ def spans_processes(mesh):
     return len({device.process_index for device in mesh.devices.flat}) > 1
 
 
-def num_devices(mesh):
-    """The number of devices along the `"batch"` axis."""
-    return mesh.shape[BATCH_AXIS]
-
-
 def on_cpu(mesh):
     """Whether the mesh's devices are XLA:CPU's (simulated or not), not accelerators."""
     return mesh.devices.flat[0].platform == "cpu"
+
+
+def constrain(tree, shardings):
+    """Inside a compiled step: `tree` laid out as `shardings` (None: as it is)."""
+    if shardings is None:
+        return tree
+    return jax.lax.with_sharding_constraint(tree, shardings)
+
+
+def bytes_per_device(array):
+    """The bytes one device holds of `array` (a `jax.Array`, or a `jax.ShapeDtypeStruct` with a sharding).
+
+    Exact for this module's layouts, which split a dimension only where
+    the batch axis divides it.
+    """
+    shard = array.sharding.shard_shape(array.shape)
+    return int(np.prod(shard, dtype=np.int64)) * np.dtype(array.dtype).itemsize
+
+
+# -- A global batch on the mesh ------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceBatch:
+    """A global batch on the mesh, its rows padded to split evenly.
+
+    Attributes:
+        data: the batch's tree of `jax.Array`s; each has `rows` real rows
+            followed by copies of the last one, up to the next multiple of
+            the batch axis's size, split over the batch axis.
+        rows: the number of real rows. It is static under `jax.jit`, so a
+            step compiles once per distinct row count and reuses that
+            program in every later epoch.
+        blocks: `None` when the real rows are the first `rows` rows (always
+            so on one process). Across processes, the batch is one block of
+            equal length per process, each its real rows then padding;
+            `blocks` is then the tuple of each block's real row count, in
+            mesh order, also static.
+    """
+
+    data: object
+    rows: int
+    blocks: tuple | None = None
+
+
+jax.tree_util.register_dataclass(
+    DeviceBatch, data_fields=["data"], meta_fields=["rows", "blocks"]
+)
+
+
+def check_device_batch(batch, caller="trainer.train_step"):
+    """Refuse a batch that is not on the mesh yet, naming the fix.
+
+    Raises:
+        TypeError: `batch` is not a `DeviceBatch`.
+    """
+    if not isinstance(batch, DeviceBatch):
+        raise TypeError(
+            f"{caller} takes a batch placed on the mesh (a keras_dp DeviceBatch). "
+            f"Received: batch of type {type(batch).__name__}. Place it first: "
+            f"{caller}(state, trainer.shard(batch)).")
+
+
+def batch_rows(batch):
+    """The number of rows of a batch, checking that every array agrees.
+
+    Raises:
+        ValueError: arrays with different leading sizes, or no arrays.
+    """
+    leaves = jax.tree.leaves(batch)
+    if not leaves:
+        raise ValueError("A batch holds no arrays. Each batch needs at least x.")
+    sizes = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in leaves}
+    if len(sizes) != 1 or None in sizes:
+        shapes = short_list([np.shape(leaf) for leaf in leaves])
+        raise ValueError(
+            "Every array of a batch must have the same number of rows (its "
+            f"first dimension). Received arrays of shapes {shapes}. Check "
+            "that x, y and sample_weight have one entry per sample."
+        )
+    return sizes.pop()
+
+
+def to_device(batch, layout):
+    """Place a host batch (any tree of arrays) on `layout`'s mesh, split by rows.
+
+    Returns:
+        A `DeviceBatch`. Padding repeats the last real row, so that the
+        padded rows are values the model already handles; they never reach
+        a result (see `real_rows`).
+
+    Raises:
+        ValueError: a batch without rows.
+    """
+    rows = batch_rows(batch)
+    if rows == 0:
+        raise ValueError(
+            "A batch with no rows cannot be placed: a step needs at least one "
+            "sample. Check the slice that made it (for example x[start:stop] "
+            "past the end of the data)."
+        )
+    batch = pad_rows(batch, padded_rows(rows, layout))
+    return DeviceBatch(jax.device_put(batch, layout.batch), rows)
+
+
+def to_device_stacked(batches, layout):
+    """Place K host batches of equal row count on `layout`'s mesh as one stack.
+
+    Returns:
+        A `DeviceBatch` whose arrays have shape `[K, padded_rows, ...]`,
+        sharded `PartitionSpec(None, batch_axis)`: every device holds its
+        rows of all K batches, for a multi-step program to scan over.
+    """
+    rows = batch_rows(batches[0])
+    if any(batch_rows(batch) != rows for batch in batches):
+        raise ValueError(f"Stacked batches must all have {rows} rows.")
+    padded = [pad_rows(batch, padded_rows(rows, layout)) for batch in batches]
+    stack = jax.tree.map(lambda *arrays: np.stack(arrays), *padded)
+    return DeviceBatch(jax.device_put(stack, layout.stacked_batch), rows)
+
+
+def padded_rows(rows, layout):
+    """The length of a placed batch of `rows` real rows: the next multiple of the batch shards."""
+    return rows + -rows % layout.batch_shards
+
+
+def pad_rows(batch, size):
+    """`batch` grown to `size` rows with copies of its last row."""
+    def pad(array):
+        extra = size - array.shape[0]
+        return np.concatenate([array, np.repeat(array[-1:], extra, axis=0)]) if extra else array
+
+    return jax.tree.map(pad, batch)
+
+
+def abstract_batch(data, rows, layout, steps=1, drop=1):
+    """The `DeviceBatch` of a call of `steps` batches of `rows` rows, as abstract arrays.
+
+    What `to_device` (`steps` 1) or `to_device_stacked` would make of
+    batches like `data`, whose first `drop` axes (its rows, after its
+    steps if stacked) are replaced by the call's: padded and split over
+    the mesh, in JAX's dtypes (int64 becomes int32 unless x64 is on), for
+    `jitted.lower` without placing anything.
+    """
+    lead, placed = (padded_rows(rows, layout),), layout.batch
+    if steps > 1:
+        lead, placed = (steps,) + lead, layout.stacked_batch
+
+    def like(array):
+        return jax.ShapeDtypeStruct(
+            lead + tuple(array.shape[drop:]), jax.dtypes.canonicalize_dtype(array.dtype),
+            sharding=placed, weak_type=getattr(array, "weak_type", False))
+
+    return DeviceBatch(jax.tree.map(like, data), rows)
+
+
+def real_rows(batch, layout):
+    """Inside a compiled step: the real rows of a `DeviceBatch`.
+
+    The padding is cut off and the rows stay split over the batch axis
+    (unevenly when they do not divide), so every computation that follows,
+    means and BatchNorm statistics included, is over exactly the real rows.
+    """
+    return jax.tree.map(
+        lambda array: jax.lax.with_sharding_constraint(_cut(array, batch), layout.batch),
+        batch.data,
+    )
+
+
+def _cut(array, batch):
+    if batch.blocks is None:
+        return array[: batch.rows]
+    # Static slices of each process's block, joined: the shapes stay static
+    # and XLA moves rows between devices where the blocks' padding differs.
+    size = array.shape[0] // len(batch.blocks)
+    parts = [array[i * size:i * size + real] for i, real in enumerate(batch.blocks) if real]
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+
+def restore_rows(array, batch):
+    """Inside a compiled step: the inverse of `real_rows` for an output.
+
+    Puts each real row back where its input row was, zeros in the padding,
+    so an output has the input batch's padded layout (for `predict`).
+    """
+    padded = jax.tree.leaves(batch.data)[0].shape[0]
+    tail = [(0, 0)] * (array.ndim - 1)
+    if batch.blocks is None:
+        return jnp.pad(array, [(0, padded - batch.rows)] + tail)
+    size = padded // len(batch.blocks)
+    parts, start = [], 0
+    for real in batch.blocks:
+        parts.append(jnp.pad(array[start:start + real], [(0, size - real)] + tail))
+        start += real
+    return jnp.concatenate(parts)
+
+

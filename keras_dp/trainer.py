@@ -1,45 +1,40 @@
-"""`ShardedTrainer`: one Keras model, one `"batch"` mesh, compiled steps.
+"""`ShardedTrainer`: one Keras model, one mesh, compiled steps; the composition root.
 
 Its parts are public so a user can run training by hand (`build`,
 `init_state`, `shard`, `train_step`, `write_back`), and `fit`, `evaluate`
 and `predict` run them the way `model.fit`, `model.evaluate` and
-`model.predict` do, with Keras's callbacks and progress bar. The route of a
-batch: `keras_dp.sources` makes host batches of the user's data,
-`keras_dp.core.placement` puts them on the mesh, `keras_dp.core.loop` runs the epochs,
-and `keras_dp.core.steps` holds the compiled programs.
+`model.predict` do, with Keras's callbacks and progress bar. The trainer
+wires the layers together and does little itself: `keras_dp.options`
+checks the arguments, `keras_dp.sharding` says where every array lives,
+`keras_dp.sources` reads the user's data as host batches,
+`keras_dp.keras.build` builds the model from them, `keras_dp.core` feeds
+them to the compiled programs and runs the loops, `keras_dp.checkpoint`
+saves and resumes, `keras_dp.diagnostics` plans and describes, and
+`keras_dp.multihost` holds what differs when the mesh spans processes.
+
+The route of a batch of arrays: `fit` (here) -> `keras_dp.core.loop.fit`
+-> its feed (`keras_dp.core.feed`: the source's rows, on the devices) ->
+`keras_dp.core.programs` -> the compiled step (`keras_dp.core.steps`, the
+batch cut by `keras_dp.sharding`), the state held between calls by
+`keras_dp.core.live`.
 
 The Keras model is the record of truth between calls; during `fit`, the
 device state is, and the model is updated from it whenever a callback looks,
 at the end of fit, and whenever `fit` exits by an exception or an interrupt.
 """
 
-
-from keras_dp import _compat
-from keras_dp.multihost import agreement
-from keras_dp.keras import build as build_lib
-from keras_dp.keras import callbacks as callbacks_lib
-from keras_dp.checkpoint import store as checkpoint_lib
-from keras_dp.diagnostics import compilation_cache as compilation_cache_lib
-from keras_dp.diagnostics import describe as describe_lib
-from keras_dp import distributed
-from keras_dp.core import inflight
-from keras_dp import layout
-from keras_dp.core import evaluate as inference
-from keras_dp.checks import labels as labels_lib
+from keras_dp import diagnostics
+from keras_dp import options
+from keras_dp import prepare
+from keras_dp import sharding
+from keras_dp import sources
+from keras_dp.checkpoint import store as checkpoint
+from keras_dp.core import evaluate as evaluate_lib
 from keras_dp.core import loop
-from keras_dp.diagnostics import memory as memory_lib
-from keras_dp import sharding as mesh_lib
-from keras_dp.checks import model as model_checks
-from keras_dp.multihost import peers
-from keras_dp import sources as pipeline
-from keras_dp.core import placement as placement_lib
 from keras_dp.core import programs as programs_lib
-from keras_dp.core import feed as resident
 from keras_dp.core import state as state_lib
-from keras_dp.core import steps as steps_lib
-from keras_dp.core.state import TrainState
-from keras_dp.core.state import model_weights
-from keras_dp.core.state import write_back
+from keras_dp.keras import build as build_lib
+from keras_dp.multihost import hosts as hosts_lib
 
 
 class ShardedTrainer:
@@ -55,7 +50,8 @@ class ShardedTrainer:
             its losses come from `add_loss`); to predict, neither.
         mesh: a 1-D `jax.sharding.Mesh` or `keras.distribution.DeviceMesh`;
             its one axis, whatever its name, splits the batch (see
-            `keras_dp.make_mesh`; `trainer.mesh` names it `"batch"`).
+            `keras_dp.make_mesh`; `trainer.mesh` names it `"batch"`, and
+            `trainer.layout` says where every array lives on it).
         devices: the devices to train on (default: all of JAX's devices).
             Use either `mesh` or `devices`.
         seed: seed of the per-epoch shuffle of array data.
@@ -78,7 +74,7 @@ class ShardedTrainer:
             is dispatched, with 2 one runs while the next is queued.
             Defaults to 1 on CPU (several queued cross-device all-reduces
             can deadlock XLA:CPU's thread pool) and 2 elsewhere.
-        state_sharding: where the training state lives (`keras_dp.layout`):
+        state_sharding: where the training state lives (`keras_dp.sharding`):
             `"replicated"` (default; a full copy on every device),
             `"optimizer"` (optimizer slots and metrics split over the
             devices, each device updating its slice, ZeRO-1/2) or `"full"`
@@ -114,6 +110,8 @@ class ShardedTrainer:
             (chosen by each fit, from `keep_last_good`).
         programs: the jitted programs the loops call, for one step and for
             K steps of each kind (`keras_dp.core.programs.Programs`).
+        layout: where every array lives (`keras_dp.sharding.Layout`).
+        hosts: what differs across processes (`keras_dp.multihost.hosts`).
 
     Raises:
         TypeError: `model` is not a `keras.Model`.
@@ -130,84 +128,49 @@ class ShardedTrainer:
                  devices=None, seed=0, steps_per_execution=None, unroll=None,
                  prefetch=2, steps_in_flight=None, state_sharding="replicated",
                  data_on_device="auto", keep_last_good="auto", compilation_cache=True):
-        model_checks.check_model(model)
-        mesh_lib.check_keras_distribution()
-        self.compilation_cache_dir = compilation_cache_lib.enable(compilation_cache)
+        self.builder = build_lib.Builder(model)  # refuses what keras_dp cannot train
+        build_lib.check_keras_distribution()
+        self.compilation_cache_dir = diagnostics.compilation_cache.enable(compilation_cache)
         build_lib.compile_model(model, optimizer, loss, metrics)
         self.model = model
-        self._builder = build_lib.Builder(model)
-        self.mesh = mesh_lib.make_mesh(devices, mesh)
-        self.state_sharding = layout.check_mode(state_sharding)
-        self.seed = pipeline.check_count("seed", seed, 0)
-        prefetch = pipeline.check_count("prefetch", prefetch, 0)
+        self.mesh = sharding.make_mesh(devices, mesh)
+        self.layout = sharding.Layout(self.mesh, sharding.check_mode(state_sharding))
+        self.state_sharding = self.layout.state_sharding
+        self.seed = options.check_count("seed", seed, 0)
+        prefetch = options.check_count("prefetch", prefetch, 0)
         self.timings = []
-        self.steps_in_flight = inflight.bound(steps_in_flight, mesh_lib.on_cpu(self.mesh))
-        self.steps_per_execution = pipeline.steps_per_execution(model, steps_per_execution)
-        self.placement = placement_lib.make_placement(self.mesh, prefetch)
-        self.data_on_device = resident.check_option(data_on_device, self.placement.multiprocess)
-        self.keep_last_good = pipeline.check_auto("keep_last_good", keep_last_good)
-        if unroll is None:
-            unroll = self.steps_per_execution if mesh_lib.on_cpu(self.mesh) else 1
-        elif isinstance(unroll, bool):  # as in jax.lax.scan: all K steps, or one
-            unroll = self.steps_per_execution if unroll else 1
-        self.unroll = pipeline.check_count("unroll", unroll, 0)
-        mode = self.state_sharding
-        self._train_programs = {}  # donate -> the four train programs
-        self.programs = programs_lib.Programs(
-            *[None] * len(programs_lib.TRAIN_PROGRAMS),  # set just below
-            steps_lib.make_test_step(model, self.mesh, state_sharding=mode),
-            steps_lib.make_multi_test_step(model, self.mesh, unroll=self.unroll,
-                                           state_sharding=mode),
-            steps_lib.make_predict_step(model, self.mesh, state_sharding=mode),
-            steps_lib.make_multi_predict_step(model, self.mesh, unroll=self.unroll,
-                                              state_sharding=mode))
-        self._use_train_programs(donate=self.keep_last_good is not True)
+        self.steps_in_flight = options.steps_in_flight(steps_in_flight, self.layout.on_cpu)
+        self.steps_per_execution = options.steps_per_execution(model, steps_per_execution)
+        self.hosts = hosts_lib.hosts_for(self.layout, prefetch)
+        self.data_on_device = options.data_on_device(data_on_device, self.hosts.whole_data)
+        self.keep_last_good = options.check_auto("keep_last_good", keep_last_good)
+        self.unroll = options.unroll(unroll, self.steps_per_execution, self.layout.on_cpu)
+        self.programs = programs_lib.Programs(model, self.layout, unroll=self.unroll,
+                                              donate=self.keep_last_good is not True)
 
-    def _use_train_programs(self, donate):
-        """Train with the programs that donate their state, or keep it."""
-        self.programs = self.programs._replace(**self._train_programs_for(donate))
-        self.keeps_last_good = not donate
-
-    def _train_programs_for(self, donate):
-        """The four train programs that donate their state, or keep it, by name; each made once."""
-        if donate not in self._train_programs:
-            model, mesh, unroll, mode = self.model, self.mesh, self.unroll, self.state_sharding
-            self._train_programs[donate] = dict(zip(programs_lib.TRAIN_PROGRAMS, (
-                steps_lib.make_train_step(model, mesh, state_sharding=mode, donate=donate),
-                steps_lib.make_multi_train_step(model, mesh, unroll=unroll, state_sharding=mode,
-                                                donate=donate),
-                *resident.make_steps(model, mesh, unroll=unroll, state_sharding=mode,
-                                     donate=donate)), strict=True))
-        return self._train_programs[donate]
+    @property
+    def keeps_last_good(self):
+        """Whether the train programs keep their input state (chosen by each fit)."""
+        return not self.programs.donates
 
     @property
     def num_devices(self):
-        """The number of devices each global batch is split over."""
-        return mesh_lib.num_devices(self.mesh)
+        """The number of parts each global batch is split into (the batch axis's devices)."""
+        return self.layout.batch_shards
 
     @property
     def multiprocess(self):
         """Whether the mesh spans several processes."""
-        return self.placement.multiprocess
-
-    @property
-    def reads_collectively(self):
-        """Whether reading the state into the model gathers it from every process.
-
-        True when the state is split (`state_sharding` other than
-        "replicated") across processes: every process must then take part
-        in each read.
-        """
-        return self.multiprocess and self.state_sharding != "replicated"
+        return self.layout.spans_processes
 
     # -- The parts, for training by hand ------------------------------------
 
     def build(self, batch, for_training=True):
         """Build the model, its loss, metrics and optimizer from a host batch.
 
-        As `model.fit` builds it (`keras_dp.keras.build.build`), with or without
-        labels; `for_training=False` builds the layers only (enough to
-        predict, for an uncompiled model too).
+        As `model.fit` builds it (`keras_dp.keras.build.build`), with or
+        without labels; `for_training=False` builds the layers only (enough
+        to predict, for an uncompiled model too).
 
         Also checks, before anything is compiled, that the labels fit the
         model's output under its loss.
@@ -216,26 +179,26 @@ class ShardedTrainer:
             ValueError: the model cannot be built on `x`, or the labels do
                 not fit its output; or a Keras distribution other than
                 `DataParallel` was set since the trainer was made
-                (`keras_dp.sharding.check_keras_distribution`; `fit`, `evaluate`
-                and `predict` build first, so they refuse it too).
+                (`keras_dp.keras.build.check_keras_distribution`; `fit`,
+                `evaluate` and `predict` build first, so they refuse it too).
         """
-        mesh_lib.check_keras_distribution()
-        self._builder.build(pipeline.unpack(batch), for_training)
+        build_lib.check_keras_distribution()
+        self.builder.build(sources.unpack(batch), for_training)
 
     def init_state(self):
         """Return the model's current variables as a `TrainState` on the mesh.
 
         Laid out as `state_sharding` says: each array replicated, or split
-        over `"batch"` (`keras_dp.layout`; `describe()` shows which).
+        over the batch axis (`keras_dp.sharding`; `describe()` shows which).
 
         Raises:
             ValueError: the model, its metrics or optimizer are not built,
                 or a layer's `trainable` changed since the optimizer was
                 built (`keras_dp.checks.model.check_trainable_unchanged`).
         """
-        self._require_built("The training state")
-        model_checks.check_trainable_unchanged(self.model)
-        return TrainState.from_model(self.model, self.mesh, self.state_layout())
+        self.builder.require_built("The training state")
+        self.builder.check_trainable_unchanged()
+        return state_lib.TrainState.from_model(self.model, self.mesh, self.state_layout())
 
     def state_layout(self):
         """The sharding of every state variable, as a `TrainState` of lists.
@@ -244,40 +207,18 @@ class ShardedTrainer:
             ValueError: the model, its metrics or optimizer are not built
                 (their variables do not exist yet; call `build` first).
         """
-        self._require_built("The state layout")
-        return layout.state_shardings(
-            TrainState.variables_of(self.model), self.mesh, self.state_sharding)
-
-    def _require_built(self, what):
-        """Refuse to read the state of a model not built for training, naming the fix."""
-        if not build_lib.is_built(self.model) and _compat.state_sync_shadowed(self.model):
-            raise ValueError(
-                "The model was compiled again during fit (a callback called "
-                "model.compile): its new optimizer, loss and metrics are not built, "
-                "and the fit's compiled step holds the old ones. Keras's model.fit "
-                "fails on this too (\"'NoneType' object is not callable\"). Compile "
-                "between fits instead: fit(..., epochs=k), then model.compile(...), "
-                "then fit(..., initial_epoch=k, epochs=n)."
-            )
-        if not build_lib.is_built(self.model):
-            missing = ("its optimizer, loss or metrics are" if self.model.built
-                       else "the model is")
-            raise ValueError(
-                f"{what} cannot be read yet: {missing} not built. Call "
-                "trainer.build(batch) with one batch of data first (fit does this "
-                "for you); it builds the layers, loss, metrics and optimizer, as "
-                "model.fit does (model.build(input_shape) builds the layers only)."
-            )
+        self.builder.require_built("The state layout")
+        return self.layout.state_shardings(state_lib.TrainState.variables_of(self.model))
 
     def shard(self, batch):
         """Put a host batch `(x, y[, sample_weight])` on the mesh, split by rows.
 
-        Returns a `placement.DeviceBatch`. Across processes, `batch` is this
+        Returns a `sharding.DeviceBatch`. Across processes, `batch` is this
         process's part of the global batch, and every process must call
         `shard` for the same step (it exchanges the row counts: one host
         round trip; `fit` agrees on a whole epoch's counts at once).
         """
-        return self.placement.shard(pipeline.unpack(batch))
+        return self.hosts.shard(sources.unpack(batch))
 
     def train_step(self, state, batch):
         """Run one compiled step on a sharded batch: `(state, logs)`.
@@ -294,11 +235,11 @@ class ShardedTrainer:
                 batch has no labels and the model's loss needs them, or a
                 Keras distribution other than `DataParallel` is active.
         """
-        mesh_lib.check_keras_distribution()
+        build_lib.check_keras_distribution()
         state_lib.check_usable(state, "trainer.train_step")
-        steps_lib.check_device_batch(batch)
+        sharding.check_device_batch(batch)
         if batch.data[1] is None:  # no labels: refused as `build` refuses them, if needed
-            self._builder.build(batch.data)
+            self.builder.build(batch.data)
         return self.programs.train_step(state, batch)
 
     def reset_metrics(self, state):
@@ -317,62 +258,28 @@ class ShardedTrainer:
             TypeError, ValueError: as `train_step`, for `state`.
         """
         state_lib.check_usable(state, "trainer.write_back")
-        write_back(state, self.model)
+        state_lib.write_back(state, self.model)
 
     def memory_plan(self, x, y=None, *, batch_size=32, sample_weight=None,
                     data_on_device=False):
         """Bytes per device of the state and of one train step, before running.
 
-        Args:
-            x, y, sample_weight: a few rows of the training data as arrays
-                (any number: they are repeated or cut to `batch_size`), for
-                their shapes; or, with `data_on_device`, all of it. Read as
-                `fit` reads them: a tuple `x` without `y` is `(x, y[,
-                sample_weight])` unless it is the model's inputs
-                (`keras_dp.sources.model_inputs`).
-            batch_size: the global batch to plan for.
-            data_on_device: False (the default): plan the step fed from
-                the host. True or "auto" (as `ShardedTrainer`'s): `x`, `y`
-                and `sample_weight` are the whole training data, and when
-                a fit with that setting keeps them on the devices, the plan
-                is of its step over the resident data (whose arguments then
-                include the data, every device holding all of it).
-
-        Returns:
-            A `keras_dp.diagnostics.memory.MemoryPlan` (print it for a summary), of the
-            step a fit would run. On XLA:CPU that is the one
-            `keep_last_good` picks, and a fit on batches of this size
-            finds it compiled; on accelerators it is the step that donates
-            its state, whose plan a fit reads to choose.
+        As `keras_dp.memory_plan` (which says what each argument means), for
+        this trainer's model, mesh and settings: a
+        `keras_dp.diagnostics.memory.MemoryPlan` of the step a fit on this
+        data would run.
 
         Raises:
-            ValueError: `data_on_device=True` and data a fit could not
-                keep on the devices (see `keras_dp.core.feed`); data that
-                is not arrays (a dataset, a list of batches).
+            ValueError: as `keras_dp.memory_plan`.
         """
-        data_on_device = resident.check_option(data_on_device, self.multiprocess)
-        x = pipeline.model_inputs(x, y, self.model)  # read as fit reads it
-        memory_lib.check_arrays(x, y)
-        batch = memory_lib.batch_of(pipeline.checked_arrays(x, y, sample_weight), batch_size)
-        self.build(batch)
-        on_cpu = mesh_lib.on_cpu(self.mesh)  # the choice needs no plan there
-        host_plan = None if on_cpu else memory_lib.plan(self, batch)
-        programs = self._train_programs_for(
-            not on_cpu or not memory_lib.keep_last_good(self, host_plan))
-        if data_on_device is not False:
-            batches = self._batches(x, y, sample_weight, batch_size, False)
-            keep, why_not = resident.decide(self, batches, host_plan, data_on_device)
-            if keep:
-                return memory_lib.plan(self, batch, programs["resident_step"],
-                                       resident.abstract_arguments(batches, self.mesh))
-            if data_on_device is True:
-                raise resident.refusal(why_not)
-        return host_plan or memory_lib.plan(self, batch, programs["train_step"])
+        return diagnostics.memory.plan_of_fit(self, x, y, batch_size=batch_size,
+                                              sample_weight=sample_weight,
+                                              data_on_device=data_on_device)
 
     def compiled_train_step(self, state, batch):
         """The train step compiled for these arguments (`.as_text()` is HLO)."""
-        mesh_lib.check_keras_distribution()
-        steps_lib.check_device_batch(batch, "trainer.compiled_train_step")
+        build_lib.check_keras_distribution()
+        sharding.check_device_batch(batch, "trainer.compiled_train_step")
         return self.programs.train_step.lower(state, batch).compile()
 
     def describe(self, batch=None, x=None, y=None, sample_weight=None):
@@ -396,21 +303,7 @@ class ShardedTrainer:
         Returns:
             A multi-line string.
         """
-        state = (TrainState.abstract_of(self.model, self.state_layout())
-                 if build_lib.is_built(self.model) else None)
-        device_batch = None if batch is None else self.shard(batch)
-        hosts = distributed.host_names() if self.multiprocess else None
-        text = describe_lib.describe(self.mesh, state, device_batch, hosts,
-                                     self.steps_per_execution)
-        if x is None:
-            return text
-        batches = self._batches(pipeline.model_inputs(x, y, self.model), y, sample_weight,
-                                None, False)
-        keep, why_not = resident.decide(self, batches)
-        rows = getattr(batches, "num_samples", None)
-        nbytes = resident.data_bytes(batches.arrays) if hasattr(batches, "arrays") else 0
-        return text + "\n" + describe_lib.data_line(rows, nbytes, self.num_devices, keep,
-                                                     why_not)
+        return diagnostics.describe.describe_trainer(self, batch, x, y, sample_weight)
 
     # -- The Keras-shaped loops ----------------------------------------------
 
@@ -460,7 +353,7 @@ class ShardedTrainer:
             validation_freq: validate every this many epochs (an int), or
                 after the listed epochs (1-based, as in Keras).
             checkpoint_dir: save the whole training state there (see
-                `keras_dp.checkpoint.store`) after every epoch, and when SIGTERM
+                `keras_dp.checkpoint`) after every epoch, and when SIGTERM
                 arrives: then at the next step boundary, after which the
                 process exits with status 143. If the directory holds a
                 checkpoint, training resumes from it (its epoch and step
@@ -487,91 +380,50 @@ class ShardedTrainer:
         """
         # Across processes, every process's preparation and settings are
         # checked against the others' before anything waits on them.
-        with agreement.preparing(self.placement) as settings:
+        with self.hosts.preparing() as settings:
             # A bad path fails first. Processes agree on the absolute path:
             # a relative one names another directory in another working directory.
-            checkpoint_dir = checkpoint_lib.check_dir(checkpoint_dir, "checkpoint_dir")
-            checkpoint_lib.check_dir(profile_dir, "profile_dir")
-            callbacks_lib.check_one_restore(callbacks, checkpoint_dir)
-            epochs = pipeline.check_count("epochs", epochs)
-            initial_epoch = pipeline.check_count("initial_epoch", initial_epoch, 0)
-            checkpoints_to_keep = pipeline.check_count(
+            checkpoint_dir = options.check_dir(checkpoint_dir, "checkpoint_dir")
+            options.check_dir(profile_dir, "profile_dir")
+            options.check_one_restore(callbacks, checkpoint_dir)
+            epochs = options.check_count("epochs", epochs)
+            initial_epoch = options.check_count("initial_epoch", initial_epoch, 0)
+            checkpoints_to_keep = options.check_count(
                 "checkpoints_to_keep", checkpoints_to_keep, 1)
-            x = pipeline.model_inputs(x, y, self.model)
-            if validation_split:
-                (x, y, sample_weight), validation_data = pipeline.split_validation(
-                    x, y, sample_weight, validation_split, validation_data)
-            model_checks.require_compiled(self.model, "fit")
-            batches = self._batches(x, y, sample_weight, batch_size, shuffle, class_weight,
-                                    keras_peeks=build_lib.keras_reads_a_batch_to_build(self.model),
-                                    what=pipeline.TRAINING)
-            if steps_per_epoch is not None:
-                batches = pipeline.StepsPerEpoch(batches, steps_per_epoch,
-                                                 epochs - initial_epoch)
-            pipeline.check_ends(batches, "x", "steps_per_epoch")
-            with pipeline.naming_list_reading(x, y):
-                self.build(batches.peek())
-            model_checks.check_trainable_unchanged(self.model)
-            self._use_train_programs(donate=self.keep_last_good is not True)
-            plan = None
-            if not mesh_lib.on_cpu(self.mesh):  # accelerators report capacity
-                plan = memory_lib.plan(self, batches.peek())
-                memory_lib.check_fits(plan)
-            val = None
-            if validation_data is not None:
-                validation_data, val_batch_size = pipeline.validation_source(
-                    validation_data, batch_size, validation_batch_size, self.model)
-                val = self._batches(validation_data, None, None, val_batch_size, False,
-                                    steps=validation_steps, keras_peeks=False,
-                                    keras_resets="each pass",
-                                    what=pipeline.VALIDATION)
-                pipeline.check_ends(val, "validation_data", "validation_steps")
-                # Bad validation labels fail now, not after epoch 1.
-                self._builder.build(pipeline.unpack(val.peek()), data="the validation data")
-            callbacks_lib.check_validation_freq(validation_freq)
-            pipeline.check_one_pass(batches, epochs - initial_epoch, "x",
-                                    f"epochs={epochs}, initial_epoch={initial_epoch}")
-            if val is not None:
-                validations = callbacks_lib.validations(range(initial_epoch, epochs),
-                                                        validation_freq)
-                pipeline.check_one_pass(val, validations, "validation_data",
-                                        f"epochs={epochs}, validation_freq={validation_freq!r}")
-            labels_lib.check_data(self.model, (batches, "the training data"),
-                                  (val, "the validation data"))
-            settings += agreement.settings(
-                self, batches, batch_size=batch_size, epochs=epochs,
-                initial_epoch=initial_epoch, shuffle=shuffle, validation=val,
-                validation_batch_size=validation_batch_size,
-                validation_steps=validation_steps, validation_freq=validation_freq,
-                steps_per_epoch=steps_per_epoch, checkpoint_dir=checkpoint_dir,
-                checkpoints_to_keep=checkpoints_to_keep)
+            plan = dict(batch_size=batch_size, shuffle=shuffle, epochs=epochs,
+                        initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
+                        validation_batch_size=validation_batch_size,
+                        validation_steps=validation_steps, validation_freq=validation_freq)
+            data = prepare.fit_data(self, x, y, sample_weight, class_weight=class_weight,
+                                    validation_split=validation_split,
+                                    validation_data=validation_data, **plan)
+            settings += self.hosts.fit_settings(
+                self, data.batches, validation=data.validation, checkpoint_dir=checkpoint_dir,
+                checkpoints_to_keep=checkpoints_to_keep, **plan)
         # An error on one process stops all, opening the checkpoints included
         # (only process 0 takes the directory's lock, say).
-        with peers.watch(self.placement):
-            checkpoints, resume = checkpoint_lib.open_for_fit(
-                checkpoint_dir, self.model, self.seed, self.multiprocess, initial_epoch,
-                steps_per_epoch, source=getattr(batches, "resumable", None),
-                plan=checkpoint_lib.plan_of(batches, shuffle, self.multiprocess),
+        with self.hosts.watch():
+            checkpoints, resume = checkpoint.open_for_fit(
+                checkpoint_dir, self.model, self.seed, initial_epoch, steps_per_epoch,
+                source=data.batches.resumable,
+                plan=checkpoint.plan_lib.plan_of(data.batches, shuffle,
+                                                 shares=not self.hosts.whole_data),
                 max_to_keep=checkpoints_to_keep,
-                topology=checkpoint_lib.topology_of(self.mesh, batches))
-            with checkpoint_lib.closing(checkpoints):  # its lock goes, whatever fails
+                topology=checkpoint.plan_lib.topology_of(self.mesh, data.batches))
+            with checkpoint.closing(checkpoints):  # its lock goes, whatever fails
                 note = checkpoints and checkpoints.resume_note(epochs)
-                if note and verbose != 0 and distributed.is_primary():
+                if note and verbose != 0 and self.hosts.primary:
                     print(note, flush=True)
-                # Process 0 writes the callbacks' files; with a state split across
-                # processes, every process takes part in their reads of the model.
-                callbacks = callbacks_lib.callback_list(
-                    callbacks, self.model, verbose, epochs=epochs, steps=batches.steps,
-                    collective_reads=self.reads_collectively,
+                return loop.fit(
+                    self, data.batches, data.validation, callbacks, verbose=verbose,
+                    epochs=epochs, resume=resume, validation_freq=validation_freq,
+                    checkpoints=checkpoints, plan=data.plan, profile_dir=profile_dir,
+                    peak_flops_per_s=diagnostics.timing.peak_flops_per_s(self.mesh, self.model),
                 )
-                feed = resident.make_feed(self, batches, plan)  # first: its data takes memory
-                self._use_train_programs(donate=not memory_lib.keep_last_good(self, plan))
-                with callbacks_lib.announced_on_process_0(callbacks):
-                    return loop.fit(
-                        self, batches, val, callbacks, epochs=epochs, resume=resume,
-                        validation_freq=validation_freq, checkpoints=checkpoints,
-                        feed=feed, profile_dir=profile_dir,
-                    )
+
+    def use_feed(self, batches, plan=None):
+        """The feed of a fit on `batches`, its train programs' donation chosen (`prepare.feed_of`)."""
+        return prepare.feed_of(self, batches, plan)
 
     def evaluate(self, x=None, y=None, *, batch_size=None, verbose="auto",
                  sample_weight=None, steps=None, callbacks=None, return_dict=False):
@@ -585,30 +437,12 @@ class ShardedTrainer:
             order of `model.metrics_names`, or with `return_dict` a dict
             by name in sorted order (as Keras's logs are).
         """
-        with agreement.preparing(self.placement, "evaluate") as settings:
-            model_checks.require_compiled(self.model, "evaluate")
-            x = pipeline.model_inputs(x, y, self.model)
-            batches = self._batches(
-                x, y, sample_weight, batch_size, False, steps=steps,
-                keras_peeks=build_lib.keras_reads_a_batch_to_build(self.model))
-            pipeline.check_ends(batches, "x", "steps")
-            with pipeline.naming_list_reading(x, y):
-                self.build(batches.peek())
-            settings += agreement.inference_settings(self, batches, batch_size=batch_size,
-                                                     steps=steps)
-        callbacks = callbacks_lib.callback_list(callbacks, self.model, verbose, history=False,
-                                               epochs=1, steps=batches.steps)
-        # As model.evaluate does: the model keeps what the test steps left,
-        # given to it before on_test_end, so what a callback changes there stays.
-        keep = lambda non_trainable, metrics: write_back(  # noqa: E731
-            TrainState(None, non_trainable, None, metrics), self.model)
-        with peers.watch(self.placement, "evaluate"):
-            logs = inference.evaluate(  # read after on_test_begin
-                self, lambda: model_weights(self.model, self.mesh, self.state_layout()),
-                batches, callbacks, keep)
-        if return_dict:
-            return dict(sorted(logs.items()))
-        return callbacks_lib.in_evaluate_order(logs, self.model)
+        with self.hosts.preparing("evaluate") as settings:
+            batches = prepare.inference_data(self, x, y, sample_weight, batch_size=batch_size,
+                                             steps=steps, call="evaluate")
+            settings += self.hosts.inference_settings(self, batches, batch_size=batch_size,
+                                                      steps=steps)
+        return evaluate_lib.evaluate_call(self, batches, callbacks, verbose, return_dict)
 
     def predict(self, x, *, batch_size=None, verbose="auto", steps=None, callbacks=None):
         """Return the model's outputs for every row of `x`, in order.
@@ -622,46 +456,25 @@ class ShardedTrainer:
             Numpy arrays with the structure of the model's outputs and
             exactly one row per input row.
         """
-        with agreement.preparing(self.placement, "predict") as settings:
-            x = pipeline.predict_inputs(x, self.model)
-            batches = self._batches(
-                x, None, None, batch_size, False, steps=steps, keras_resets=False,
-                keras_peeks=build_lib.keras_reads_a_batch_to_build(self.model, for_training=False))
-            pipeline.check_ends(batches, "x", "steps")
-            with pipeline.naming_list_reading(x):
-                self.build(batches.peek(), for_training=False)
-            settings += agreement.inference_settings(self, batches, batch_size=batch_size,
-                                                     steps=steps)
-        callbacks = callbacks_lib.callback_list(callbacks, self.model, verbose, history=False,
-                                               epochs=1, steps=batches.steps)
-        shardings = layout.state_shardings(TrainState(
-            self.model.trainable_variables, self.model.non_trainable_variables, None, None,
-        ), self.mesh, self.state_sharding)
-        with peers.watch(self.placement, "predict"):
-            outputs, non_trainable = inference.predict(  # read after on_predict_begin
-                self, lambda: model_weights(self.model, self.mesh, shardings), batches,
-                callbacks)
-        # As model.predict does: the model keeps what the predict steps left
-        # (a SeedGenerator's state). The model may have no optimizer here.
-        write_back(TrainState(None, non_trainable, None, None), self.model,
-                   TrainState(None, self.model.non_trainable_variables, None, None))
-        return outputs
+        with self.hosts.preparing("predict") as settings:
+            batches = prepare.inference_data(self, x, None, None, batch_size=batch_size,
+                                             steps=steps, call="predict")
+            settings += self.hosts.inference_settings(self, batches, batch_size=batch_size,
+                                                      steps=steps)
+        return evaluate_lib.predict_call(self, batches, callbacks, verbose)
 
-    def _batches(self, x, y, sample_weight, batch_size, shuffle, class_weight=None,
+    def batches_of(self, x, y, sample_weight, batch_size, shuffle, class_weight=None,
                  steps=None, keras_peeks=True, keras_resets=True, what="The data"):
-        """`x` as `Batches` (`pipeline.make_batches`), cut to `steps`.
+        """`x` as a `Source` (`sources.make_batches`), cut to `steps`.
 
         `keras_peeks`, `keras_resets` and `what` are `make_batches`'s;
         `batch_size` is global: each process reads its share of it.
         """
         if batch_size is not None:
             # `batch_size` is global; each process slices its part of it.
-            batch_size = pipeline.check_count("batch_size", batch_size, 1)
-            batch_size = self.placement.local_batch_size(batch_size)
-        batches = pipeline.make_batches(
-            x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
-            seed=self.seed, class_weight=class_weight, what=what, keras_peeks=keras_peeks,
-            keras_resets=keras_resets,
-        )
-        return batches if steps is None else pipeline.FirstSteps(batches, steps)
-
+            batch_size = options.check_count("batch_size", batch_size, 1)
+            batch_size = self.hosts.local_batch_size(batch_size)
+        return sources.make_batches(
+            x, y, sample_weight, batch_size=batch_size, shuffle=shuffle, seed=self.seed,
+            class_weight=class_weight, what=what, keras_peeks=keras_peeks,
+            keras_resets=keras_resets, steps=steps)

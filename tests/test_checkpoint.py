@@ -920,7 +920,7 @@ def test_the_preemption_sync_step_ids_keep_growing_across_fits(monkeypatch):
     # given) could lie beyond a shorter next fit, which then never saw it.
     from jax.experimental import multihost_utils
 
-    from keras_dp.checkpoint import preemption
+    from keras_dp.multihost import hosts as preemption
 
     given = []
     monkeypatch.setattr(preemption, "_preemption_service_enabled", lambda: True)

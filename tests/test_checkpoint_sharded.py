@@ -9,8 +9,7 @@ import pytest
 
 import keras_dp
 from keras_dp.checkpoint import store as checkpoint_lib
-from keras_dp import layout
-from keras_dp import sharding as mesh_lib
+from keras_dp import sharding
 from conftest import devices
 from conftest import mlp
 
@@ -46,7 +45,7 @@ def model_values(model):
 
 
 def restore(directory, model, mesh, mode):
-    shardings = layout.state_shardings(keras_dp.TrainState.variables_of(model), mesh, mode)
+    shardings = sharding.Layout(mesh, mode).state_shardings(keras_dp.TrainState.variables_of(model))
     checkpoints = checkpoint_lib.Checkpoints(directory, lock=False)
     try:
         return checkpoints.restore_state(checkpoint_lib.abstract_state(model, shardings), seed=0)
@@ -66,11 +65,11 @@ def test_a_full_state_is_saved_split_and_restores_bitwise_onto_2_devices_either_
     arrays = jax.tree.leaves(tree["state"])
     total = sum(a.nbytes for a in arrays)
     # Device 0 holds a quarter of the big arrays and the small ones whole.
-    assert sum(layout.bytes_per_device(a) for a in arrays) < 0.3 * total
+    assert sum(sharding.bytes_per_device(a) for a in arrays) < 0.3 * total
     # The model holds the saved state (fit wrote it back at its end).
     saved = model_values(model)
     for mode in ("replicated", "full"):
-        mesh = mesh_lib.make_mesh(devices(2))
+        mesh = sharding.make_mesh(devices(2))
         state, position = restore(tmp_path, model, mesh, mode)  # its shapes only
         assert position == checkpoint_lib.Position(1, 0)
         restored = jax.tree.leaves(state)
@@ -92,7 +91,7 @@ def test_a_callback_that_changed_the_model_is_saved_not_the_stale_live_state(
     model = mlp()
     fit(model, data, checkpoint_dir=tmp_path, devices=devices(2),
         state_sharding="optimizer", callbacks=[SetLearningRate()])
-    state, _ = restore(tmp_path, model, mesh_lib.make_mesh(devices(2)), "optimizer")
+    state, _ = restore(tmp_path, model, sharding.make_mesh(devices(2)), "optimizer")
     names = [v.path for v in model.optimizer.variables]
     rate = np.asarray(state.optimizer[names.index(model.optimizer._learning_rate.path)])
     assert rate == np.float32(0.25)
@@ -178,10 +177,10 @@ def test_the_checksum_is_the_same_however_an_array_is_split_and_finds_one_change
     whole = guard.bitsums(tree)
     assert whole.dtype == np.uint32 and len(np.unique(whole)) == len(whole)
     for count in (2, 8):
-        mesh = mesh_lib.make_mesh(devices(count))
+        mesh = sharding.make_mesh(devices(count))
         # Rows split over the devices (every leading size divides by 8).
-        split = [jax.device_put(a, mesh_lib.batch_sharded(mesh)) if a.ndim
-                 else jax.device_put(a, mesh_lib.replicated(mesh)) for a in arrays]
+        split = [jax.device_put(a, sharding.Layout(mesh).batch) if a.ndim
+                 else jax.device_put(a, sharding.replicated(mesh)) for a in arrays]
         assert split[0].addressable_shards[0].data.shape == (64 // count, 24)
         np.testing.assert_array_equal(
             guard.bitsums({"state": {"x": split}, "position": tree["position"]}), whole)

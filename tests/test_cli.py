@@ -239,21 +239,21 @@ def test_an_ensemble_across_processes_fails_with_usage_before_joining(monkeypatc
 
 def test_cpu_devices_must_be_positive_and_set_before_jax_starts(monkeypatch):
     with pytest.raises(ValueError, match="at least 1"):
-        cli.use_cpu_devices(0)
+        cli.defaults.use_cpu_devices(0)
     import jax
     jax.devices()  # the test process's backend is running
     with pytest.raises(RuntimeError, match="already started.*before starting Python"):
-        cli.use_cpu_devices(2)
+        cli.defaults.use_cpu_devices(2)
 
 
 def test_the_default_cpu_device_count_keeps_a_count_already_set():
     env = {"XLA_FLAGS": "--xla_cpu_enable_fast_math=false"}
-    assert cli.default_cpu_devices(env)
+    assert cli.defaults.default_cpu_devices(env)
     assert env["XLA_FLAGS"] == ("--xla_cpu_enable_fast_math=false "
                                 "--xla_force_host_platform_device_count=2")
     assert "JAX_PLATFORMS" not in env  # a GPU or TPU, if any, still wins
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    assert not cli.default_cpu_devices(env)
+    assert not cli.defaults.default_cpu_devices(env)
     assert env["XLA_FLAGS"] == "--xla_force_host_platform_device_count=8"
 
 
@@ -389,11 +389,11 @@ def test_ctrl_c_while_saving_names_what_was_written_and_what_may_be_incomplete()
 
 def test_cpu_device_environment_replaces_the_count_and_keeps_other_flags():
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_dump_to=/tmp/x"}
-    cli.cpu_device_environment(3, env)
+    cli.defaults.cpu_device_environment(3, env)
     assert env["XLA_FLAGS"].split() == [
         "--xla_dump_to=/tmp/x", "--xla_force_host_platform_device_count=3"]
     assert env["JAX_PLATFORMS"] == "cpu"
     before = dict(os.environ)
-    copy = cli.cpu_device_environment(2)  # a copy of os.environ, edited
+    copy = cli.defaults.cpu_device_environment(2)  # a copy of os.environ, edited
     assert copy["XLA_FLAGS"].endswith("--xla_force_host_platform_device_count=2")
     assert dict(os.environ) == before

@@ -78,7 +78,7 @@ report["iterable"] = keras_dp.fit_sharded(
     model, ((x[i:i + 16], y[i:i + 16]) for i in range(0, 64, 16)), verbose=0).history["loss"]
 report["download"] = str(keras_dp.datasets._download("file://" + SOURCE, SHA256))
 try:
-    keras_dp.sources.hide_gpus_from_tensorflow()
+    keras_dp.sources.tfdata.hide_gpus_from_tensorflow()
 except ImportError as error:
     report["tf_message"] = str(error)
 report["imported"] = [name for name in ("tensorflow", "matplotlib") if name in sys.modules]

@@ -219,7 +219,7 @@ def test_a_ragged_python_list_is_refused_at_once_with_the_padding_fix():
 def test_a_long_listing_in_a_message_is_cut_short():
     arrays = [np.zeros((3,))] * 500 + [np.zeros((4,))]
     with pytest.raises(ValueError, match=r"same number of rows.*\.\.\. \(501 in all\)") as raised:
-        keras_dp.sources.batch_rows(arrays)
+        keras_dp.sharding.batch_rows(arrays)
     assert len(str(raised.value)) < 400
 
 

@@ -378,7 +378,7 @@ def test_the_state_is_written_back_each_epoch_only_for_callbacks_that_may_read_t
     # History's (it sets `model.history` in on_epoch_end), not two.
     from unittest import mock
 
-    from keras_dp.core import state as state_lib
+    from keras_dp.core import live as state_lib
 
     x, y = np.random.default_rng(0).normal(size=(24, 4)).astype("float32"), np.zeros((24, 2))
     counts = {}

@@ -10,7 +10,6 @@ import numpy as np
 from keras_dp.multihost import channel as exchange
 from keras_dp.multihost import batches as global_batches
 from keras_dp import sources as pipeline
-from keras_dp.core import placement
 
 
 class FakeChannel:
@@ -25,7 +24,7 @@ class FakeChannel:
 
 
 def plan(rows, others, batches, steps_per_execution=4):
-    place = object.__new__(global_batches.MultiProcessPlacement)
+    place = object.__new__(global_batches.GlobalBatches)
     place.order = [0, 1]
     channel = FakeChannel(others)
     steps = list(place._plan(channel, iter(batches), steps_per_execution, rows))
@@ -34,8 +33,8 @@ def plan(rows, others, batches, steps_per_execution=4):
 
 def test_array_epochs_are_planned_in_one_round_and_padded_where_a_share_ends():
     arrays = pipeline.make_batches(np.zeros((10, 1)), np.zeros(10), batch_size=4)
-    assert placement.planned_rows(arrays) == [4, 4, 2]
-    assert placement.planned_rows(arrays, skip=1) == [4, 2]
+    assert arrays.planned_rows() == [4, 4, 2]
+    assert arrays.planned_rows(skip=1) == [4, 2]
     batches = [np.zeros(4), np.zeros(4), np.zeros(2)]
     steps, channel = plan([4, 4, 2], [[4, 4, 4, 1]], batches)
     assert channel.sent == [[4, 4, 2]]  # one round for the epoch
@@ -43,7 +42,7 @@ def test_array_epochs_are_planned_in_one_round_and_padded_where_a_share_ends():
 
 
 def test_dataset_counts_go_a_chunk_at_a_time_until_every_process_is_out():
-    assert placement.planned_rows(pipeline.make_batches([(np.zeros((2, 1)),)])) is None
+    assert pipeline.make_batches([(np.zeros((2, 1)),)]).planned_rows() is None
     assert [global_batches.chunk_steps(k) for k in (1, 3, 4, 16)] == [8, 9, 8, 16]
     batches = [np.zeros(3)] * 10
     steps, channel = plan(None, [[3] * 8, [3, 3], []], batches)

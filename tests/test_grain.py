@@ -10,7 +10,7 @@ grain = pytest.importorskip("grain")
 
 import keras_dp  # noqa: E402
 from keras_dp import sources as pipeline  # noqa: E402
-from keras_dp.checkpoint.store import Position  # noqa: E402
+from keras_dp.core.live import Position  # noqa: E402
 from keras_dp.sources import grain as grain_source  # noqa: E402
 from conftest import assert_weights_equal  # noqa: E402
 from conftest import devices  # noqa: E402
@@ -224,7 +224,7 @@ def test_a_grain_checkpoint_resumed_with_arrays_is_refused_naming_the_input(data
     with checkpoint_lib.closing(checkpoint_lib.Checkpoints(tmp_path, source=source)) as saved:
         saved.save(trainer.init_state(), Position(1, 0), seed=0)
     with pytest.raises(ValueError, match="does not fit this model.*another input"):
-        checkpoint_lib.open_for_fit(tmp_path, model, 0, False, 0)  # arrays: no source
+        checkpoint_lib.open_for_fit(tmp_path, model, 0, 0)  # arrays: no source
 
 
 class TwoProcesses:

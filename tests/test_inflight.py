@@ -1,4 +1,4 @@
-"""The bound on steps in flight (`keras_dp.core.inflight`) and its check of each finished step."""
+"""The bound on steps in flight (`keras_dp.core.live`) and its check of each finished step."""
 
 
 import numpy as np
@@ -12,7 +12,7 @@ def test_one_step_in_flight_on_cpu():
 
 
 def test_the_throttle_keeps_at_most_limit_calls_and_finds_the_first_bad_step():
-    from keras_dp.core import inflight
+    from keras_dp.core import live as inflight
 
     throttle = inflight.Throttle(2)
     for index in range(3):
@@ -29,7 +29,7 @@ def test_the_throttle_keeps_at_most_limit_calls_and_finds_the_first_bad_step():
 def test_the_last_good_state_is_the_newest_that_completed_before_a_failure():
     import jax
 
-    from keras_dp.core import inflight
+    from keras_dp.core import live as inflight
 
     def needs_16_tib(x):  # compiles; XLA fails to allocate its memory when it runs
         huge = x[0] - jax.lax.iota("float32", 2**42)

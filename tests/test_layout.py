@@ -1,4 +1,4 @@
-"""Sharded training state (`keras_dp.layout`, `state_sharding=`): same steps, 1/N bytes."""
+"""Sharded training state (`keras_dp.sharding`, `state_sharding=`): same steps, 1/N bytes."""
 
 import json
 import os
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import keras_dp
-from keras_dp import layout
+from keras_dp import sharding
 from conftest import NO_GRADIENT, assert_close_to_scale, convnet, devices, mlp, weights
 
 SCRIPT = pathlib.Path(__file__).parent / "scripts" / "equivalence.py"
@@ -20,13 +20,13 @@ SCRIPT = pathlib.Path(__file__).parent / "scripts" / "equivalence.py"
 def test_the_split_axis_is_the_largest_that_divides_and_small_variables_stay_whole():
     mesh = keras_dp.make_mesh(devices(4))
     spec = lambda shape, dtype="float32": tuple(  # noqa: E731
-        layout.variable_sharding(shape, dtype, mesh).spec)
+        sharding.Layout(mesh).variable_sharding(shape, dtype).spec)
     assert spec((3, 3, 24, 32)) == (None, None, None, "batch")  # 32 > 24, both divide
     assert spec((1152, 10)) == ("batch", None)  # 10 does not divide by 4
     assert spec((30, 10, 15)) == ()  # nothing divides (4,500 values): kept whole
     assert spec((256,)) == ()  # small: a bias
     assert spec((4096, 4), "int32") == ()  # never an integer (step counts, seeds)
-    assert tuple(layout.variable_sharding((4096, 4), "float32", mesh, split=False).spec) == ()
+    assert tuple(sharding.Layout(mesh).variable_sharding((4096, 4), "float32", split=False).spec) == ()
 
 
 
@@ -47,7 +47,7 @@ def test_a_bfloat16_models_weights_and_slots_are_split_like_float32_ones():
     # model's state stayed whole on every device under "full".
     mesh = keras_dp.make_mesh(devices(4))
     for dtype in ("bfloat16", "float16", "float8_e4m3fn"):
-        assert tuple(layout.variable_sharding((64, 128), dtype, mesh).spec) == (None, "batch")
+        assert tuple(sharding.Layout(mesh).variable_sharding((64, 128), dtype).spec) == (None, "batch")
     rng = np.random.default_rng(0)
     x, y = rng.standard_normal((64, 64)).astype("float32"), rng.integers(0, 4, 64)
     trainer = keras_dp.ShardedTrainer(bfloat16_model(), devices=devices(4), state_sharding="full")
@@ -121,7 +121,7 @@ def test_float64_every_mode_equals_one_device_to_rounding():
 
 def _state_bytes(trainer):
     state = trainer.init_state()
-    return {name: (sum(layout.bytes_per_device(v) for v in values),
+    return {name: (sum(sharding.bytes_per_device(v) for v in values),
                    sum(v.nbytes for v in values if v.sharding.is_fully_replicated))
             for name, values in state.groups()}
 

@@ -8,13 +8,14 @@ import numpy as np
 import pytest
 
 import keras_dp
-from keras_dp import sharding as mesh_lib
+from keras_dp import sharding
+from keras_dp import transfer
 from conftest import assert_close_to_scale, devices
 
 
 def test_default_mesh_spans_every_device_on_one_batch_axis():
     mesh = keras_dp.make_mesh()
-    assert mesh.axis_names == ("batch",) and mesh_lib.num_devices(mesh) == 8
+    assert mesh.axis_names == ("batch",) and sharding.Layout(mesh).batch_shards == 8
     assert mesh.axis_types == (jax.sharding.AxisType.Auto,)
 
 
@@ -31,29 +32,29 @@ def test_a_users_mesh_is_kept_and_devices_pick_a_sub_mesh():
 def test_place_copies_so_donation_never_deletes_the_source():
     mesh = keras_dp.make_mesh(devices(4))
     source = jax.numpy.arange(6.0)
-    copy = mesh_lib.place([source], mesh, mesh_lib.replicated(mesh))[0]
+    copy = transfer.place([source], mesh, sharding.replicated(mesh))[0]
     assert copy.sharding.is_fully_replicated and len(copy.sharding.device_set) == 4
     jax.jit(lambda a: a + 1, donate_argnums=0)(copy)
     assert copy.is_deleted() and not source.is_deleted()
     np.testing.assert_array_equal(
-        np.asarray(mesh_lib.place(source, mesh, mesh_lib.replicated(mesh))), np.arange(6.0))
+        np.asarray(transfer.place(source, mesh, sharding.replicated(mesh))), np.arange(6.0))
 
 
 def test_place_copies_a_numpy_source_too():
     # XLA:CPU may alias a numpy buffer even with may_alias=False.
     source = np.arange(6.0)
     mesh = keras_dp.make_mesh(devices(2))
-    copy = mesh_lib.place(source, mesh, mesh_lib.replicated(mesh))
+    copy = transfer.place(source, mesh, sharding.replicated(mesh))
     source[:] = -1
     np.testing.assert_array_equal(np.asarray(copy), np.arange(6.0))
 
 
 def test_local_copy_stays_on_the_device_and_outlives_donation():
     mesh = keras_dp.make_mesh(devices(4))
-    state = mesh_lib.place(jax.numpy.arange(6.0), mesh, mesh_lib.replicated(mesh))
+    state = transfer.place(jax.numpy.arange(6.0), mesh, sharding.replicated(mesh))
     like = jax.device_put(jax.numpy.zeros(6), devices(2)[1])
     with jax.transfer_guard_device_to_host("disallow"):  # no trip through the host
-        copy = mesh_lib.local_copy(state, like=like)
+        copy = transfer.local_copy(state, like=like)
     assert copy.sharding == like.sharding
     jax.jit(lambda a: a + 1, donate_argnums=0)(state)
     assert state.is_deleted() and not copy.is_deleted()

@@ -1065,10 +1065,9 @@ def test_a_model_that_turns_off_jit_keeps_its_own_errors():
                               keras.layers.Flatten(), keras.layers.Dense(10)])
     out_of_memory = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory")
     with pytest.raises(jax.errors.JaxRuntimeError) as raised:
-        with explain.jit_failures(model):
-            raise out_of_memory
+        raise explain.jit_failure(out_of_memory, model) or out_of_memory
     assert raised.value is out_of_memory
     with pytest.raises(ValueError, match=r"supports_jit=False: random_rotation .*"
                        r"failed to trace: AssertionError: AssertionError Do that"):
-        with explain.jit_failures(model):
-            raise AssertionError()
+        error = AssertionError()
+        raise explain.jit_failure(error, model) or error

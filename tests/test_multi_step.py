@@ -9,7 +9,6 @@ import pytest
 
 import keras_dp
 from keras_dp import sources as pipeline
-from keras_dp.core import placement
 from conftest import BatchEnds, assert_close_to_scale, devices, mlp
 
 
@@ -116,8 +115,8 @@ def test_a_rolled_k_step_program_under_a_split_state_equals_single_steps_bitwise
     single = trainer.init_state()
     for batch in batches:
         single, single_logs = trainer.train_step(single, trainer.shard(batch))
-    stack = placement.to_device_stacked([pipeline.unpack(batch) for batch in batches],
-                                        trainer.mesh)
+    stack = keras_dp.sharding.to_device_stacked([pipeline.unpack(batch) for batch in batches],
+                                                trainer.layout)
     multi, multi_logs, finite = trainer.programs.train_steps(trainer.init_state(), stack)
     assert int(finite) == 3
     assert float(multi_logs["loss"]) == float(single_logs["loss"])

@@ -13,7 +13,7 @@ def test_prefetch_keeps_order_raises_in_place_and_stops_when_closed():
     import threading
     import time
 
-    from keras_dp.sources import prefetch
+    from keras_dp.core.feed import prefetch
 
     assert list(prefetch(iter(range(50)), 2)) == list(range(50))
     assert list(prefetch(iter(range(5)), 0)) == list(range(5))
@@ -190,14 +190,14 @@ def batches_then(mnist, bad):
 
 
 def _rows(batch):
-    return keras_dp.sources.batch_rows(batch)
+    return keras_dp.sharding.batch_rows(batch)
 
 
 def test_group_steps_groups_k_equal_batches_and_runs_the_rest_alone():
     batches = [np.zeros((4, 1))] * 5 + [np.zeros((3, 1))]
-    groups = list(keras_dp.sources.group_steps(batches, 2))
+    groups = list(keras_dp.core.feed.group_steps(batches, 2))
     assert [[_rows(b) for b in group] for group in groups] == [[4, 4], [4, 4], [4], [3]]
-    assert list(keras_dp.sources.group_steps(batches, 1)) == [[b] for b in batches]
+    assert list(keras_dp.core.feed.group_steps(batches, 1)) == [[b] for b in batches]
 
 
 def test_array_batches_use_every_row_once_in_a_seeded_order():
@@ -218,10 +218,10 @@ def test_array_batches_use_every_row_once_in_a_seeded_order():
 def test_class_weight_becomes_sample_weight_for_ids_and_one_hot():
     ids = np.array([0, 1, 2, 1])
     np.testing.assert_array_equal(
-        keras_dp.sources.class_weight_to_sample_weight(ids, {1: 3.0}), [1, 3, 1, 3])
+        keras_dp.sources.batch.class_weight_to_sample_weight(ids, {1: 3.0}), [1, 3, 1, 3])
     one_hot = np.eye(3)[ids]
     np.testing.assert_array_equal(
-        keras_dp.sources.class_weight_to_sample_weight(one_hot, {0: 0.5, 2: 2}), [0.5, 1, 2, 1])
+        keras_dp.sources.batch.class_weight_to_sample_weight(one_hot, {0: 0.5, 2: 2}), [0.5, 1, 2, 1])
 
 
 def test_split_validation_holds_out_the_last_rows_before_shuffling():
@@ -531,10 +531,10 @@ def test_tensorflow_holding_the_gpus_already_is_said_not_passed_over(monkeypatch
     monkeypatch.setattr(tf.config, "set_visible_devices", started)
     monkeypatch.setattr(tf.config, "list_logical_devices", lambda kind: ["/device:GPU:0"])
     with pytest.warns(UserWarning, match="TensorFlow started before keras_dp could hide"):
-        keras_dp.sources.hide_gpus_from_tensorflow()
+        keras_dp.sources.tfdata.hide_gpus_from_tensorflow()
     monkeypatch.setattr(tf.config, "list_logical_devices", lambda kind: [])
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no GPU held: nothing to say
-        keras_dp.sources.hide_gpus_from_tensorflow()
+        keras_dp.sources.tfdata.hide_gpus_from_tensorflow()

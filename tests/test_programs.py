@@ -11,7 +11,8 @@ import pytest
 
 import keras_dp
 from keras_dp import sources as pipeline
-from keras_dp.core import placement
+from keras_dp import sharding as placement
+from keras_dp.core import feed
 from keras_dp.core import programs
 from keras_dp.core import feed as resident
 from keras_dp.diagnostics import timing
@@ -84,7 +85,7 @@ def test_every_program_compiles_once_and_none_at_the_epochs_end(
     calls = CallTimes()
     trainer.fit(x, y, batch_size=64, epochs=2, verbose=0, callbacks=[calls])
     # Calls per epoch: 2 steps of 64 rows, 1 of 64, 1 of 8: three programs.
-    assert placement.planned_calls(trainer._batches(x, y, None, 64, True), 2) == [
+    assert feed.planned_calls(trainer.batches_of(x, y, None, 64, True), 2) == [
         (2, 64), (1, 64), (1, 8)]
     def compiled_during(call):
         start, seconds = calls.calls[call]
@@ -129,10 +130,10 @@ def test_ahead_of_time_trains_bitwise_as_jit_alone_and_counts_its_flops(mnist, m
     def flops(steps, rows):  # the jit cache has each program: no compile here
         batch = (x[:rows], y[:rows], None)
         if steps == 1:
-            lowered = trainer.programs.train_step.lower(state, placement.to_device(batch, trainer.mesh))
+            lowered = trainer.programs.train_step.lower(state, placement.to_device(batch, trainer.layout))
         else:
             lowered = trainer.programs.train_steps.lower(
-                state, placement.to_device_stacked([batch] * steps, trainer.mesh))
+                state, placement.to_device_stacked([batch] * steps, trainer.layout))
         return programs.cost_flops(lowered.compile())  # per device
 
     per_call = {call: flops(*call) for call in [(2, 64), (1, 64), (1, 8)]}
@@ -173,7 +174,8 @@ def test_a_rolled_scan_counts_every_step(unroll, steps, scale):
     # XLA counts a loop body once: K steps scanned `unroll` at a time
     # count `unroll + K % unroll` of them.
     trainer = keras_dp.ShardedTrainer(mlp(), devices=devices(2), unroll=unroll)
-    feed = programs.CompilingFeed(None, trainer, None)
+    feed = programs.CompilingFeed(None, None, layout=trainer.layout, unroll=trainer.unroll,
+                                  steps_per_execution=trainer.steps_per_execution)
     assert feed._call_flops(FakeCompiled(10.0), steps) == pytest.approx(2 * 10.0 * scale)
     assert feed._call_flops(FakeCompiled(0), steps) is None
 
@@ -246,7 +248,7 @@ def test_validation_programs_compile_once_during_the_first_call_and_score_as_bef
     monkeypatch.setattr(programs.CompilingFeed, "background", False)  # ends in a known call
     trainer, history, calls, tests, before = fit_validated(mnist, data_on_device)
     x_val, y_val = mnist[1]
-    val = trainer._batches(x_val[:328], y_val[:328], None, 64, False)
+    val = trainer.batches_of(x_val[:328], y_val[:328], None, 64, False)
     assert programs.eval_plan(val, 4) == [(4, 64), (1, 64), (1, 8)]
     test_compiles = COMPILES.since(before, "jit(test_step")
     # Each validation program once, all in epoch 1's first train call.
@@ -297,7 +299,8 @@ def test_a_datasets_plan_is_its_first_batchs_calls():
             return batch[:2]
 
     assert programs.eval_plan(pipeline.make_batches(Two()), 4) == [(1, 64)]
-    like = placement.abstract_batch(dataset.peek(), 64, keras_dp.make_mesh(devices(2)), 4)
+    like = placement.abstract_batch(dataset.peek(), 64,
+                                  placement.Layout(keras_dp.make_mesh(devices(2))), 4)
     assert [(leaf.shape, str(leaf.dtype)) for leaf in jax.tree.leaves(like)] == [
         ((4, 64, 28, 28, 1), "uint8"), ((4, 64), "int32")]  # as JAX places them
 

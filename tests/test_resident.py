@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 import keras_dp
-from keras_dp.core import placement
+from keras_dp import sharding as placement
 from keras_dp.core import feed as resident
+from keras_dp.multihost import hosts as hosts_lib
 from conftest import devices, mlp, weights
 
 
@@ -80,7 +81,7 @@ def test_data_on_device_true_refuses_what_it_cannot_keep(mnist, monkeypatch):
         trainer.fit(x[:128], y[:128], batch_size=64, verbose=0)
     with pytest.raises(ValueError, match="'auto' \\(the default, also None\\), True or False"):
         keras_dp.ShardedTrainer(mlp(), devices=devices(2), data_on_device="yes")
-    monkeypatch.setattr(placement.Placement, "multiprocess", True)
+    monkeypatch.setattr(hosts_lib.OneProcess, "whole_data", False)
     with pytest.raises(ValueError, match="spans processes.*Pass data_on_device='auto' or False"):
         keras_dp.ShardedTrainer(mlp(), devices=devices(2), data_on_device=True)
 

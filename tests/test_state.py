@@ -44,7 +44,7 @@ def test_the_live_model_is_read_again_only_after_a_callback_changed_it():
     model.build((None, 28, 28, 1))
     model.optimizer.build(model.trainable_variables)
     mesh = keras_dp.make_mesh(devices(2))
-    live = keras_dp.core.state.LiveModel(model)
+    live = keras_dp.core.live.LiveModel(model)
     assert live.needs_read()
     live.read(keras_dp.TrainState.from_model(model, mesh), (0, 0))
     assert not live.needs_read()

@@ -59,7 +59,7 @@ def test_dropout_masks_differ_between_shards_and_match_one_device():
 
     def masks(n_devices):
         mesh = keras_dp.make_mesh(devices(n_devices))
-        x_device = jax.device_put(x, keras_dp.sharding.batch_sharded(mesh))
+        x_device = jax.device_put(x, keras_dp.sharding.Layout(mesh).batch)
         seed_state = [np.asarray(v.value) for v in model.non_trainable_variables]
         call = jax.jit(lambda s, x: model.stateless_call([], s, x, training=True)[0])
         return np.asarray(call(seed_state, x_device))
@@ -241,7 +241,7 @@ def test_describe_says_where_the_fits_data_lives_and_how_k_batches_stack():
 
 def test_describe_numbers_real_rows_across_process_blocks_as_the_step_joins_them():
     from keras_dp.diagnostics import describe
-    from keras_dp.core.placement import DeviceBatch
+    from keras_dp.sharding import DeviceBatch
 
     # Two processes' blocks of 4 padded rows holding 3 and 1 real rows: the
     # step joins rows 0-2 of block 0 and row 4 (its 4th real row, row 3).

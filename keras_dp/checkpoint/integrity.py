@@ -33,7 +33,6 @@ import fcntl
 import os
 import shutil
 import socket
-import warnings
 import zlib
 
 import jax
@@ -42,6 +41,7 @@ import numpy as np
 from jax import lax
 
 from keras_dp import _compat
+from keras_dp import _messages
 
 SUMS = "bitsums"  # the key of this keras_dp's checksums (`bitsums`)
 LEGACY_SUMS = "checksums"  # CRC-32s of each array's bytes, written before
@@ -101,10 +101,10 @@ class DirectoryLock:
             self._close()
             if error.errno not in (errno.EAGAIN, errno.EACCES):
                 # A filesystem without locks: say so, and go on unguarded.
-                warnings.warn(
+                _messages.warn(
                     f"keras_dp: cannot lock {directory} ({error.strerror}); "
                     "make sure no other run writes checkpoints there.",
-                    RuntimeWarning, stacklevel=2)
+                    RuntimeWarning)
                 return
             raise DirectoryInUseError(
                 f"checkpoint_dir {directory} is in use by another run "
@@ -270,10 +270,10 @@ def newest_intact(manager, template, restore_args):
                 "directory from a copy, or pass a new checkpoint_dir to start afresh.")
         return None
     if damaged:
-        warnings.warn(
+        _messages.warn(
             "keras_dp: skipped damaged checkpoints (" + "; ".join(damaged)
             + f"); resuming from the older intact one, {index}.",
-            RuntimeWarning, stacklevel=4)
+            RuntimeWarning)
     return tree
 
 
@@ -328,10 +328,10 @@ def read_verified(manager, index, template, restore_args):
     except Exception as error:  # noqa: BLE001 - the layout fits: damaged
         return f"its data could not be read ({short(error)})", None
     if kind is None:
-        warnings.warn(
+        _messages.warn(
             f"keras_dp: the checkpoint {path} has no checksums (a keras_dp from "
             "before they were added wrote it), so it is restored unchecked.",
-            RuntimeWarning, stacklevel=5)
+            RuntimeWarning)
         return None, tree
     wrong = mismatched(tree, kind)
     if wrong:

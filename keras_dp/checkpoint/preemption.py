@@ -1,16 +1,16 @@
 """SIGTERM as a request to save and stop at the next step boundary.
 
 A preempted job gets SIGTERM and some seconds before it is killed. `fit`
-watches for it (`preemption(multiprocess)`) and, between two steps, saves a
+watches for it (the hosts' `preemption`) and, between two steps, saves a
 checkpoint and ends the process with status 143 (`exit_after_preemption`),
 as SIGTERM's default action would. One process uses a Python handler
 (`Preemption`); across processes JAX's runtime catches the signal in every
 process and they agree on one step at which all of them stop
-(`SyncedPreemption`), so the checkpoint they write together is whole.
+(`keras_dp.multihost.hosts.SyncedPreemption`), so the checkpoint they
+write together is whole.
 """
 
 import contextlib
-import itertools
 import signal
 import sys
 import threading
@@ -39,6 +39,10 @@ class Preemption:
     def _handle(self, signum, frame):
         self.requested = True
 
+    def exit(self, directory, position):
+        """Say where the run stopped and end the process as SIGTERM would (143)."""
+        exit_after_preemption(directory, position)
+
 
 @contextlib.contextmanager
 def handling_sigterm(handler):
@@ -57,66 +61,6 @@ def handling_sigterm(handler):
         yield
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
-
-
-def preemption(multiprocess, saving=True):
-    """The SIGTERM watcher of a fit: `Preemption`, or `SyncedPreemption` across processes.
-
-    In one process that saves no checkpoints (`saving` False) it watches
-    nothing and yields None: SIGTERM keeps its default action and ends the
-    process at once, rather than being recorded and never acted on.
-    """
-    if multiprocess:
-        return SyncedPreemption()
-    return Preemption() if saving else contextlib.nullcontext()
-
-
-class SyncedPreemption:
-    """SIGTERM to any process, acted on by every process at the same step boundary.
-
-    JAX's runtime catches SIGTERM in every process that joined it (its
-    preemption notifier, installed by `jax.distributed.initialize`) and
-    tells the coordination service. `requested` asks JAX's
-    `multihost_utils.reached_preemption_sync_point`, which turns true in
-    every process at the same call: one past the furthest any process had
-    reached. So every process must read `requested` at the same points, as
-    the trainer's loop does (before each compiled call and at each epoch's
-    end). No Python handler is installed: it would replace JAX's.
-
-    The step ids JAX is given keep growing across fits (`_SYNC_STEPS`): a
-    SIGTERM between two fits sets the sync point one past the last id
-    given, which a next fit counting from 0 again might never reach, and it
-    would end without saving.
-    """
-
-    def __init__(self):
-        self._reached = False
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc_info):
-        return None
-
-    @property
-    def requested(self):
-        """Whether every process stops here (reading it is a sync-point step)."""
-        if not self._reached and _preemption_service_enabled():
-            from jax.experimental import multihost_utils
-
-            self._reached = multihost_utils.reached_preemption_sync_point(next(_SYNC_STEPS))
-        return self._reached
-
-
-# The step ids of JAX's preemption sync point, for the whole process: JAX
-# needs them increasing, and every process takes them at the same reads.
-_SYNC_STEPS = itertools.count()
-
-
-def _preemption_service_enabled():
-    import jax
-
-    return bool(jax.config.jax_enable_preemption_service)
 
 
 def exit_after_preemption(directory, position):

@@ -35,7 +35,6 @@ filesystem). When to save on SIGTERM is `keras_dp.checkpoint.preemption`'s busin
 """
 
 import contextlib
-import dataclasses
 import errno
 import logging
 import os
@@ -43,35 +42,17 @@ import os
 import jax
 import numpy as np
 
+from keras_dp import options
 from keras_dp.checkpoint import integrity as guard
-from keras_dp.core import interrupts
-from keras_dp.sources import grain as grain_source
-from keras_dp.sources.batch import batch_rows
+from keras_dp.checkpoint import plan as plan_lib
+from keras_dp.core.live import Deferred
+from keras_dp.core.live import Position
 from keras_dp.core.state import TrainState
 from keras_dp.core.state import write_back
 
 # Raised by this module's restore and save too: users catch them from here.
 DamagedCheckpointError = guard.DamagedCheckpointError
 DirectoryInUseError = guard.DirectoryInUseError
-
-
-@dataclasses.dataclass(frozen=True)
-class Position:
-    """Where a run stands: `steps` steps of epoch `epoch` (0-based) are done.
-
-    `stopped`: `stop_training` ended the run there (a callback such as
-    `EarlyStopping`, or a stream run dry); a rerun trains nothing.
-    """
-
-    epoch: int
-    steps: int
-    stopped: bool = False
-
-    def at(self):
-        """Where, in words: "at the end of epoch 2", "after 5 steps of epoch 3" (from 1)."""
-        if self.steps == 0:
-            return f"at the end of epoch {self.epoch}"
-        return f"after {self.steps} steps of epoch {self.epoch + 1}"
 
 
 class Checkpoints:
@@ -85,11 +66,11 @@ class Checkpoints:
             `keras_dp.checkpoint.integrity`); across processes, process 0 locks.
         source: an input whose position is saved with the state and set
             on restore (`keras_dp.sources.grain.GrainEpochs`), or None.
-        plan: what decides which rows each step of an epoch takes (`plan_of`),
+        plan: what decides which rows each step of an epoch takes (`plan.plan_of`),
             saved with the state; a checkpoint taken mid-epoch resumes only
             under the same plan. None: not saved, not checked.
         topology: the processes, devices and rows per step of this run
-            (`topology_of`), saved with the state; a checkpoint that holds a
+            (`plan.topology_of`), saved with the state; a checkpoint that holds a
             position within an epoch or a Grain stream resumes only on the
             same number of processes. None: not saved, not checked.
 
@@ -107,7 +88,7 @@ class Checkpoints:
         self.restored = None  # the `Position` restored by `restore`, if any
 
         self._ocp = ocp
-        self.directory = check_dir(directory, "checkpoint_dir")
+        self.directory = options.check_dir(directory, "checkpoint_dir")
         self.max_to_keep = max_to_keep
         self._lock = guard.DirectoryLock(self.directory) if lock else None
         try:
@@ -134,12 +115,12 @@ class Checkpoints:
         gathered). A checksum of every array (`checkpoint_guard.bitsums`)
         is written with it, checked on restore. Across processes, every
         process must call this at the same point. Ctrl-C waits for the save
-        to complete and acts after it (`interrupts.Deferred`).
+        to complete and acts after it (`keras_dp.core.live.Deferred`).
         """
         # Ctrl-C waits for the save to complete: a KeyboardInterrupt inside
         # orbax's write dropped the checkpoint, and one in its cleanup left
         # more than max_to_keep.
-        with interrupts.Deferred() as deferred, deferred.held():
+        with Deferred() as deferred, deferred.held():
             index = self._manager.latest_step()
             index = 0 if index is None else index + 1
             tree = self._tree(state, position, seed)
@@ -171,9 +152,9 @@ class Checkpoints:
         if self.source is not None:  # where the input stands, per process
             tree[guard.INPUT] = self.source.saved(position)
         if self.plan is not None:
-            tree[guard.PLAN] = _plan_tree(self.plan)
+            tree[guard.PLAN] = plan_lib.plan_tree(self.plan)
         if self.topology is not None:
-            tree[guard.TOPOLOGY] = _plan_tree(self.topology)
+            tree[guard.TOPOLOGY] = plan_lib.plan_tree(self.topology)
         if position.stopped:
             tree[guard.STOPPED] = {"stopped": np.asarray(1, np.int64)}
         if self.optimizer is not None:
@@ -188,8 +169,7 @@ class Checkpoints:
 
         The live state as it lies, or the model's if a callback changed it.
         """
-        any_process = trainer.placement.any_process if trainer.multiprocess else None
-        self.save(live.current(trainer.init_state, any_process), position, trainer.seed)
+        self.save(live.current(trainer.init_state, trainer.hosts), position, trainer.seed)
 
     def check_room(self, model):
         """Raise `OSError` if the directory's filesystem cannot take the checkpoints to come."""
@@ -252,7 +232,7 @@ class Checkpoints:
                 each weight is: `checkpoint_guard.check_variables`), or
                 another seed wrote it, whose shuffle order would make the
                 resumed run differ, or it was taken mid-epoch under another
-                plan (`plan_of`: batch size, rows, steps per epoch,
+                plan (`plan.plan_of`: batch size, rows, steps per epoch,
                 shuffle), so the rest of the epoch would take other rows.
                 Or it holds a position within an epoch (or a Grain stream's,
                 at any point) and another number of processes wrote it: each
@@ -290,38 +270,10 @@ class Checkpoints:
     def _check_topology(self, tree, position):
         """Refuse a position within an epoch saved by another number of processes.
 
-        Across processes each reads its own share of the data, so the rows
-        that an epoch's first steps took depend on how many processes split
-        it (and how each shuffled its share); a Grain position is each
-        process's own. At an epoch's end without a Grain position the next
-        epoch starts afresh on any number of processes and devices. Devices
-        alone do not change which rows a step takes.
+        See `plan.check_topology`.
         """
-        if self.topology is None or position.stopped:  # a stopped run trains nothing
-            return
-        saved = {name: int(value) for name, value in tree.get(guard.TOPOLOGY, {}).items()}
-        held = guard.INPUT in tree and grain_source.holds_positions(tree[guard.INPUT])
-        if guard.INPUT in tree:  # one row per process, also before the topology was saved
-            saved.setdefault("processes", len(tree[guard.INPUT]))
-        processes = saved.get("processes", self.topology["processes"])
-        if processes == self.topology["processes"] or not (position.steps or held):
-            return
-        where = position.at() if position.steps else f"{position.at()} of a Grain stream"
-        if position.steps:
-            fix = (f"Resume on {processes} processes to finish that epoch (from its end, "
-                   "a run can go on with any number), or resume from the checkpoint kept "
-                   f"before it{self._older_words()}, or pass a new checkpoint_dir to start "
-                   "afresh.")
-        else:
-            fix = (f"Resume on {processes} processes, or pass a new checkpoint_dir to "
-                   "start afresh.")
-        raise ValueError(
-            f"The checkpoint in {self.directory} stopped {where}, written by "
-            f"{topology_words(saved, processes)}, and this fit runs on "
-            f"{topology_words(self.topology)}: each process's share of the data "
-            f"{'and its Grain position ' if held else ''}would not be the one it "
-            "left, so the rest of that epoch would train on other rows than the "
-            f"interrupted run's (some twice, some never). {fix}")
+        plan_lib.check_topology(tree, position, self.topology, self.directory,
+                                self._older_words)
 
     def _older_words(self):
         """How to resume from the checkpoint before the newest one, if one is kept."""
@@ -334,29 +286,8 @@ class Checkpoints:
                 "of the epoch before if the run was stopped once in that epoch)")
 
     def _check_plan(self, tree, position):
-        """Refuse a mid-epoch `position` saved under another plan than `self.plan`.
-
-        At an epoch's end the next epoch starts afresh, so a new batch size
-        or data there is a choice, not a mistake; mid-epoch, the steps done
-        are counted in batches of the old plan.
-        """
-        if position.steps == 0 or self.plan is None or guard.PLAN not in tree:
-            return
-        saved = {name: int(value) for name, value in tree[guard.PLAN].items()}
-        changed = [name for name, value in self.plan.items()
-                   if value != saved[name] and -1 not in (value, saved[name])]
-        if {"batch_size", "rows"} & set(changed):  # steps per epoch follow from them
-            changed = [name for name in changed if name != "steps"]
-        if changed:
-            was = ", ".join(_plan_words(name, saved[name]) for name in changed)
-            now = ", ".join(_plan_words(name, self.plan[name]) for name in changed)
-            raise ValueError(
-                f"The checkpoint in {self.directory} stopped {position.at()} "
-                f"of a fit with {was}, and this fit has {now}: the rest of that "
-                "epoch would train on other rows than the interrupted run's. "
-                "Rerun with the same data, batch_size and shuffle to finish that "
-                "run, or pass a new checkpoint_dir to start afresh."
-            )
+        """Refuse a mid-epoch `position` saved under another plan (`plan.check_plan`)."""
+        plan_lib.check_plan(tree, position, self.plan, self.directory)
 
     def close(self):
         """Release the checkpoint manager (its threads and file handles) and the lock.
@@ -414,27 +345,7 @@ def closing(checkpoints):
             checkpoints.close()
 
 
-def check_dir(value, argument):
-    """`value`, a directory argument, as an absolute path with `~` expanded; None stays None.
-
-    Raises:
-        TypeError: `value` is not a str or `os.PathLike`.
-        ValueError: `value` is empty (an unset variable, say), which would
-            otherwise mean the working directory.
-    """
-    if value is None:
-        return None
-    if not isinstance(value, (str, os.PathLike)):
-        raise TypeError(f"`{argument}` must be a directory's path (a str or "
-                        f"os.PathLike). Received: {argument}={value!r}.")
-    if not os.fspath(value):
-        raise ValueError(f"`{argument}` must name a directory; an empty path would be the "
-                         f"working directory. Received: {argument}=''. Pass the "
-                         "directory's path (\".\" for the working directory).")
-    return os.path.abspath(os.path.expanduser(os.fspath(value)))
-
-
-def open_for_fit(checkpoint_dir, model, seed, multiprocess, initial_epoch,
+def open_for_fit(checkpoint_dir, model, seed, initial_epoch,
                  steps_per_epoch=None, source=None, plan=None, max_to_keep=2, topology=None):
     """The `Checkpoints` of a fit and where it starts: `(checkpoints, Position)`.
 
@@ -442,12 +353,12 @@ def open_for_fit(checkpoint_dir, model, seed, multiprocess, initial_epoch,
     that holds a checkpoint, the model is restored from the newest and its
     position replaces `initial_epoch`.
 
-    Across processes (`multiprocess`), every process must call this with
+    Across processes, every process must call this with
     the same `checkpoint_dir`, on a filesystem they share; each restores the
     same newest checkpoint. A `source` (see `Checkpoints`) has its position
-    saved with each checkpoint and restored from it; a `plan` (`plan_of`)
+    saved with each checkpoint and restored from it; a `plan` (`plan.plan_of`)
     is saved with each, and a mid-epoch checkpoint of another plan refused;
-    so is a `topology` (`topology_of`), and a checkpoint that holds a position
+    so is a `topology` (`plan.topology_of`), and a checkpoint that holds a position
     within an epoch refused on another number of processes. The newest `max_to_keep` checkpoints are kept.
 
     The caller must `close` the `Checkpoints` (see `closing`): until then
@@ -473,7 +384,7 @@ def open_for_fit(checkpoint_dir, model, seed, multiprocess, initial_epoch,
         )
     # orbax's save and restore take part in every process alike; the lock
     # is process 0's, for all of them.
-    checkpoints = Checkpoints(checkpoint_dir, lock=not multiprocess or _process_index() == 0,
+    checkpoints = Checkpoints(checkpoint_dir, lock=_process_index() == 0,
                               source=source, plan=plan, max_to_keep=max_to_keep,
                               topology=topology)
     checkpoints.optimizer = guard.optimizer_name(model.optimizer)
@@ -487,77 +398,6 @@ def open_for_fit(checkpoint_dir, model, seed, multiprocess, initial_epoch,
         checkpoints.check_room(model)
         on_error.pop_all()
     return checkpoints, position
-
-
-_SHUFFLE_CODES = {False: 0, True: 1, "batch": 2}
-
-
-def plan_of(batches, shuffle, multiprocess):
-    """What decides which rows each step of an epoch takes, as ints (-1: unknown).
-
-    `batch_size` (rows per step; for a dataset, its first batch's rows,
-    without a Grain position), and, for array data, `rows` and `shuffle`;
-    `steps` per epoch wherever known. Across processes only `shuffle`: the
-    others are each process's share, which differ between processes with
-    uneven shares, while the checkpoint holds one plan.
-    """
-    arrays = hasattr(batches, "order")  # `pipeline.arrays.ArrayBatches`
-    steps = batches.steps if not multiprocess else None
-    if arrays and not multiprocess:
-        batch_size = batches.batch_size
-    elif arrays or multiprocess or getattr(batches, "resumable", None) is not None:
-        batch_size = -1
-    else:  # read already, by `fit`'s build
-        batch_size = batch_rows(batches.peek())
-    return {
-        "batch_size": batch_size,
-        "rows": batches.num_samples if arrays and not multiprocess else -1,
-        "steps": steps if isinstance(steps, int) else -1,
-        "shuffle": _SHUFFLE_CODES.get(shuffle, 1) if arrays else -1,
-    }
-
-
-def topology_of(mesh, batches):
-    """The processes, `mesh`'s devices and the rows per step of a fit, as ints (-1: unknown).
-
-    `local_batch` is process 0's rows per step: the batch size for array data
-    (global / processes), a dataset's first batch otherwise.
-    """
-    if hasattr(batches, "order"):  # `pipeline.arrays.ArrayBatches`
-        local = batches.batch_size
-    elif getattr(batches, "resumable", None) is not None:  # a Grain position: not read yet
-        local = -1
-    else:
-        local = batch_rows(batches.peek())
-    return {"processes": jax.process_count(), "devices": int(mesh.devices.size),
-            "local_batch": local}
-
-
-def topology_words(topology, processes=None):
-    """A `topology_of` dict in words: "2 processes of 2 devices each, a global batch of ..."."""
-    processes = topology.get("processes", processes)
-    devices = topology.get("devices", -1)
-    words = f"{processes} process{'es' if processes != 1 else ''}"
-    if devices > 0:
-        each = devices // processes if devices % processes == 0 else None
-        words += (f" of {each} device{'s' if each != 1 else ''}{' each' if processes > 1 else ''}"
-                  if each else f" with {devices} devices in all")
-    local = topology.get("local_batch", -1)
-    if local > 0:
-        words += (f", a global batch of {local * processes} rows ({local} on process 0)"
-                  if processes > 1 else f", a batch of {local} rows")
-    return words
-
-
-def _plan_words(name, value):
-    if name == "shuffle":
-        return "shuffle=" + {code: repr(key) for key, code in _SHUFFLE_CODES.items()}[value]
-    return {"batch_size": f"batch_size={value}", "rows": f"{value} rows of training data",
-            "steps": f"{value} steps per epoch"}[name]
-
-
-def _plan_tree(plan):
-    return {name: np.asarray(value, np.int64) for name, value in plan.items()}
 
 
 def _of(position):
@@ -591,7 +431,7 @@ def _manager_class(ocp):
 def abstract_state(model, shardings=None):
     """`model`'s training state as `jax.ShapeDtypeStruct`s: what a restore reads into.
 
-    `shardings` is a `TrainState` of shardings (`keras_dp.layout`, e.g. a
+    `shardings` is a `TrainState` of shardings (`keras_dp.sharding`, e.g. a
     trainer's `state_layout()`); default: where each Keras variable lies.
     """
     if shardings is None:
@@ -606,9 +446,9 @@ def _template(abstract, source=None, plan=None, topology=None):
     if source is not None:
         tree[guard.INPUT] = source.template()
     if plan is not None:
-        tree[guard.PLAN] = _plan_tree(plan)
+        tree[guard.PLAN] = plan_lib.plan_tree(plan)
     if topology is not None:
-        tree[guard.TOPOLOGY] = _plan_tree(topology)
+        tree[guard.TOPOLOGY] = plan_lib.plan_tree(topology)
     return tree
 
 

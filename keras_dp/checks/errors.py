@@ -5,11 +5,10 @@ Keras's layers or JAX's tracer, with dozens of frames of their code. These
 helpers find the user's own frame in it and, for the failures keras_dp
 knows, raise a `ValueError` that names what the user wrote, where, and what
 to do instead, without the chain of internals: a tensor read in Python
-(`untraceable_error`), a layer that cannot be compiled (`jit_failures`),
+(`untraceable_error`), a layer that cannot be compiled (`jit_failure`),
 a batch of other shapes than the first (`shape_change`).
 """
 
-import contextlib
 import re
 import traceback
 
@@ -65,9 +64,32 @@ def untraceable_error(error, what):
         f"on values. JAX reported: {first_line(reported[-1])}")
 
 
-@contextlib.contextmanager
-def jit_failures(model):
-    """Name the `supports_jit=False` layers when a compiled step fails to trace.
+def call_failure(error, model, peek, steps, device_batch, at):
+    """The error a compiled call that raised `error` should raise: `error`, or one naming the mistake.
+
+    Told as the user's mistake where keras_dp knows it (each a `ValueError`
+    that replaces `error`, raised `from None`): a layer that cannot be
+    compiled (`jit_failure`), or a batch whose shapes differ from the first
+    batch's (`shape_change`), in that order of asking. Anything else, and
+    any error of a step that compiled and ran (`jax.errors.JaxRuntimeError`),
+    is `error` itself. Called only when a call fails, so the calls that
+    succeed never pass through here.
+
+    Args:
+        error: what the call raised.
+        model: the Keras model.
+        peek: returns the first host batch (called only here: reading it
+            again can cost a shuffle of the whole epoch's order).
+        steps: the call's steps (K stacked for more than 1).
+        device_batch: the call's batch.
+        at: the call's `(epoch, index)`.
+    """
+    error = jit_failure(error, model) or error
+    return shape_change(error, peek, steps, device_batch, at) or error
+
+
+def jit_failure(error, model):
+    """A `ValueError` naming the `supports_jit=False` layers when a compiled step failed to trace; else None.
 
     Keras's `model.fit` runs a model with such a layer un-jitted; keras_dp
     always compiles its sharded step. Most such layers (RandomRotation,
@@ -75,56 +97,46 @@ def jit_failures(model):
     slices at traced offsets) fails here with the layer's name and the fix,
     instead of a trace error from deep inside JAX.
     """
-    try:
-        yield
-    except (FloatingPointError, KeyboardInterrupt, SystemExit):
-        raise
-    except jax.errors.JaxRuntimeError:
-        raise  # the step compiled and ran (out of memory, a failed callback)
-    except Exception as error:
-        layers = [layer for layer in _compat.all_layers(model)
-                  if not getattr(layer, "supports_jit", True)]
-        if not layers:
-            raise
-        raise ValueError(
-            f"keras_dp compiles every step with jax.jit, and this model has layers "
-            f"that set supports_jit=False: {model_checks.layer_names(layers)}. Keras's own "
-            "model.fit runs such "
-            "a model un-jitted; here the compiled step failed to trace: "
-            f"{type(error).__name__}: {first_line(error)} Do that "
-            "augmentation in the input pipeline instead (tf.data, or a "
-            "keras.utils.PyDataset), or use a layer that compiles (for a crop: "
-            "keras.layers.CenterCrop, or crop in the input pipeline)."
-        ) from None
+    if isinstance(error, (FloatingPointError, jax.errors.JaxRuntimeError)):
+        return None  # a step that compiled and ran (out of memory, a failed callback)
+    layers = [layer for layer in _compat.all_layers(model)
+              if not getattr(layer, "supports_jit", True)]
+    if not layers:
+        return None
+    return ValueError(
+        f"keras_dp compiles every step with jax.jit, and this model has layers "
+        f"that set supports_jit=False: {model_checks.layer_names(layers)}. Keras's own "
+        "model.fit runs such "
+        "a model un-jitted; here the compiled step failed to trace: "
+        f"{type(error).__name__}: {first_line(error)} Do that "
+        "augmentation in the input pipeline instead (tf.data, or a "
+        "keras.utils.PyDataset), or use a layer that compiles (for a crop: "
+        "keras.layers.CenterCrop, or crop in the input pipeline)."
+    )
 
 
-@contextlib.contextmanager
-def shape_change(peek, steps, device_batch, at):
-    """Name the batch when a compiled call fails on shapes that differ from the first batch's.
+def shape_change(error, peek, steps, device_batch, at):
+    """A `ValueError` naming the batch when a compiled call failed on shapes unlike the first batch's; else None.
 
-    `peek` returns the first host batch; it is called only when the call
-    fails (reading the first batch again can cost a shuffle of the whole
-    epoch's order). `device_batch` is the call's (K stacked for `steps` >
-    1), `at` its `(epoch, index)`. The model's own check decides: batches
-    of other shapes that it takes (a `None` length) train.
+    `peek` returns the first host batch; `device_batch` is the call's (K
+    stacked for `steps` > 1), `at` its `(epoch, index)`. The model's own
+    check decides: batches of other shapes that it takes (a `None` length)
+    train.
     """
-    try:
-        yield
-    except jax.errors.JaxRuntimeError:
-        raise  # the step ran: not a matter of shapes
-    except Exception as error:
-        changed = _changed_shapes(peek(), steps, device_batch)
-        if changed is None:
-            raise
-        epoch, index = at
-        raise ValueError(
-            f"Batch {index} of epoch {epoch + 1} (counted from 0 within the epoch) "
-            f"has arrays of shapes {changed[1]} after the row dimension, where the "
-            f"first batch had {changed[0]}, and the model cannot take them: "
-            f"{type(error).__name__}: {first_line(error)} Give every batch the "
-            "shapes the model was built for (with keras.Input, only dimensions "
-            "given as None may vary)."
-        ) from None
+    if isinstance(error, jax.errors.JaxRuntimeError):
+        return None  # the step ran: not a matter of shapes
+    changed = _changed_shapes(peek(), steps, device_batch)
+    if changed is None:
+        return None
+    epoch, index = at
+    return ValueError(
+        f"Batch {index} of epoch {epoch + 1} (counted from 0 within the epoch) "
+        f"has arrays of shapes {changed[1]} after the row dimension, where the "
+        f"first batch had {changed[0]}, and the model cannot take them: "
+        f"{type(error).__name__}: {first_line(error)} Give every batch the "
+        "shapes the model was built for (with keras.Input, only dimensions "
+        "given as None may vary)."
+    )
 
 
 def _changed_shapes(first, steps, device_batch):

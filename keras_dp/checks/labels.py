@@ -17,7 +17,7 @@ import keras
 import numpy as np
 
 from keras_dp import _compat
-from keras_dp.sources.batch import is_real
+from keras_dp.checks.data import is_real
 
 
 def label_check(model, x):

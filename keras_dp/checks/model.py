@@ -8,12 +8,12 @@ naming the layer or setting and the fix.
 """
 
 import inspect
-import warnings
 
 import jax
 import keras
 
 from keras_dp import _compat
+from keras_dp import _messages
 
 
 def require_compiled(model, what):
@@ -176,10 +176,10 @@ def check_model(model):
     if model.compiled and (model.run_eagerly or model.jit_compile is False):
         why = ("run_eagerly=True" if model.run_eagerly else "jit_compile=False (from "
                "compile, or set by a layer with supports_jit=False)")
-        warnings.warn(
+        _messages.warn(
             f"The model is compiled with {why}, but keras_dp always compiles its "
             "sharded step: call() is traced, not run eagerly. To debug it "
-            "eagerly, use model.fit on one device.", UserWarning, stacklevel=3)
+            "eagerly, use model.fit on one device.", UserWarning)
 
 
 # Keras's preprocessing layers that call TensorFlow ops whatever the backend:

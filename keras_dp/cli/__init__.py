@@ -14,16 +14,8 @@ import argparse
 import os
 import sys
 
-# With no GPU or TPU, `keras-dp train` splits the CPU into this many
-# simulated devices, so that a first run shows the data parallelism.
-DEFAULT_CPU_DEVICES = 2
-# Epochs when --epochs is not given. An epoch of the bundled subset is 79
-# steps of 64, and BatchNormalization's moving statistics (momentum 0.99),
-# which the test set is scored with, need several hundred steps to follow
-# the weights: after 2 such epochs the test accuracy was near chance (0.09).
-DEFAULT_EPOCHS = 2
-DEFAULT_EPOCHS_ON_THE_SUBSET = 10
-_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+from keras_dp.cli import defaults
+
 # The exit status after Ctrl-C, as a shell gives a command that SIGINT ended (128 + 2).
 INTERRUPTED_STATUS = 130
 
@@ -78,8 +70,8 @@ def _add_train_parser(commands):
     train.add_argument("--model", default="convnet", choices=["convnet", "resnet18"],
                        help="the model to train (default: %(default)s)")
     train.add_argument("--epochs", type=positive_int, default=None,
-                       help=f"default: {DEFAULT_EPOCHS} on full MNIST, "
-                            f"{DEFAULT_EPOCHS_ON_THE_SUBSET} on the bundled subset")
+                       help=f"default: {defaults.DEFAULT_EPOCHS} on full MNIST, "
+                            f"{defaults.DEFAULT_EPOCHS_ON_THE_SUBSET} on the bundled subset")
     train.add_argument("--batch-size", type=positive_int, default=64,
                        help="global batch, split over the devices (default: %(default)s)")
     train.add_argument("--learning-rate", type=positive_float, default=1e-3,
@@ -93,7 +85,7 @@ def _add_train_parser(commands):
     train.add_argument("--cpu-devices", type=positive_int, default=None, metavar="N",
                        help="run on N simulated CPU devices (sets XLA_FLAGS and "
                             "JAX_PLATFORMS=cpu before JAX starts; default: "
-                            f"{DEFAULT_CPU_DEVICES} on a machine without GPU or TPU)")
+                            f"{defaults.DEFAULT_CPU_DEVICES} on a machine without GPU or TPU)")
     train.add_argument("--output-dir", default="keras_dp_output",
                        help="where the model and plot go (default: %(default)s)")
     train.add_argument("--model-path", default=None,
@@ -219,9 +211,9 @@ def _train(parser, args):
                      "KERAS_DP_COORDINATOR asks to join several (keras-dp launch sets "
                      "it). Run keras-dp train --ensemble N without launch.")
     if args.cpu_devices is not None:
-        use_cpu_devices(args.cpu_devices)
+        defaults.use_cpu_devices(args.cpu_devices)
     elif not distributed.requested_by_environment():
-        args.default_cpu_devices = default_cpu_devices(os.environ)
+        args.default_cpu_devices = defaults.default_cpu_devices(os.environ)
     if distributed.requested_by_environment():  # started by `keras-dp launch` or by hand
         distributed.initialize()
     from keras_dp.cli import train
@@ -316,56 +308,3 @@ def _directory_problem(directory):
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"{existing} is not writable"
     return None
-
-
-def use_cpu_devices(count):
-    """Make JAX start with `count` simulated CPU devices.
-
-    Raises:
-        ValueError: `count` is below 1.
-        RuntimeError: JAX has already started a backend (too late to change).
-    """
-    from keras_dp import _compat
-
-    if count < 1:
-        raise ValueError(f"--cpu-devices must be at least 1. Received: {count}.")
-    # JAX is always imported here (through Keras); what matters is whether it
-    # has started a backend yet.
-    if _compat.jax_backend_started():
-        raise RuntimeError(
-            "JAX has already started, so the number of CPU devices can no "
-            "longer change. Set XLA_FLAGS=--xla_force_host_platform_device_count"
-            f"={count} before starting Python, or restart the kernel."
-        )
-    cpu_device_environment(count, environ=os.environ)
-
-
-def cpu_device_environment(count, environ=None):
-    """The environment that makes a new JAX start with `count` CPU devices.
-
-    Edits `XLA_FLAGS` (`--xla_force_host_platform_device_count`, XLA's own
-    flag) and sets `JAX_PLATFORMS=cpu`, in `environ` (default: a copy of
-    `os.environ`). Returns the edited mapping.
-    """
-    env = dict(os.environ) if environ is None else environ
-    flags = [flag for flag in env.get("XLA_FLAGS", "").split()
-             if not flag.startswith(_DEVICE_COUNT_FLAG)]
-    env["XLA_FLAGS"] = " ".join(flags + [f"{_DEVICE_COUNT_FLAG}={count}"])
-    env["JAX_PLATFORMS"] = "cpu"
-    return env
-
-
-def default_cpu_devices(environ):
-    """Ask XLA for `DEFAULT_CPU_DEVICES` CPU devices, unless `XLA_FLAGS` sets a count.
-
-    Only XLA's CPU platform reads the flag: on a machine with a GPU or TPU,
-    JAX still trains on those, and the simulated CPU devices go unused.
-
-    Returns:
-        Whether the default was applied (the CLI then says so, on CPU).
-    """
-    flags = environ.get("XLA_FLAGS", "")
-    if _DEVICE_COUNT_FLAG in flags:
-        return False
-    environ["XLA_FLAGS"] = f"{flags} {_DEVICE_COUNT_FLAG}={DEFAULT_CPU_DEVICES}".strip()
-    return True

@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 
-from keras_dp import cli
+from keras_dp.cli import defaults
 from keras_dp import distributed
 from keras_dp.checkpoint import preemption
 
@@ -137,7 +137,7 @@ def child_environment(index, processes, address, cpu_devices=None):
     env[distributed.PROCESS_ID_ENV] = str(index)
     env["PYTHONUNBUFFERED"] = "1"  # lines arrive as they are printed
     if cpu_devices is not None:
-        cli.cpu_device_environment(cpu_devices, env)
+        defaults.cpu_device_environment(cpu_devices, env)
     return env
 
 

@@ -7,8 +7,8 @@ import sys
 
 import keras
 
-from keras_dp.cli import DEFAULT_EPOCHS
-from keras_dp.cli import DEFAULT_EPOCHS_ON_THE_SUBSET
+from keras_dp.cli.defaults import DEFAULT_EPOCHS
+from keras_dp.cli.defaults import DEFAULT_EPOCHS_ON_THE_SUBSET
 
 Mnist = collections.namedtuple("Mnist", "train test source bundled")
 

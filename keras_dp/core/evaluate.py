@@ -1,6 +1,6 @@
 """The loops that run the model without training it: `evaluate` and `predict`.
 
-Both read their data as `fit` does (`placement.steps`: K batches of one
+Both read their data as `fit` does (the hosts' `steps`: K batches of one
 row count per compiled call, the rest one by one) and call the trainer's
 compiled test or predict programs, with Keras's callback hooks around each
 call. `fit`'s validation runs `evaluate` with the live weights
@@ -13,13 +13,14 @@ import contextlib
 import jax
 import numpy as np
 
-from keras_dp.multihost import agreement
-from keras_dp.keras import callbacks as callbacks_lib
-from keras_dp.core import inflight
 from keras_dp.checks import labels as labels_lib
-from keras_dp.core import placement as placement_lib
 from keras_dp.core import programs as programs_lib
+from keras_dp.core.live import Throttle
+from keras_dp.core.state import TrainState
 from keras_dp.core.state import fresh_metrics
+from keras_dp.core.state import model_weights
+from keras_dp.core.state import write_back
+from keras_dp.keras import callbacks as callbacks_lib
 
 
 def evaluate(trainer, weights, batches, callbacks, before_end, programs=None):
@@ -43,18 +44,20 @@ def evaluate(trainer, weights, batches, callbacks, before_end, programs=None):
         The final logs as python floats, in Keras's order.
     """
     if programs is None:  # its own: what it compiles ahead ends with it
-        with contextlib.closing(programs_lib.EvalPrograms(trainer, batches)) as programs:
+        programs = programs_lib.EvalPrograms(
+            trainer.programs, batches, layout=trainer.layout,
+            steps_per_execution=trainer.steps_per_execution, ahead=trainer.hosts.compiles_ahead)
+        with contextlib.closing(programs):
             return evaluate(trainer, weights, batches, callbacks, before_end, programs)
     labels_lib.check_data(trainer.model, (batches, "the data"))
     metrics = fresh_metrics(trainer.model, trainer.mesh, trainer.state_layout().metrics)
-    throttle = inflight.Throttle(trainer.steps_in_flight)
+    throttle = Throttle(trainer.steps_in_flight)
     logs, index = None, 0
     trainer.model.stop_evaluating = False  # as Keras's evaluate clears it
     callbacks.on_test_begin()
     trainable, non_trainable = weights() if callable(weights) else weights
-    placed = trainer.placement.steps(
-        batches.epoch(0), trainer.steps_per_execution, batches.peek(),
-        placement_lib.planned_rows(batches))
+    placed = trainer.hosts.steps(batches.epoch(0), trainer.steps_per_execution, batches.peek(),
+                                 batches.planned_rows())
     with contextlib.closing(placed), callbacks_lib.released_on_error(callbacks):
         for steps, device_batch in placed:
             callbacks.on_test_batch_begin(index)
@@ -87,20 +90,20 @@ def predict(trainer, weights, batches, callbacks):
         `(outputs, non_trainable)`: numpy arrays with one row per input
         row, and the non-trainable values the last predict step left.
     """
-    placement, outputs, index = trainer.placement, [], 0
+    hosts, outputs, index = trainer.hosts, [], 0
     trainer.model.stop_predicting = False  # as Keras's predict clears it
     callbacks.on_predict_begin()
     weights = weights() if callable(weights) else weights
     trainable, non_trainable = weights
     inputs = (batch[0] for batch in batches.epoch(0))
-    placed = placement.steps(inputs, trainer.steps_per_execution, batches.peek()[0],
-                             placement_lib.planned_rows(batches))
+    placed = hosts.steps(inputs, trainer.steps_per_execution, batches.peek()[0],
+                         batches.planned_rows())
     with contextlib.closing(placed), callbacks_lib.released_on_error(callbacks):
         for steps, x_device in placed:
             callbacks.on_predict_batch_begin(index)
             output, non_trainable = trainer.programs.predict(steps)(
                 (trainable, non_trainable), x_device)
-            rows = placement.local_rows if steps == 1 else placement.stacked_local_rows
+            rows = hosts.local_rows if steps == 1 else hosts.stacked_local_rows
             output = jax.tree.map(lambda out: rows(out, x_device), output)  # noqa: B023
             outputs.append(output)
             index += steps
@@ -115,13 +118,11 @@ def _stops(trainer, flag, placed, index):
     """Whether a callback set `model.<flag>`, stopping the loop after batch `index`, as Keras's does.
 
     Across processes, a stop before the last batch must be every process's
-    (`agreement.stop_mid_pass`); finding whether it is the last places the
-    next batch, which the stop then drops.
+    (the hosts' `stop_mid_pass`).
     """
     if not getattr(trainer.model, flag, False):
         return False
-    if trainer.multiprocess and next(placed, None) is not None:
-        agreement.stop_mid_pass(trainer.placement, flag, index)
+    trainer.hosts.stop_mid_pass(placed, flag, index)
     return True
 
 
@@ -138,3 +139,48 @@ def _join(*parts):
             "length's batches apart."
         )
     return np.concatenate(parts)
+
+
+def evaluate_call(trainer, batches, callbacks, verbose, return_dict=False):
+    """`ShardedTrainer.evaluate` on a prepared source: Keras's callbacks, the loop, the result.
+
+    As `model.evaluate` does, the model keeps what the test steps left,
+    given to it before `on_test_end`, so what a callback changes there
+    stays. Returns the loss alone when there are no metrics, else a list
+    in the order of `model.metrics_names`, or with `return_dict` a dict by
+    name in sorted order (as Keras's logs are).
+    """
+    model = trainer.model
+    callbacks = callbacks_lib.callback_list(callbacks, model, verbose, history=False,
+                                            epochs=1, steps=batches.steps)
+
+    def keep(non_trainable, metrics):
+        write_back(TrainState(None, non_trainable, None, metrics), model)
+
+    with trainer.hosts.watch("evaluate"):
+        logs = evaluate(  # read after on_test_begin
+            trainer, lambda: model_weights(model, trainer.mesh, trainer.state_layout()),
+            batches, callbacks, keep)
+    if return_dict:
+        return dict(sorted(logs.items()))
+    return callbacks_lib.in_evaluate_order(logs, model)
+
+
+def predict_call(trainer, batches, callbacks, verbose):
+    """`ShardedTrainer.predict` on a prepared source: outputs with one row per input row.
+
+    As `model.predict` does, the model keeps the non-trainable values the
+    predict steps leave (a SeedGenerator's state); the model may have no
+    optimizer here, so the weights are laid out from the model's variables.
+    """
+    model = trainer.model
+    callbacks = callbacks_lib.callback_list(callbacks, model, verbose, history=False,
+                                            epochs=1, steps=batches.steps)
+    shardings = trainer.layout.state_shardings(TrainState(
+        model.trainable_variables, model.non_trainable_variables, None, None))
+    with trainer.hosts.watch("predict"):
+        outputs, non_trainable = predict(  # read after on_predict_begin
+            trainer, lambda: model_weights(model, trainer.mesh, shardings), batches, callbacks)
+    write_back(TrainState(None, non_trainable, None, None), model,
+               TrainState(None, model.non_trainable_variables, None, None))
+    return outputs

@@ -1,39 +1,40 @@
 """The loop of `fit`, as short functions, in the order they run.
 
 `fit` runs epochs; each epoch is `start_epoch` (callbacks, the state in),
-`train_batches` (batches from a feed: host batches placed on the devices,
-`placement.HostFeed`, or rows gathered from data kept there,
-`resident.ResidentFeed`;
-one compiled call per step or per K steps, callbacks around each),
-`validate` (`keras_dp.core.evaluate.evaluate` with the live weights), and the
-epoch's end (`end_epoch`: a checkpoint, a preemption exit). The state of the epoch in progress is held by a
-`keras_dp.core.state.LiveModel`, so that a callback, an exception or an
-interrupt always finds the Keras model current. Each epoch's time is split
-by part as it goes (`keras_dp.diagnostics.timing`).
+`train_batches` (batches from a feed, `keras_dp.core.feed`: host batches
+placed on the devices, or rows gathered from data kept there; one compiled
+call per step or per K steps, callbacks around each), `validate`
+(`keras_dp.core.evaluate.evaluate` with the live weights), and the epoch's
+end (`end_epoch`: a checkpoint, a preemption exit). The state of the epoch
+in progress is held by a `keras_dp.core.live.LiveModel`, so that a
+callback, an exception or an interrupt always finds the Keras model
+current. Each epoch's time is split by part as it goes (`EpochTimer`).
 
-Every function takes the `ShardedTrainer` whose parts it runs (through the
-`FitRun`): its `model`, `placement`, compiled train steps, `steps_per_execution`
-and `steps_in_flight`.
+Every function takes the `FitRun` of one fit: the trainer whose parts it
+runs (its `model`, `hosts`, programs, `steps_per_execution` and
+`steps_in_flight`), its source, feed, callbacks and checkpoints. What
+differs across processes is the hosts' (`keras_dp.multihost.hosts`).
 """
 
 import contextlib
 import dataclasses
-import functools
 import os
+import time
+
+import jax
 
 from keras_dp import _compat
-from keras_dp.multihost import agreement
-from keras_dp.keras import callbacks as callbacks_lib
-from keras_dp.checkpoint import store as checkpoint_lib
+from keras_dp import options
 from keras_dp.checks import errors as explain
-from keras_dp.core import evaluate as inference
-from keras_dp.core import inflight
 from keras_dp.checks import model as model_checks
-from keras_dp.checkpoint import preemption as preemption_lib
+from keras_dp.core import evaluate as inference
 from keras_dp.core import programs as programs_lib
 from keras_dp.core import state as state_lib
-from keras_dp.diagnostics import timing
-from keras_dp.core.state import LiveModel
+from keras_dp.core.live import LiveModel
+from keras_dp.core.live import Position
+from keras_dp.core.live import Throttle
+from keras_dp.core.live import failure_message
+from keras_dp.keras import callbacks as callbacks_lib
 
 
 @dataclasses.dataclass
@@ -47,32 +48,59 @@ class FitRun:
     feed: object = None
     checkpoints: object = None
     preemption: object = None
-    profile: object = None  # a `timing.Profile` of the first epoch
-    timer: object = None  # the `timing.EpochTimer` of the epoch in progress
+    profile: object = None  # a `Profile` of the first epoch
+    timer: object = None  # the `EpochTimer` of the epoch in progress
     validation: object = None  # the validation's `programs.EvalPrograms`
+    peak_flops_per_s: float | None = None  # the devices' together, where known
 
     @property
     def model(self):
         """The Keras model being trained."""
         return self.trainer.model
 
+    @property
+    def hosts(self):
+        """What differs across processes (`keras_dp.multihost.hosts`)."""
+        return self.trainer.hosts
 
-def fit(trainer, batches, val, callbacks, *, epochs, resume, validation_freq, feed,
-        checkpoints=None, profile_dir=None):
+
+def fit(trainer, batches, val, callbacks, *, verbose, epochs, resume, validation_freq,
+        checkpoints=None, plan=None, profile_dir=None, peak_flops_per_s=None):
     """Train from `resume` to epoch `epochs - 1`; return the model's History.
 
-    `resume` (a `checkpoint.Position`) is the epoch to start at and how many
-    of its steps a restored checkpoint has done already; a
+    Makes the `CallbackList` of `callbacks` (`verbose` as in `model.fit`:
+    History and the progress bar, on process 0) and the fit's feed
+    (`trainer.use_feed`, from `plan`, the step's `MemoryPlan` where fit made
+    one), then runs the epochs (`run_epochs`) with Keras's announcing
+    callbacks silent on processes other than 0.
+    """
+    # Process 0 writes the callbacks' files; with a state split across
+    # processes, every process takes part in their reads of the model.
+    callbacks = callbacks_lib.callback_list(
+        callbacks, trainer.model, verbose, epochs=epochs, steps=batches.steps,
+        collective_reads=trainer.hosts.reads_collectively)
+    feed = trainer.use_feed(batches, plan)  # first: its data takes memory
+    with callbacks_lib.announced_on_process_0(callbacks):
+        return run_epochs(trainer, batches, val, callbacks, epochs=epochs, resume=resume,
+                          validation_freq=validation_freq, feed=feed, checkpoints=checkpoints,
+                          profile_dir=profile_dir, peak_flops_per_s=peak_flops_per_s)
+
+
+def run_epochs(trainer, batches, val, callbacks, *, epochs, resume, validation_freq, feed,
+               checkpoints=None, profile_dir=None, peak_flops_per_s=None):
+    """Train from `resume` to epoch `epochs - 1` with `callbacks` (a `CallbackList`).
+
+    `resume` (a `Position`) is the epoch to start at and how many of its
+    steps a restored checkpoint has done already; a
     `keras.callbacks.BackupAndRestore` that restores a backup in
     `on_train_begin` moves the start, as under `model.fit`. `feed` brings
-    the batches to the steps (`placement.HostFeed` or
-    `resident.ResidentFeed`, as `resident.make_feed` chose; its programs
-    are compiled ahead where the epoch's plan is known,
-    `programs.CompilingFeed`, and with them, during the first epoch, the
-    validation's, if any epoch validates). Each epoch's
-    `timing.EpochTimer.result()` is appended to `trainer.timings`, emptied
+    the batches to the steps (`feed.HostFeed` or `feed.ResidentFeed`, as
+    `feed.make_feed` chose; its programs are compiled ahead where the
+    epoch's plan is known, `programs.CompilingFeed`, and with them, during
+    the first epoch, the validation's, if any epoch validates). Each
+    epoch's `EpochTimer.result()` is appended to `trainer.timings`, emptied
     first; with `profile_dir`, a few calls of the first epoch are traced
-    there (`timing.Profile`). Whatever ends the loop (an exception, Ctrl-C
+    there (`Profile`). Whatever ends the loop (an exception, Ctrl-C
     at any moment), the model holds the state of the last completed step
     when this returns or raises, a step that failed at run time included
     when the steps keep their input (`trainer.keeps_last_good`); if the
@@ -92,33 +120,29 @@ def fit(trainer, batches, val, callbacks, *, epochs, resume, validation_freq, fe
     model.stop_training = False
     last = resume.epoch if resume.stopped else epochs  # a stopped run trains nothing
     validation = _validation_programs(trainer, val, range(resume.epoch, last), validation_freq)
-    feed = programs_lib.CompilingFeed(feed, trainer, batches, validation)
-    before_gather = None
-    if trainer.reads_collectively:
-        before_gather = functools.partial(agreement.same_read, trainer.placement)
-    run = FitRun(trainer, batches, LiveModel(model, before_gather), callbacks, feed,
-                 checkpoints, validation=validation)
+    feed = programs_lib.CompilingFeed(
+        feed, batches, layout=trainer.layout, steps_per_execution=trainer.steps_per_execution,
+        unroll=trainer.unroll, ahead=trainer.hosts.compiles_ahead, validation=validation)
+    run = FitRun(trainer, batches, LiveModel(model, trainer.hosts.before_gather), callbacks,
+                 feed, checkpoints, validation=validation, peak_flops_per_s=peak_flops_per_s)
     run.profile = _profile(profile_dir)
     trainer.timings = []
     epoch_logs, finished, stopped = {}, False, None
     callbacks.on_train_begin()
     start = _compat.take_initial_epoch(model) or resume.epoch
     try:
-        if trainer.multiprocess and (checkpoints is not None
-                                     or callbacks_lib.restores(callbacks)):
-            agreement.same_start(trainer.placement, start,
-                                 resume.steps if start == resume.epoch else 0)
-        with run.live.attached(), preemption_lib.preemption(
-                trainer.multiprocess, saving=checkpoints is not None) as preemption:
-            # Across processes JAX's runtime takes SIGTERM: act on it, saved or not.
+        if checkpoints is not None or callbacks_lib.restores(callbacks):
+            run.hosts.same_start(start, resume.steps if start == resume.epoch else 0)
+        with run.live.attached(), run.hosts.preemption(
+                saving=checkpoints is not None) as preemption:
             run.preemption = preemption
             for epoch in range(start, last):
-                validate_now = val is not None and callbacks_lib.should_validate(
+                validate_now = val is not None and options.should_validate(
                     epoch, validation_freq)
                 skip = resume.steps if epoch == resume.epoch else 0
                 epoch_logs = run_epoch(run, epoch, skip, val if validate_now else None)
                 stop = stops_after(run, epoch, epochs)
-                stopped = checkpoint_lib.Position(epoch + 1, 0, stopped=True) if stop else None
+                stopped = Position(epoch + 1, 0, stopped=True) if stop else None
                 end_epoch(run, epoch, stop)
                 if stop:
                     break
@@ -159,7 +183,7 @@ def _profile(profile_dir):
     """
     if profile_dir is None:
         return None
-    directory = checkpoint_lib.check_dir(profile_dir, "profile_dir")
+    directory = options.check_dir(profile_dir, "profile_dir")
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as error:
@@ -170,14 +194,16 @@ def _profile(profile_dir):
             f"{directory} {reason}. Received: profile_dir={profile_dir!r}. "
             "Pass a directory's path."
         ) from None
-    return timing.Profile(directory)
+    return Profile(directory)
 
 
 def _validation_programs(trainer, val, epochs, validation_freq):
     """The `programs.EvalPrograms` of `val` if one of `epochs` validates, else None."""
-    if val is None or not callbacks_lib.validations(epochs, validation_freq):
+    if val is None or not options.validations(epochs, validation_freq):
         return None
-    return programs_lib.EvalPrograms(trainer, val)
+    return programs_lib.EvalPrograms(trainer.programs, val, layout=trainer.layout,
+                                     steps_per_execution=trainer.steps_per_execution,
+                                     ahead=trainer.hosts.compiles_ahead)
 
 
 def stops_after(run, epoch, epochs):
@@ -189,10 +215,9 @@ def stops_after(run, epoch, epochs):
     value of its own) stops all, where the others would wait for it in the
     next step for ever.
     """
-    stop = run.model.stop_training or getattr(run.batches, "exhausted", False)
-    if run.trainer.placement.multiprocess and (
-            epoch + 1 < epochs or run.checkpoints is not None):
-        stop = run.model.stop_training = run.trainer.placement.any_process(stop)
+    stop = run.model.stop_training or run.batches.exhausted
+    if epoch + 1 < epochs or run.checkpoints is not None:
+        stop = run.hosts.stop_together(run.model, stop)
     return stop
 
 
@@ -202,7 +227,7 @@ def run_epoch(run, epoch, skip, val):
     `skip` steps of the epoch are done already (a restored checkpoint, whose
     metrics hold their running totals).
     """
-    run.timer = timing.EpochTimer(epoch, timing.peak_flops_per_s(run.trainer.mesh, run.model))
+    run.timer = EpochTimer(epoch, run.peak_flops_per_s)
     start_epoch(run, epoch, skip)
     logs = train_batches(run, epoch, skip)
     # No logs: a one-shot stream ran dry at the epoch's start (fit stops).
@@ -247,11 +272,7 @@ def start_epoch(run, epoch, skip):
     # A layer's `trainable` set by a callback during the fit is refused here
     # (or at the read of a model a callback changed), before the next step.
     model_checks.check_trainable_unchanged(run.model)
-    needs_read = live.needs_read()
-    if trainer.placement.multiprocess:
-        needs_read = trainer.placement.any_process(needs_read)
-        if needs_read:
-            live.sync()  # process 0's model must hold its latest state
+    needs_read = run.hosts.any_reads(live.needs_read(), live.sync)
     if needs_read:
         live.read(trainer.init_state(), (epoch, skip))
     elif not skip:
@@ -271,7 +292,7 @@ def train_batches(run, epoch, skip):
         FloatingPointError: a step's loss was NaN or Inf (unless a callback
             such as `TerminateOnNaN` stopped training instead).
     """
-    throttle = inflight.Throttle(run.trainer.steps_in_flight)
+    throttle = Throttle(run.trainer.steps_in_flight)
     placed = run.feed.epoch(epoch, skip)
     index, logs, timer = skip, None, run.timer
     # Closing it on a break (stop_training) stops the look-ahead thread now.
@@ -280,7 +301,7 @@ def train_batches(run, epoch, skip):
             timer.lap("input_s")
             if run.preemption is not None and run.preemption.requested:
                 throttle.drain()
-                save_and_exit(run, checkpoint_lib.Position(epoch, index))
+                save_and_exit(run, Position(epoch, index))
             run.callbacks.on_train_batch_begin(index)
             timer.lap("callbacks_s")
             logs = train_call(run, steps, device_batch, throttle, (epoch, index))
@@ -292,8 +313,8 @@ def train_batches(run, epoch, skip):
             run.callbacks.on_train_batch_end(index - 1, logs)
             timer.lap("callbacks_s")
             if throttle.failure is not None or run.model.stop_training:
-                if throttle.failure is None and run.trainer.multiprocess:
-                    _check_stop_everywhere(run, epoch, index - 1, placed)
+                if throttle.failure is None:  # every process's stop, or a clear error
+                    run.hosts.stop_mid_epoch(placed, epoch, index - 1)
                 break
         timer.lap("input_s")  # the wait that found the epoch's end
     throttle.drain()
@@ -301,19 +322,8 @@ def train_batches(run, epoch, skip):
     if run.profile is not None:
         run.profile.close()  # the first epoch only
     if throttle.failure is not None and not run.model.stop_training:
-        raise FloatingPointError(inflight.failure_message(epoch, *throttle.failure))
+        raise FloatingPointError(failure_message(epoch, *throttle.failure))
     return logs
-
-
-def _check_stop_everywhere(run, epoch, batch, placed):
-    """Across processes, a stop before the epoch's last batch must be every process's.
-
-    A stop at the last batch needs nothing: every process goes on to the
-    epoch's end, where they agree (`stops_after`). Finding which it is
-    places the next batch (if any), which the stop then drops.
-    """
-    if next(placed, None) is not None:
-        agreement.stop_mid_epoch(run.trainer.placement, epoch, batch)
 
 
 def train_call(run, steps, device_batch, throttle, at):
@@ -325,10 +335,15 @@ def train_call(run, steps, device_batch, throttle, at):
     (epoch, index) = at
     if live.needs_read():  # a callback changed the model
         live.read(trainer.init_state(), at)
-    with explain.shape_change(run.batches.peek, steps, device_batch, at), \
-            explain.jit_failures(trainer.model):
+    try:
         logs, finite = live.advance(
             lambda state: run.feed.call(state, steps, device_batch), (epoch, index + steps))
+    except Exception as error:  # told as the user's mistake where keras_dp knows it
+        explained = explain.call_failure(error, trainer.model, run.batches.peek, steps,
+                                         device_batch, at)
+        if explained is error:
+            raise
+        raise explained from None
     throttle.add((index, finite, logs))
     return logs
 
@@ -346,19 +361,20 @@ def validate(run, val):
     `on_test_end`, as Keras's evaluate gives them.
     """
     live, read = run.live, run.trainer.init_state
-    any_process = run.trainer.placement.any_process if run.trainer.multiprocess else None
 
-    tested = functools.partial(live.tested, read, any_process=any_process,
-                               model_read=callbacks_lib.beyond_logs(run.callbacks))
+    def tested(non_trainable, metrics):
+        live.tested(read, non_trainable, metrics, hosts=run.hosts,
+                    model_read=callbacks_lib.beyond_logs(run.callbacks))
+
     logs = inference.evaluate(
-        run.trainer, lambda: live.current(read, any_process).weights, val, run.callbacks,
+        run.trainer, lambda: live.current(read, run.hosts).weights, val, run.callbacks,
         tested, run.validation)
     return {f"val_{name}": value for name, value in logs.items()}
 
 
 def end_epoch(run, epoch, stop=False):
     """Save a checkpoint of the finished epoch (marked `stop`ped); exit if SIGTERM asked to."""
-    position = checkpoint_lib.Position(epoch + 1, 0, stopped=stop)
+    position = Position(epoch + 1, 0, stopped=stop)
     if run.checkpoints is not None:
         run.checkpoints.save_live(run.live, run.trainer, position)
     if run.preemption is not None and run.preemption.requested:
@@ -374,4 +390,101 @@ def save_and_exit(run, position):
 
 def _exit(run, position):
     directory = None if run.checkpoints is None else run.checkpoints.directory
-    preemption_lib.exit_after_preemption(directory, position)
+    run.preemption.exit(directory, position)
+
+
+# The parts of an epoch's time (`EpochTimer`), beside `other_s`.
+PARTS = ("input_s", "steps_s", "callbacks_s", "validation_s")
+
+
+class EpochTimer:
+    """The seconds of one epoch, by part.
+
+    The loop marks the end of each part (`lap`) with `time.perf_counter`
+    at points where it passes anyway, so timing adds no device
+    synchronisation, and the parts add up to the epoch's wall time:
+    `input_s` (waiting for the next batch or stack, its copy to the devices
+    included), `steps_s` (dispatching calls and waiting on the bound of
+    steps in flight, the first call's compile included), `callbacks_s`
+    (their hooks, and writing the state back when one looks),
+    `validation_s`, and `other_s` (resetting metrics, reading the model,
+    the logs to Python floats). The FLOPs of the epoch's training calls
+    (`programs.CompilingFeed.flops`, all devices) over its training time
+    (without validation) give its FLOP/s, and against the devices' peak,
+    the fraction of peak.
+
+    Started when made; `lap(name)` counts the time since the previous lap
+    (or the start) towards part `name`; `samples` counts the rows trained on.
+    """
+
+    def __init__(self, epoch, peak_flops_per_s=None):
+        self.epoch = epoch
+        self.peak_flops_per_s = peak_flops_per_s
+        self.samples = 0
+        self.seconds = dict.fromkeys(PARTS + ("other_s",), 0.0)
+        self._start = self._last = time.perf_counter()
+
+    def lap(self, name):
+        """End a part: the seconds since the previous lap go to `name`."""
+        now = time.perf_counter()
+        self.seconds[name] += now - self._last
+        self._last = now
+
+    def result(self, flops=None):
+        """The epoch's breakdown: a dict of seconds, samples, FLOPs and rates.
+
+        Keys: `epoch`, `wall_s` (from the start of the epoch to now, the
+        end of its `on_epoch_end` callbacks), the parts of `PARTS` and
+        `other_s` (which add up to `wall_s`: the time since the last lap
+        goes to `other_s`), `samples`, and `samples_per_s`: the samples
+        over the epoch's training time, its wall time without validation.
+        `flops` (the epoch's training FLOPs, all devices; None if unknown),
+        `flops_per_s` (over the same training time), `peak_flops_per_s`
+        (all devices, None where `PEAK_FLOPS` does not know them) and
+        `fraction_of_peak` (None unless both are known).
+        """
+        self.lap("other_s")
+        wall = self._last - self._start
+        training = wall - self.seconds["validation_s"]
+        rate = None if flops is None or training <= 0 else flops / training
+        peak = self.peak_flops_per_s
+        return {
+            "epoch": self.epoch, "wall_s": wall, **self.seconds, "samples": self.samples,
+            "samples_per_s": self.samples / training if training > 0 else 0.0,
+            "flops": flops, "flops_per_s": rate, "peak_flops_per_s": peak,
+            "fraction_of_peak": None if rate is None or peak is None else rate / peak,
+        }
+
+
+class Profile:
+    """A `jax.profiler` trace of `calls` compiled calls after the first.
+
+    `after_call(count)` is told how many calls of the traced epoch have been
+    dispatched: the trace starts after the first (its compilation stays
+    out) and stops after `calls` more, once the last of them is finished;
+    `close` stops it at the epoch's end, or if training ends early.
+
+    Args:
+        directory: where `jax.profiler.start_trace` writes (a TensorBoard
+            log directory: `plugins/profile/<run>/*.xplane.pb`).
+        calls: how many calls to trace.
+    """
+
+    def __init__(self, directory, calls=5):
+        self.directory, self.calls = str(directory), calls
+        self._state = "waiting"
+
+    def after_call(self, count, logs):
+        """Start or stop the trace after the `count`-th call (whose logs are `logs`)."""
+        if self._state == "waiting" and count == 1:
+            jax.profiler.start_trace(self.directory)
+            self._state = "tracing"
+        elif self._state == "tracing" and count == 1 + self.calls:
+            jax.block_until_ready(logs)  # the traced calls run inside the trace
+            self.close()
+
+    def close(self):
+        """Stop the trace if it is running; no later call starts it again."""
+        if self._state == "tracing":
+            jax.profiler.stop_trace()
+        self._state = "done"

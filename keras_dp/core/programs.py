@@ -1,15 +1,15 @@
 """A trainer's jitted programs, compiled once per call shape, the rest ahead of use.
 
 `Programs` is the set of jitted programs a `ShardedTrainer` holds
-(`trainer.programs`), made by `keras_dp.core.steps` and `keras_dp.core.feed`;
-the loops call them through it.
+(`trainer.programs`), made by `keras_dp.core.steps`; the loops call them
+through it.
 
 An epoch of array data has a plan known before it starts: its calls of K
 steps, then the remainder (a partial last batch, or the last steps that do
 not fill a call of K), each of its own shape, so each its own program.
 Left to `jax.jit`, the remainder's program compiles when it is first
 called, at the end of epoch 1, while the devices wait. `CompilingFeed`
-wraps a fit's feed (`placement.HostFeed` or `resident.ResidentFeed`) and
+wraps a fit's feed (`feed.HostFeed` or `feed.ResidentFeed`) and
 compiles every program explicitly with `jitted.lower(...).compile()`,
 whose executable `jax.jit` then reuses for the same shapes and shardings
 (no second compile; `tests/test_programs.py` counts them): a new shape's
@@ -39,41 +39,56 @@ every call of an epoch (`flops`) at no extra compile, for
 
 import concurrent.futures
 import threading
-from typing import Any
-from typing import NamedTuple
 
 import jax
 
-from keras_dp import sharding as mesh_lib
-from keras_dp import sources as pipeline
-from keras_dp.core import placement
-from keras_dp.core import feed as resident
+from keras_dp import sharding
+from keras_dp.core import feed as feed_lib
+from keras_dp.core import steps as steps_lib
 
 
-class Programs(NamedTuple):
+class Programs:
     """A trainer's jitted programs, each for one step and for K steps per call.
 
+    Made by `keras_dp.core.steps`'s factories for `model` on `layout`:
     `train_step(state, batch) -> (state, logs)` and `train_steps(state,
-    stacked) -> (state, logs, finite)` (`keras_dp.core.steps.make_train_step`,
-    `make_multi_train_step`); `resident_step(state, arrays, rows)` and
-    `resident_steps`, the same over data kept on the devices
-    (`keras_dp.core.feed.make_steps`); `test_step`/`test_steps` and
-    `predict_step`/`predict_steps` (`keras_dp.core.steps.make_test_step`,
-    `make_predict_step` and their K-step forms). The train programs donate
-    their state or keep it, as the trainer's fit chose
-    (`ShardedTrainer.keeps_last_good`).
-    `train(steps)`, `resident(steps)`, `test(steps)` and `predict(steps)`
-    pick the program of a call of `steps` steps.
+    stacked) -> (state, logs, finite)`; `resident_step(state, arrays, rows)`
+    and `resident_steps`, the same over data kept on the devices;
+    `test_step`/`test_steps` and `predict_step`/`predict_steps`. The train
+    programs donate their state or keep it, as `use` chose last (a fit
+    chooses: `ShardedTrainer.keeps_last_good`); each choice's programs are
+    made once. `train(steps)`, `resident(steps)`, `test(steps)` and
+    `predict(steps)` pick the program of a call of `steps` steps.
     """
 
-    train_step: Any
-    train_steps: Any
-    resident_step: Any
-    resident_steps: Any
-    test_step: Any
-    test_steps: Any
-    predict_step: Any
-    predict_steps: Any
+    def __init__(self, model, layout, *, unroll, donate=True):
+        self._model, self._layout, self._unroll = model, layout, unroll
+        self._train = {}  # donate -> the four train programs, by name
+        self.test_step, self.test_steps, self.predict_step, self.predict_steps = (
+            make(model, layout, multi=multi, unroll=unroll)
+            for make in (steps_lib.make_test_program, steps_lib.make_predict_program)
+            for multi in (False, True))
+        self.donates = None
+        self.use(donate)
+
+    def use(self, donate):
+        """Train with the programs that donate their state (`donate`), or keep it."""
+        for name, program in self.train_programs(donate).items():
+            setattr(self, name, program)
+        self.donates = donate
+
+    def train_programs(self, donate):
+        """The four train programs that donate their state, or keep it, by name; each made once."""
+        if donate not in self._train:
+            self._train[donate] = {
+                name: steps_lib.make_train_program(
+                    self._model, self._layout, multi=multi, unroll=self._unroll,
+                    donate=donate, resident=resident)
+                for name, multi, resident in (("train_step", False, False),
+                                              ("train_steps", True, False),
+                                              ("resident_step", False, True),
+                                              ("resident_steps", True, True))}
+        return self._train[donate]
 
     def train(self, steps):
         """The train program of a call of `steps` steps (one step, or K in one program)."""
@@ -90,10 +105,6 @@ class Programs(NamedTuple):
     def predict(self, steps):
         """The predict program of a call of `steps` steps."""
         return self.predict_step if steps == 1 else self.predict_steps
-
-
-# The train programs that `ShardedTrainer` makes for each choice of donation.
-TRAIN_PROGRAMS = ("train_step", "train_steps", "resident_step", "resident_steps")
 
 
 def run_call(feed, state, steps, batch):
@@ -116,23 +127,24 @@ class CompilingFeed:
     no count.
 
     Args:
-        feed: the feed to run (`placement.HostFeed`, `resident.ResidentFeed`);
+        feed: the feed to run (`feed.HostFeed`, `feed.ResidentFeed`);
             its `program(steps)` is `(jitted, leading arguments)`.
-        trainer: the `ShardedTrainer` (its mesh, `steps_per_execution`,
-            `unroll`).
-        batches: the fit's host batches, for the epoch's plan
-            (`placement.planned_calls`).
+        batches: the fit's `Source`, for the epoch's plan
+            (`feed.planned_calls`).
+        layout: the `keras_dp.sharding.Layout`.
+        steps_per_execution, unroll: the trainer's.
+        ahead: whether to compile the plan ahead (not across processes).
         validation: the validation's `EvalPrograms`, compiled ahead after
             the fit's first call (after the train programs), or None.
     """
 
     background = True  # compile ahead in a thread (False: in line); test programs too
 
-    def __init__(self, feed, trainer, batches, validation=None):
+    def __init__(self, feed, batches, *, layout, steps_per_execution, unroll, ahead=True,
+                 validation=None):
         self._feed, self._batches, self._validation = feed, batches, validation
-        self._mesh = trainer.mesh
-        self._steps_per_execution, self._unroll = trainer.steps_per_execution, trainer.unroll
-        self._multiprocess = trainer.multiprocess
+        self._layout, self._ahead = layout, ahead
+        self._steps_per_execution, self._unroll = steps_per_execution, unroll
         self._programs = {}  # call key -> Compiled, or a Future of one
         # What `close` cancels: the compiles ahead of these programs and the validation's.
         self._stores = [self._programs] + ([] if validation is None else [validation.programs])
@@ -148,7 +160,7 @@ class CompilingFeed:
     def epoch(self, epoch, skip):
         """The feed's `(steps, batch)` for epoch `epoch`; plans the epoch's programs."""
         self.flops = 0.0
-        self._plan = None if self._multiprocess else placement.planned_calls(
+        self._plan = None if not self._ahead else feed_lib.planned_calls(
             self._batches, self._steps_per_execution, skip)
         return self._feed.epoch(epoch, skip)
 
@@ -187,7 +199,7 @@ class CompilingFeed:
         state = jax.tree.map(abstract, state)
         entries = []
         for plan_steps, rows in plan:
-            like = like_batch(batch, steps, plan_steps, rows, self._mesh)
+            like = like_batch(self._feed, batch, steps, plan_steps, rows, self._layout)
             key = call_key(plan_steps, like)
             if key not in self._programs:
                 jitted, leading = self._feed.program(plan_steps)
@@ -210,7 +222,7 @@ class CompilingFeed:
         counted = steps
         if 0 < self._unroll < steps:
             counted = self._unroll + steps % self._unroll
-        return flops * mesh_lib.num_devices(self._mesh) * steps / counted
+        return flops * len(self._layout.devices) * steps / counted
 
 
 class EvalPrograms:
@@ -223,17 +235,19 @@ class EvalPrograms:
     epoch for its validation (`CompilingFeed`), else after the first call.
 
     Args:
-        trainer: the `ShardedTrainer` (its test programs, mesh and
-            `steps_per_execution`).
-        batches: the evaluation's host batches, for the plan (`eval_plan`).
+        programs: the trainer's `Programs` (its test programs).
+        batches: the evaluation's `Source`, for the plan (`eval_plan`).
+        layout: the `keras_dp.sharding.Layout`.
+        steps_per_execution: the trainer's K.
+        ahead: whether to compile the plan ahead (not across processes).
     """
 
     ahead = True  # False: each program compiles at its first call (`jax.jit`'s own way)
 
-    def __init__(self, trainer, batches):
-        self._trainer, self._template = trainer, batches.peek()
-        self._plan = None if trainer.multiprocess or not self.ahead else eval_plan(
-            batches, trainer.steps_per_execution)
+    def __init__(self, programs, batches, *, layout, steps_per_execution, ahead=True):
+        self._programs, self._layout, self._template = programs, layout, batches.peek()
+        self._plan = None if not ahead or not self.ahead else eval_plan(
+            batches, steps_per_execution)
         self.programs = {}  # call key -> Compiled, a Future of one, or None (jax.jit's)
 
     def close(self):
@@ -245,7 +259,7 @@ class EvalPrograms:
         key = call_key(steps, batch)
         finished(self.programs, key)  # compiling ahead: wait for it
         self.programs.setdefault(key, None)
-        result = self._trainer.programs.test(steps)(weights, metrics, batch)
+        result = self._programs.test(steps)(weights, metrics, batch)
         if self._plan is not None:  # the first call: compile the rest ahead
             like = jax.tree.map(abstract, ((weights[0], result[0]), result[1]))
             try:
@@ -263,11 +277,11 @@ class EvalPrograms:
         plan, self._plan = self._plan or [], None
         entries = []
         for steps, rows in plan:
-            like = placement.abstract_batch(self._template, rows, self._trainer.mesh, steps)
+            like = sharding.abstract_batch(self._template, rows, self._layout, steps)
             key = call_key(steps, like)
             if key not in self.programs:
                 entries.append((self.programs, key,
-                                self._trainer.programs.test(steps).lower(
+                                self._programs.test(steps).lower(
                                     weights, metrics, like)))
         return entries
 
@@ -275,18 +289,18 @@ class EvalPrograms:
 def eval_plan(batches, steps_per_execution):
     """The distinct `(steps, rows)` of an evaluation's calls, as far as known before it.
 
-    Arrays: all of them (`placement.planned_calls`). A dataset: the calls
+    Arrays: all of them (`feed.planned_calls`). A dataset: the calls
     of its first batch's rows, K at a time (one at a time where K is 1 or
     the dataset has fewer batches); its other shapes (a partial last
     batch) are seen only when they come, and compile then.
     """
-    plan = placement.planned_calls(batches, steps_per_execution)
+    plan = feed_lib.planned_calls(batches, steps_per_execution)
     if plan is not None:
         return plan
     steps = steps_per_execution
     if batches.steps is not None and batches.steps < steps:
         steps = 1
-    return [(steps, pipeline.batch_rows(batches.peek()))]
+    return [(steps, sharding.batch_rows(batches.peek()))]
 
 
 def cost_flops(compiled):
@@ -314,18 +328,14 @@ def abstract(array):
                                 weak_type=jax.typeof(array).weak_type)
 
 
-def like_batch(batch, steps, new_steps, rows, mesh):
-    """An abstract batch of a call of `new_steps` steps of `rows` rows, like `batch`.
+def like_batch(feed, batch, steps, new_steps, rows, layout):
+    """An abstract argument of a call of `new_steps` steps of `rows` rows, like `batch`.
 
-    `batch` is a call of `steps` steps: a `placement.DeviceBatch` (one
-    batch, or a stack of `steps`) or a `resident.Rows`.
+    `batch` is a call of `steps` steps of `feed` (a `DeviceBatch`, one
+    batch or a stack of `steps`, or a resident `feed.Rows`); the feed
+    knows its shape (`like`).
     """
-    if isinstance(batch, resident.Rows):
-        start = jax.ShapeDtypeStruct(() if new_steps == 1 else (new_steps,), "int32",
-                                     sharding=mesh_lib.replicated(mesh))
-        return resident.Rows(batch.order, start, rows)
-    return placement.abstract_batch(batch.data, rows, mesh, new_steps,
-                                    drop=1 if steps == 1 else 2)
+    return feed.like(batch, steps, new_steps, rows, layout)
 
 
 def compile_ahead(entries):

@@ -93,7 +93,9 @@ def enable(compilation_cache=True, min_compile_time_s=None):
     if path is not None and path != current:
         if current:
             # JAX opens its cache once; a new directory needs a fresh start.
-            from jax.experimental.compilation_cache import compilation_cache as jax_cache
+            from jax.experimental.compilation_cache import (
+                compilation_cache as jax_cache,
+            )
 
             jax_cache.reset_cache()
         jax.config.update("jax_compilation_cache_dir", path)

@@ -2,16 +2,19 @@
 
 import jax
 
-from keras_dp import layout
+from keras_dp import sharding
+from keras_dp.core import feed
+from keras_dp.core.state import TrainState
 from keras_dp.diagnostics import memory
-from keras_dp import sharding as mesh_lib
+from keras_dp.keras import build
+from keras_dp.sources import inputs
 
 
-def describe(mesh, state=None, batch=None, hosts=None, steps_per_execution=1):
-    """Describe `mesh`, and how `state` and a device `batch` are placed on it.
+def describe(layout, state=None, batch=None, hosts=None, steps_per_execution=1):
+    """Describe the mesh, and how `state` and a device `batch` are placed on it.
 
     Args:
-        mesh: the `"batch"` mesh.
+        layout: the `keras_dp.sharding.Layout` (its mesh and batch axis).
         state: an optional `TrainState` on the mesh (any `state_sharding`),
             of arrays or of `jax.ShapeDtypeStruct`s with their shardings.
         batch: an optional `DeviceBatch`.
@@ -27,22 +30,22 @@ def describe(mesh, state=None, batch=None, hosts=None, steps_per_execution=1):
         are split; for each batch array its shape, sharding and the rows
         each device of this process holds.
     """
-    devices = list(mesh.devices.flat)
+    devices = layout.devices
     lines = [
-        f"Mesh: {len(devices)} device(s) along axis {mesh_lib.BATCH_AXIS!r}, "
+        f"Mesh: {len(devices)} device(s) along axis {layout.batch_axis!r}, "
         f"platform {devices[0].platform}"
     ]
-    if mesh_lib.spans_processes(mesh):
+    if layout.spans_processes:
         lines[0] += f", {len({device.process_index for device in devices})} processes"
         lines.extend(_process_lines(devices, hosts))
     else:
         lines.append("  " + ", ".join(_device_name(device) for device in devices))
     if state is not None:
-        lines.extend(_state_lines(state))
+        lines.extend(_state_lines(state, layout.batch_axis))
     if batch is not None:
         padded = jax.tree.leaves(batch.data)[0].shape[0]
         lines.append(
-            f"Batch: {batch.rows} rows, split along 'batch'"
+            f"Batch: {batch.rows} rows, split along {layout.batch_axis!r}"
             + (f" (padded to {padded}; the step cuts rows {batch.rows}-{padded - 1} off)"
                if padded != batch.rows else "")
             + ":"
@@ -57,7 +60,7 @@ def describe(mesh, state=None, batch=None, hosts=None, steps_per_execution=1):
             lines.append(
                 f"  A call of {steps_per_execution} steps takes {steps_per_execution} such "
                 f"batches stacked, [{steps_per_execution}, {padded}, ...], "
-                "PartitionSpec(None, 'batch'): each device holds its rows of all "
+                f"PartitionSpec(None, {layout.batch_axis!r}): each device holds its rows of all "
                 f"{steps_per_execution}.")
     return "\n".join(lines)
 
@@ -84,14 +87,14 @@ def _process_lines(devices, hosts):
     return lines
 
 
-def _state_lines(state):
+def _state_lines(state, batch_axis):
     """One line per state group: values, bytes per device, split or replicated."""
     lines = ["Model state (bytes per device; split arrays hold 1/N of their values):"]
     for name, values in state.groups():
         size = sum(value.size for value in values)
-        per_device = sum(layout.bytes_per_device(value) for value in values)
+        per_device = sum(sharding.bytes_per_device(value) for value in values)
         split = sum(not value.sharding.is_fully_replicated for value in values)
-        where = (f"{split} split over 'batch', {len(values) - split} replicated" if split
+        where = (f"{split} split over {batch_axis!r}, {len(values) - split} replicated" if split
                  else "all replicated: PartitionSpec()")
         lines.append(
             f"  {name:<14}{len(values):>4} arrays {size:>12,} values "
@@ -148,3 +151,26 @@ def _real_span(start, stop, batch, padded):
 
 def _device_name(device):
     return f"{device.platform}:{device.id}"
+
+
+def describe_trainer(trainer, batch=None, x=None, y=None, sample_weight=None):
+    """`ShardedTrainer.describe`: the mesh, the state's layout, a batch's, the data's home.
+
+    The state from its variables' shapes and layout (nothing copied to the
+    devices), where the model is built; `batch` placed as a step would take
+    it; with `x`, whether a fit keeps that data on the devices.
+    """
+    state = (TrainState.abstract_of(trainer.model, trainer.state_layout())
+             if build.is_built(trainer.model) else None)
+    device_batch = None if batch is None else trainer.shard(batch)
+    text = describe(trainer.layout, state, device_batch, trainer.hosts.host_names(),
+                    trainer.steps_per_execution)
+    if x is None:
+        return text
+    batches = trainer.batches_of(inputs.model_inputs(x, y, trainer.model), y, sample_weight,
+                                 None, False)
+    keep, why_not = feed.decide(batches, choice=trainer.data_on_device, layout=trainer.layout,
+                                hosts=trainer.hosts)
+    nbytes = 0 if batches.arrays is None else feed.data_bytes(batches.arrays)
+    return text + "\n" + data_line(batches.num_samples, nbytes, trainer.num_devices, keep,
+                                   why_not)

@@ -1,9 +1,10 @@
 """Memory you can see before you run: the state's bytes and one step's peak.
 
-`memory_plan` lays the state out as `state_sharding` says (`keras_dp.layout`)
-without placing it, compiles the train step for one global batch against
-abstract arrays (`jax.ShapeDtypeStruct`s with their shardings), and reads
-XLA's own memory analysis of that program. Nothing is put on a device.
+`step_plan` (behind `keras_dp.memory_plan`) takes the state laid out as the
+`keras_dp.sharding.Layout` says, without placing it, compiles the train
+step for one global batch against abstract arrays (`jax.ShapeDtypeStruct`s
+with their shardings), and reads XLA's own memory analysis of that
+program. Nothing is put on a device.
 
 `keep_last_good` decides, from the same numbers, whether a fit's steps
 keep the last completed state (see `ShardedTrainer`'s `keep_last_good`).
@@ -14,11 +15,12 @@ import dataclasses
 import jax
 import numpy as np
 
-from keras_dp import layout
-from keras_dp import sharding as mesh_lib
-from keras_dp import sources as pipeline
-from keras_dp.core import placement
+from keras_dp import options
+from keras_dp import sharding
+from keras_dp.core import feed
+from keras_dp.core.feed import least_free
 from keras_dp.core.state import TrainState
+from keras_dp.sources import inputs
 
 # keep_last_good="auto" keeps the state of the last completed step when, where
 # the devices report their memory, a step plus the states kept needs at most
@@ -97,76 +99,37 @@ def format_bytes(nbytes):
     return f"{nbytes / 2**30:,.2f} GiB"
 
 
-def plan(trainer, batch, step=None, arguments=None):
-    """The `MemoryPlan` of `trainer`'s train step on one global host `batch`.
+def step_plan(state, step, arguments, layout, resident=False):
+    """The `MemoryPlan` of a compiled train `step`, from its abstract arguments.
 
-    Of `step` (one of the trainer's jitted train steps), by default the
-    step in use: it donates its state unless a fit chose to keep the last
-    completed state (`trainer.keeps_last_good`). `arguments`: the step's
-    abstract arguments after the state, by default `batch`'s `DeviceBatch`
-    (a resident step takes `keras_dp.core.feed.abstract_arguments`). The
-    model must be built (`trainer.build(batch)`).
+    Nothing is placed: `step` (a jitted train program) is lowered and
+    compiled against `state` (the abstract `TrainState`, with its
+    shardings: `TrainState.abstract_of`) and `arguments` (its abstract
+    arguments after the state: a `DeviceBatch` from `sharding.abstract_batch`,
+    or the resident arrays and rows, `feed.abstract_arguments`, with
+    `resident`), and XLA's memory analysis of it is read.
     """
-    state = TrainState.abstract_of(trainer.model, trainer.state_layout())
-    per_group = state_bytes(trainer, state)
+    per_group = state_bytes(state)
     resident_data = 0
-    if arguments is None:
-        arguments = (placement.abstract_batch(batch, pipeline.batch_rows(batch), trainer.mesh),)
-    else:  # the resident arrays come first, whole on every device
-        resident_data = sum(map(layout.bytes_per_device, jax.tree.leaves(arguments[0])))
-    step = trainer.programs.train_step if step is None else step
+    if resident:  # the resident arrays come first, whole on every device
+        resident_data = sum(map(sharding.bytes_per_device, jax.tree.leaves(arguments[0])))
     analysis = step.lower(state, *arguments).compile().memory_analysis()
     peak = (analysis.argument_size_in_bytes + analysis.output_size_in_bytes
             - analysis.alias_size_in_bytes + analysis.temp_size_in_bytes)
     return MemoryPlan(
-        state_sharding=trainer.state_sharding, devices=mesh_lib.num_devices(trainer.mesh),
+        state_sharding=layout.state_sharding, devices=layout.batch_shards,
         weights=per_group["trainable"], non_trainable=per_group["non_trainable"],
         optimizer=per_group["optimizer"], metrics=per_group["metrics"],
         arguments=analysis.argument_size_in_bytes, outputs=analysis.output_size_in_bytes,
         temporaries=analysis.temp_size_in_bytes, peak=peak,
-        capacity=device_capacity(trainer.mesh.devices.flat[0]), resident_data=resident_data,
+        capacity=device_capacity(layout.devices[0]), resident_data=resident_data,
     )
 
 
-def state_bytes(trainer, state=None):
-    """`{group: bytes per device}` of the built model's training state, as laid out.
-
-    `state`: that state, abstract (`TrainState.abstract_of`), when the
-    caller has made it already.
-    """
-    if state is None:
-        state = TrainState.abstract_of(trainer.model, trainer.state_layout())
-    return {name: sum(map(layout.bytes_per_device, values)) for name, values in state.groups()}
-
-
-def memory_plan(model, x, y=None, *, batch_size=32, sample_weight=None, devices=None,
-                mesh=None, state_sharding="replicated", optimizer=None, loss=None,
-                metrics=None, data_on_device=False):
-    """Plan the memory of training `model` on `devices` before running it.
-
-    Args:
-        model: a `keras.Model`, compiled or given `optimizer`/`loss`.
-        x, y, sample_weight: a few rows of the data as arrays, for their
-            shapes (all of it with `data_on_device`), read as `fit` reads
-            them.
-        batch_size: the global batch to plan for.
-        devices, mesh, state_sharding, optimizer, loss, metrics: as for
-            `ShardedTrainer`.
-        data_on_device: as for `ShardedTrainer.memory_plan`: True or
-            "auto" plan the step over the data kept on the devices when a
-            fit with that setting keeps it.
-
-    Returns:
-        A `MemoryPlan`: per device, the bytes of weights, optimizer and
-        metrics as laid out, and the compiled step's arguments,
-        temporaries and peak from XLA's memory analysis.
-    """
-    from keras_dp.trainer import ShardedTrainer  # noqa: PLC0415 (trainer imports this)
-
-    trainer = ShardedTrainer(model, optimizer=optimizer, loss=loss, metrics=metrics,
-                             devices=devices, mesh=mesh, state_sharding=state_sharding)
-    return trainer.memory_plan(x, y, batch_size=batch_size, sample_weight=sample_weight,
-                               data_on_device=data_on_device)
+def state_bytes(state):
+    """`{group: bytes per device}` of a training state as laid out (abstract or placed)."""
+    return {name: sum(map(sharding.bytes_per_device, values))
+            for name, values in zip(state._fields, state)}
 
 
 def device_capacity(device):
@@ -181,22 +144,22 @@ def device_capacity(device):
 def check_arrays(x, y=None):
     """Refuse data that is not arrays, which a plan cannot take its rows from, naming the fix.
 
-    `fit` reads such data as batches (`pipeline.is_array_data`); reading
+    `fit` reads such data as batches (`sources.inputs.is_array_data`); reading
     one here would take a pass from a dataset that reshuffles.
     """
-    if pipeline.is_array_data(x, y):
+    if inputs.is_array_data(x, y):
         return
-    inputs = f" {pipeline.LIST_AS_INPUTS}" if pipeline.may_be_inputs(x) else ""
+    words = f" {inputs.LIST_AS_INPUTS}" if inputs.may_be_inputs(x) else ""
     raise ValueError(
         f"A memory plan takes a few rows of the data as arrays; fit reads this x (a "
         f"{type(x).__name__}) as batches, which a plan does not read. Pass one batch's "
-        f"arrays instead as x and y (of a dataset: `next(iter(dataset))`).{inputs}"
+        f"arrays instead as x and y (of a dataset: `next(iter(dataset))`).{words}"
     )
 
 
 def batch_of(batch, batch_size):
     """`batch`'s rows repeated or cut to `batch_size` rows (only shapes matter here)."""
-    rows = pipeline.batch_rows(batch)
+    rows = sharding.batch_rows(batch)
     if rows == batch_size:
         return jax.tree.map(np.asarray, batch)
     return jax.tree.map(
@@ -241,45 +204,93 @@ def keeps_fit(state_bytes, steps_in_flight, *, free=None, peak=None, local_devic
     return (state_bytes if peak is None else peak) + extra <= KEEP_FRACTION * free
 
 
-def keep_last_good(trainer, plan=None):
-    """Whether `trainer`'s next fit keeps the last completed state (True) or donates it.
+def keep_last_good(choice, state, *, steps_in_flight, layout, hosts, plan=None):
+    """Whether a fit keeps the last completed state (True) or donates it.
 
-    `trainer.keep_last_good` if it is True or False; for `"auto"`, the rule
-    of `keeps_fit` on the built model's state as laid out, the devices'
-    free memory now (so data already placed there counts) and `plan` (a
-    `MemoryPlan` of the donating step, where fit made one). Across
-    processes the answer decides the compiled programs, which must be the
-    same everywhere. On XLA:CPU the rule reads only what every process
-    computes alike (the state's layout, `steps_in_flight`, the mesh's
-    devices per process), so no exchange is needed; where free memory is
-    read, the state is kept only if every process would keep it (one host
-    round trip per fit).
+    `choice` (`keep_last_good`) if it is True or False; for `"auto"`, the
+    rule of `keeps_fit` on `state` (the built model's abstract state as
+    laid out), the devices' free memory now (so data already placed there
+    counts) and `plan` (a `MemoryPlan` of the donating step, where fit made
+    one). Across processes the answer decides the compiled programs, which
+    must be the same everywhere. On XLA:CPU the rule reads only what every
+    process computes alike (the state's layout, `steps_in_flight`, the
+    mesh's devices per process), so no exchange is needed; where free
+    memory is read, the state is kept only if every process would keep it
+    (`hosts.any_process`: one host round trip per fit across processes).
     """
-    if trainer.keep_last_good != "auto":
-        return trainer.keep_last_good
-    devices = list(trainer.mesh.devices.flat)
-    state = sum(state_bytes(trainer).values())
+    if choice != "auto":
+        return choice
+    devices = layout.devices
+    nbytes = sum(state_bytes(state).values())
     free = least_free([device for device in devices
                        if device.process_index == jax.process_index()])
     if free is None:
         processes = len({device.process_index for device in devices})
-        return keeps_fit(state, trainer.steps_in_flight, local_devices=len(devices) // processes)
-    keep = keeps_fit(state, trainer.steps_in_flight, free=free,
+        return keeps_fit(nbytes, steps_in_flight, local_devices=len(devices) // processes)
+    keep = keeps_fit(nbytes, steps_in_flight, free=free,
                      peak=None if plan is None else plan.peak)
-    if trainer.multiprocess:
-        keep = not trainer.placement.any_process(not keep)
-    return keep
+    return not hosts.any_process(not keep)
 
 
-def least_free(devices):
-    """The least free memory of `devices` (`bytes_limit - bytes_in_use`), or None if unreported."""
-    free = []
-    for device in devices:
-        try:
-            stats = device.memory_stats()
-        except Exception:  # noqa: BLE001 - some platforms raise instead of returning None
-            stats = None
-        if not stats or "bytes_limit" not in stats:
-            return None
-        free.append(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
-    return min(free, default=None)
+
+
+# -- The plans a trainer makes ------------------------------------------------
+
+
+def plan_of_fit(trainer, x, y=None, *, batch_size=32, sample_weight=None, data_on_device=False):
+    """The `MemoryPlan` of the step `trainer`'s fit on this data would run (`ShardedTrainer.memory_plan`).
+
+    On XLA:CPU that is the one `keep_last_good` picks, and a fit on batches
+    of this size finds it compiled; on accelerators it is the step that
+    donates its state, whose plan a fit reads to choose. With
+    `data_on_device` (True or "auto"), the step over the data kept on the
+    devices, when a fit with that setting keeps it.
+
+    Raises:
+        ValueError: `data_on_device=True` and data a fit could not keep on
+            the devices; data that is not arrays.
+    """
+    data_on_device = options.data_on_device(data_on_device, trainer.hosts.whole_data)
+    x = inputs.model_inputs(x, y, trainer.model)  # read as fit reads it
+    check_arrays(x, y)
+    batch = batch_of(inputs.checked_arrays(x, y, sample_weight), batch_size)
+    trainer.build(batch)
+    on_cpu = trainer.layout.on_cpu  # the choice needs no plan there
+    host_plan = None if on_cpu else plan_of_step(trainer, batch, trainer.programs.train_step)
+    programs = trainer.programs.train_programs(
+        not on_cpu or not keep_last_good_of(trainer, host_plan))
+    if data_on_device is not False:
+        batches = trainer.batches_of(x, y, sample_weight, batch_size, False)
+        keep, why_not = feed.decide(batches, choice=data_on_device, layout=trainer.layout,
+                                    hosts=trainer.hosts, plan=host_plan)
+        if keep:
+            return plan_of_step(trainer, batch, programs["resident_step"],
+                                feed.abstract_arguments(batches, trainer.layout))
+        if data_on_device is True:
+            raise feed.refusal(why_not)
+    return host_plan or plan_of_step(trainer, batch, programs["train_step"])
+
+
+def plan_of_step(trainer, batch, step, arguments=None):
+    """The `MemoryPlan` of `trainer`'s train `step` on one global host `batch`.
+
+    `arguments`: the step's abstract arguments after the state, where they
+    are the resident data's (`feed.abstract_arguments`); by default the
+    batch's `DeviceBatch`. The model must be built (`trainer.build`).
+    """
+    state = TrainState.abstract_of(trainer.model, trainer.state_layout())
+    if arguments is None:
+        like = sharding.abstract_batch(batch, sharding.batch_rows(batch), trainer.layout)
+        return step_plan(state, step, (like,), trainer.layout)
+    return step_plan(state, step, arguments, trainer.layout, resident=True)
+
+
+def keep_last_good_of(trainer, plan=None):
+    """Whether `trainer`'s next fit keeps the last completed state (`keep_last_good`).
+
+    `plan`: the fit's `MemoryPlan` of the donating step, where it made one.
+    """
+    return keep_last_good(
+        trainer.keep_last_good, TrainState.abstract_of(trainer.model, trainer.state_layout()),
+        steps_in_flight=trainer.steps_in_flight, layout=trainer.layout, hosts=trainer.hosts,
+        plan=plan)

@@ -13,8 +13,8 @@ from typing import NamedTuple
 
 import keras
 
-from keras_dp.ensemble.trainer import EnsembleTrainer
 from keras_dp.ensemble import trainer as ensemble_trainer
+from keras_dp.ensemble.trainer import EnsembleTrainer
 
 __all__ = ["EnsembleResult", "EnsembleTrainer", "fit_ensemble"]
 

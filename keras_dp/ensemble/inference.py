@@ -13,8 +13,9 @@ runs.
 import jax
 import numpy as np
 
-from keras_dp import sharding as mesh_lib
-from keras_dp import sources as pipeline
+from keras_dp import sharding
+from keras_dp import sources
+from keras_dp.core import feed
 from keras_dp.ensemble import logs as logs_lib
 from keras_dp.ensemble import members as members_lib
 from keras_dp.ensemble.scores import classification_scores
@@ -73,7 +74,7 @@ def check_labels(batches, name="x"):
     Raises:
         ValueError: `batches` (the argument `name`) have no labels.
     """
-    if pipeline.unpack(batches.peek())[1] is None:
+    if sources.unpack(batches.peek())[1] is None:
         fix = "validation_data=(x_val, y_val)" if name == "validation_data" else "y"
         raise ValueError(
             f"Scoring needs labels, and `{name}` has none. Pass {fix}, or (x, y) batches."
@@ -93,7 +94,7 @@ def predict(trainer, weights, batches, callbacks):
     for first, group in _groups(trainer, batches):
         callbacks.on_predict_batch_begin(first)
         for batch in group:
-            x = jax.device_put(batch[0], mesh_lib.replicated(trainer.mesh))
+            x = jax.device_put(batch[0], sharding.replicated(trainer.mesh))
             probabilities, non_trainable = trainer._predict_step((trainable, non_trainable), x)
             parts.append(np.asarray(probabilities))  # waits for the step
         outputs = np.concatenate(parts[-len(group):], axis=1).mean(axis=0)
@@ -108,11 +109,11 @@ def _groups(trainer, batches):
     """Yield `(index of the first batch, [batches])`: the batches Keras's hooks see as one call.
 
     With `steps_per_execution` K, `model.evaluate` and `model.predict` call
-    the batch hooks once per K batches (`pipeline.group_steps`, as `fit`
+    the batch hooks once per K batches (`feed.group_steps`, as `fit`
     groups them); the ensemble runs them one by one within.
     """
     index = 0
-    for group in pipeline.group_steps((pipeline.unpack(batch) for batch in batches.epoch(0)),
+    for group in feed.group_steps((sources.unpack(batch) for batch in batches.epoch(0)),
                                       trainer.steps_per_execution):
         yield index, group
         index += len(group)

@@ -21,14 +21,15 @@ import keras
 import numpy as np
 
 from keras_dp import _compat
-from keras_dp.keras import callbacks as callbacks_lib
-from keras_dp.core import inflight
+from keras_dp import options
 from keras_dp.core import state as state_lib
+from keras_dp.core.live import ADVICE
+from keras_dp.core.live import LiveModel
+from keras_dp.core.state import TrainState
 from keras_dp.ensemble import inference as ensemble_inference
 from keras_dp.ensemble import logs as logs_lib
 from keras_dp.ensemble import members as members_lib
-from keras_dp.core.state import LiveModel
-from keras_dp.core.state import TrainState
+from keras_dp.keras import callbacks as callbacks_lib
 
 
 class MembersLive(LiveModel):
@@ -212,7 +213,7 @@ def fit(trainer, sources, val, callbacks, *, epochs, validation_freq):
                 per_member = logs_lib.member_logs(
                     trainer, train_epoch(trainer, live, sources, epoch, callbacks),
                     live.state.metrics)
-                if val is not None and callbacks_lib.should_validate(epoch, validation_freq):
+                if val is not None and options.should_validate(epoch, validation_freq):
                     per_member.update(validate(trainer, live, val, callbacks))
                 for name, value in per_member.items():
                     trainer.member_history.setdefault(name, []).append(value)
@@ -285,17 +286,18 @@ def validate(trainer, live, val, callbacks):
     changed, and what one changes in `on_test_end` (a BatchNormalization
     statistic) is kept and trained on.
     """
-    tested = functools.partial(live.tested, trainer.init_state,
+    tested = functools.partial(live.tested, trainer.init_state, hosts=trainer.hosts,
                                model_read=callbacks_lib.beyond_logs(callbacks))
     scores = ensemble_inference.evaluate(
-        trainer, lambda: live.current(trainer.init_state).weights, val, callbacks, tested)
+        trainer, lambda: live.current(trainer.init_state, trainer.hosts).weights, val,
+        callbacks, tested)
     return {f"val_{name}": value for name, value in scores.items()}
 
 
 def failure_message(epoch, failed, losses):
     """The error for members whose loss or update stopped being finite, `failed`: `[(member, batch)]`.
 
-    The guard in the compiled step (`finite.keep_if_not_finite`) sets a
+    The guard in the compiled step (`keras_dp.core.steps.keep_if_not_finite`) sets a
     member's logs to NaN after a non-finite update, so both show in its loss.
     """
     which = ", ".join(f"member {member} at batch {batch} (loss {losses[member]})"
@@ -305,7 +307,7 @@ def failure_message(epoch, failed, losses):
         f"{which}, batches counted from 0 within the epoch, as callbacks count. "
         "Training stopped. Each of those members holds its weights from before "
         "that batch; every other member holds its weights after the last batch "
-        "that ran. " + inflight.ADVICE
+        "that ran. " + ADVICE
     )
 
 

@@ -14,10 +14,11 @@ import keras
 import numpy as np
 
 from keras_dp import _compat
+from keras_dp import sharding
 from keras_dp.checks import labels
-from keras_dp import sharding as mesh_lib
 from keras_dp.core.state import TrainState
 from keras_dp.core.state import write_back
+from keras_dp.keras import build
 
 
 def member_mesh(members=None, mesh=None, devices=None):
@@ -36,9 +37,9 @@ def member_mesh(members=None, mesh=None, devices=None):
             a multiple of it; the mesh spans several processes; or a Keras
             distribution other than `DataParallel` is set.
     """
-    mesh_lib.check_keras_distribution()
-    base = mesh_lib.make_mesh(devices, mesh)
-    if mesh_lib.spans_processes(base):
+    build.check_keras_distribution()
+    base = sharding.make_mesh(devices, mesh)
+    if sharding.spans_processes(base):
         raise ValueError(
             "Ensembles train in one process: keras_dp places every member on "
             "this process's devices and scores them on its host. Received a "
@@ -54,7 +55,7 @@ def member_mesh(members=None, mesh=None, devices=None):
             f"`members` must be a positive integer. Received: members={members!r}."
         )
     if count < n:
-        return int(count), mesh_lib.make_mesh(available[:count])
+        return int(count), sharding.make_mesh(available[:count])
     if count % n:
         raise ValueError(
             f"{count} ensemble members do not fit {n} devices: every device "
@@ -71,7 +72,7 @@ def member_sharded(mesh):
 
     It is the sharding keras_dp gives batch rows, applied to members.
     """
-    return mesh_lib.batch_sharded(mesh)
+    return sharding.Layout(mesh).batch
 
 
 def describe_placement(mesh, count):
@@ -85,7 +86,7 @@ def describe_placement(mesh, count):
     )
     return (
         f"Ensemble: {count} member(s) on {len(devices)} device(s) along axis "
-        f"{mesh_lib.BATCH_AXIS!r}, {k} per device\n  {placement}"
+        f"{sharding.BATCH_AXIS!r}, {k} per device\n  {placement}"
     )
 
 

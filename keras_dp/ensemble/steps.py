@@ -17,8 +17,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from keras_dp import _compat
-from keras_dp.core import finite
-from keras_dp import sharding as mesh_lib
+from keras_dp import sharding
 from keras_dp.core import steps as steps_lib
 
 
@@ -29,7 +28,7 @@ def make_train_step(model, mesh, per_member_batches=False, steps=1):
     `model.compute_loss_and_updates`, its gradient, and
     `optimizer.stateless_apply`; the metrics update as under `model.fit`.
     A member whose loss or update is not finite keeps its weights and
-    optimizer state from before that step (`keras_dp.core.finite.keep_if_not_finite`,
+    optimizer state from before that step (`keras_dp.core.steps.keep_if_not_finite`,
     as `fit_sharded` does), so one member's NaN never reaches the others or
     its own weights.
 
@@ -67,7 +66,7 @@ def make_train_step(model, mesh, per_member_batches=False, steps=1):
 def _guarded(step):
     def guarded(state, batch):
         new_state, logs = step(state, batch)
-        return finite.keep_if_not_finite(new_state, state, logs)
+        return steps_lib.keep_if_not_finite(new_state, state, logs)
 
     return guarded
 
@@ -76,7 +75,7 @@ def _finite_count(logs, steps):
     """How many of the steps behind `logs` had a finite loss (all, with no loss)."""
     if "loss" not in logs:
         return jnp.asarray(steps, "int32")
-    return finite.finite_steps(logs["loss"], steps).astype("int32")
+    return steps_lib.finite_steps(logs["loss"], steps).astype("int32")
 
 
 def make_test_step(model, mesh, from_logits):
@@ -146,7 +145,7 @@ def _on_each_device(member_fn, mesh, per_member_batches):
     member's weights (a Keras LSTM or GRU's zero initial state) fails to
     trace, its carry "unvarying" in and "varying" out.
     """
-    members = PartitionSpec(mesh_lib.BATCH_AXIS)
+    members = PartitionSpec(sharding.BATCH_AXIS)
     batch = members if per_member_batches else PartitionSpec()
     mapped = jax.vmap(member_fn, in_axes=(0, 0 if per_member_batches else None))
     return jax.shard_map(mapped, mesh=mesh, in_specs=(members, batch), out_specs=members,

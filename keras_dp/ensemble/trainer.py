@@ -3,19 +3,22 @@
 import jax
 import numpy as np
 
-from keras_dp.keras import build as build_lib
-from keras_dp.keras import callbacks as callbacks_lib
-from keras_dp.diagnostics import compilation_cache as compilation_cache_lib
-from keras_dp import sharding as mesh_lib
-from keras_dp.checks import model as model_checks
+from keras_dp import options
+from keras_dp import sharding
 from keras_dp import sources as pipeline
+from keras_dp.checks import model as model_checks
+from keras_dp.core import feed
 from keras_dp.core import state as state_lib
+from keras_dp.core.state import TrainState
+from keras_dp.diagnostics import compilation_cache as compilation_cache_lib
 from keras_dp.ensemble import inference as ensemble_inference
 from keras_dp.ensemble import loop as ensemble_loop
 from keras_dp.ensemble import members as members_lib
 from keras_dp.ensemble import recipe
 from keras_dp.ensemble import steps as ensemble_steps
-from keras_dp.core.state import TrainState
+from keras_dp.keras import build as build_lib
+from keras_dp.keras import callbacks as callbacks_lib
+from keras_dp.multihost import hosts as hosts_lib
 
 
 class EnsembleTrainer:
@@ -64,14 +67,15 @@ class EnsembleTrainer:
                  devices=None, from_logits=None, steps_per_execution=None,
                  compilation_cache=True):
         self.compilation_cache_dir = compilation_cache_lib.enable(compilation_cache)
-        self.seed = pipeline.check_count("seed", seed, 0)  # before any member is built
+        self.seed = options.check_count("seed", seed, 0)  # before any member is built
         count, self.mesh = members_lib.member_mesh(members, mesh, devices)
+        self.hosts = hosts_lib.OneProcess(sharding.Layout(self.mesh))  # an ensemble runs on one
         self.members = members_lib.make_members(build_model, count, self.seed)
         recipe.check_same_recipe(self.members)  # the step is traced from member 0
         model_checks.check_no_preprocessor(self.members[0])
         members_lib.check_classifier(self.members[0])
         self.from_logits = members_lib.read_from_logits(self.members[0], from_logits)
-        self.steps_per_execution = pipeline.steps_per_execution(
+        self.steps_per_execution = options.steps_per_execution(
             self.members[0], steps_per_execution)
         self.member_history = {}
         self._train_steps = {}
@@ -85,7 +89,7 @@ class EnsembleTrainer:
     @property
     def members_per_device(self):
         """How many members each device holds and updates."""
-        return len(self.members) // mesh_lib.num_devices(self.mesh)
+        return len(self.members) // self.mesh.shape[sharding.BATCH_AXIS]
 
     # -- The parts, for training by hand ------------------------------------
 
@@ -101,7 +105,7 @@ class EnsembleTrainer:
 
     def _build(self, batch, for_training, data="the data"):
         """Build every member, for training (labels needed, if a loss reads them) or not."""
-        mesh_lib.check_keras_distribution()  # one set since the trainer was made too
+        build_lib.check_keras_distribution()  # one set since the trainer was made too
         batch = pipeline.unpack(batch)
         for model in self.members:
             build_lib.build(model, batch, for_training=for_training, data=data)
@@ -124,7 +128,7 @@ class EnsembleTrainer:
 
     def replicate(self, batch):
         """Put a host batch `(x, y[, sample_weight])` whole on every device."""
-        return jax.device_put(pipeline.unpack(batch), mesh_lib.replicated(self.mesh))
+        return jax.device_put(pipeline.unpack(batch), sharding.replicated(self.mesh))
 
     def stack(self, batches):
         """Put one host batch per member on the mesh, each on its member's device."""
@@ -149,7 +153,7 @@ class EnsembleTrainer:
                 distribution other than `DataParallel` is active
                 (`keras_dp.sharding.check_keras_distribution`).
         """
-        mesh_lib.check_keras_distribution()  # one set since the trainer was made too
+        build_lib.check_keras_distribution()  # one set since the trainer was made too
         state_lib.check_usable(state, "trainer.train_step")
         _check_placed(batch)
         state, logs, _ = self._step(per_member, 1)(state, batch)
@@ -157,7 +161,7 @@ class EnsembleTrainer:
 
     def compiled_train_step(self, state, batch, *, per_member=False):
         """The train step compiled for these arguments (`.as_text()` is HLO)."""
-        mesh_lib.check_keras_distribution()
+        build_lib.check_keras_distribution()
         return self._step(per_member, 1).lower(state, batch).compile()
 
     def write_back(self, state):
@@ -202,9 +206,9 @@ class EnsembleTrainer:
             FloatingPointError: a member's loss became NaN or Inf.
         """
         refuse_checkpoint_dir(checkpoint_dir)
-        epochs = pipeline.check_count("epochs", epochs)
-        initial_epoch = pipeline.check_count("initial_epoch", initial_epoch, 0)
-        callbacks_lib.check_validation_freq(validation_freq)
+        epochs = options.check_count("epochs", epochs)
+        initial_epoch = options.check_count("initial_epoch", initial_epoch, 0)
+        options.check_validation_freq(validation_freq)
         ensemble_loop.check_callbacks(callbacks)
         x = pipeline.model_inputs(x, y, self.members[0])
         if validation_split:
@@ -278,8 +282,9 @@ class EnsembleTrainer:
     def _inference_input(self, x, y, sample_weight, batch_size, steps, callbacks, verbose,
                          **keras_reading):
         """`(batches, callbacks)` of an `evaluate` or `predict` call, the members built."""
-        batches = self._batches(x, y, sample_weight, batch_size, False, self.seed, steps=steps,
-                                **keras_reading)
+        # Every member trains on whole batches: no rows are split over devices.
+        batches = pipeline.make_batches(x, y, sample_weight, batch_size=batch_size,
+                                        seed=self.seed, steps=steps, **keras_reading)
         pipeline.check_ends(batches, "x", "steps")
         self.build(batches.peek())
         return batches, callbacks_lib.callback_list(
@@ -349,7 +354,7 @@ class EnsembleTrainer:
         """Yield `(steps, batch on the mesh, per_member)` for one epoch.
 
         Batches of one row count go K to a call; the rest one by one
-        (`pipeline.group_steps`). With one source per member, member `i`'s
+        (`feed.group_steps`). With one source per member, member `i`'s
         batches sit on member `i`'s device (`[M, (K,) rows, ...]`);
         otherwise every device holds them whole (`[(K,) rows, ...]`).
         """
@@ -358,7 +363,7 @@ class EnsembleTrainer:
             items = zip(*(source.epoch(epoch) for source in sources))
         else:
             items = (pipeline.unpack(batch) for batch in sources[0].epoch(epoch))
-        for group in pipeline.group_steps(items, self.steps_per_execution):
+        for group in feed.group_steps(items, self.steps_per_execution):
             if per_member:  # group: K tuples of M batches
                 by_member = [_stack(list(batches)) if len(group) > 1 else batches[0]
                              for batches in zip(*group)]
@@ -373,22 +378,6 @@ class EnsembleTrainer:
         state = members_lib.stack_state(self.members, self.mesh, groups=groups)
         return state.trainable, state.non_trainable
 
-    def _batches(self, x, y, sample_weight, batch_size, shuffle, seed, class_weight=None,
-                 steps=None, what="The data", keras_peeks=True, keras_resets=True):
-        """`x` as `Batches`, read as member 0's own `fit`, `evaluate` or `predict` reads it.
-
-        `keras_peeks` and `keras_resets` are `pipeline.make_batches`'s, so a
-        PyDataset gets its hooks, and a reshuffling tf.data pipeline draws
-        its orders, as under Keras.
-        """
-        # Every member trains on whole batches: no rows are split over devices.
-        batches = pipeline.make_batches(
-            x, y, sample_weight, batch_size=batch_size, shuffle=shuffle, seed=seed,
-            class_weight=class_weight, what=what, keras_peeks=keras_peeks,
-            keras_resets=keras_resets,
-        )
-        return batches if steps is None else pipeline.FirstSteps(batches, steps)
-
     def _validation(self, validation_data, batch_size, validation_batch_size,
                     validation_steps, validation_freq, epoch_range):
         """The validation batches (`None` without `validation_data`), checked before any step."""
@@ -396,23 +385,24 @@ class EnsembleTrainer:
             return None
         validation_data, val_batch_size = pipeline.validation_source(
             validation_data, batch_size, validation_batch_size, self.members[0])
-        val = self._batches(validation_data, None, None, val_batch_size, False, self.seed,
-                            steps=validation_steps, what=pipeline.VALIDATION,
-                            keras_peeks=False, keras_resets="each pass")
+        val = pipeline.make_batches(validation_data, batch_size=val_batch_size, seed=self.seed,
+                                    steps=validation_steps, what=pipeline.VALIDATION,
+                                    keras_peeks=False, keras_resets="each pass")
         pipeline.check_ends(val, "validation_data", "validation_steps")
         # Missing or bad validation labels fail now, not after epoch 1.
         ensemble_inference.check_labels(val, "validation_data")
         self._build(val.peek(), True, "the validation data")
         pipeline.check_one_pass(
-            val, callbacks_lib.validations(epoch_range, validation_freq), "validation_data",
+            val, options.validations(epoch_range, validation_freq), "validation_data",
             f"epochs={epoch_range.stop}, validation_freq={validation_freq!r}")
         return val
 
     def _sources(self, x, y, sample_weight, batch_size, shuffle, member_shuffle,
                  class_weight=None):
-        first = self._batches(x, y, sample_weight, batch_size, shuffle, self.seed,
-                              class_weight, what=pipeline.TRAINING,
-                              keras_peeks=build_lib.keras_reads_a_batch_to_build(self.members[0]))
+        first = pipeline.make_batches(
+            x, y, sample_weight, batch_size=batch_size, shuffle=shuffle, seed=self.seed,
+            class_weight=class_weight, what=pipeline.TRAINING,
+            keras_peeks=build_lib.keras_reads_a_batch_to_build(self.members[0]))
         if not member_shuffle:
             return [first]
         if not isinstance(first, pipeline.ArrayBatches) or not shuffle:
@@ -423,8 +413,8 @@ class EnsembleTrainer:
                 "or set member_shuffle=False."
             )
         return [first] + [
-            self._batches(x, y, sample_weight, batch_size, shuffle, self.seed + index,
-                          class_weight)
+            pipeline.make_batches(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
+                                  seed=self.seed + index, class_weight=class_weight)
             for index in range(1, len(self.members))
         ]
 

@@ -12,8 +12,9 @@ import numpy as np
 
 from keras_dp import _compat
 from keras_dp.checks import errors as explain
+from keras_dp.checks import labels
 from keras_dp.checks import model as model_checks
-from keras_dp import sources as pipeline
+from keras_dp.sources import inputs as pipeline
 
 
 def compile_model(model, optimizer, loss, metrics):
@@ -46,19 +47,58 @@ def compile_model(model, optimizer, loss, metrics):
 
 
 class Builder:
-    """`build` for one model, skipping data it has already checked.
+    """A trainer's side of its Keras model: `build` it from data, and what it requires of it.
 
-    Tracing the model symbolically costs a fit call as much as several
-    steps of a small model, so a batch whose signature was already checked
-    against the same loss and optimizer is not traced again. The loss and
-    optimizer objects are kept and compared by identity (a recompile
-    replaces them; an id() could be reused by a new object after the old
-    one is freed).
+    `build` skips data it has already checked: tracing the model
+    symbolically costs a fit call as much as several steps of a small
+    model, so a batch whose signature was already checked against the same
+    loss and optimizer is not traced again. The loss and optimizer objects
+    are kept and compared by identity (a recompile replaces them; an id()
+    could be reused by a new object after the old one is freed). The other
+    methods are the checks of `keras_dp.checks.model` and
+    `keras_dp.checks.labels` on this model.
     """
 
     def __init__(self, model):
+        model_checks.check_model(model)  # a keras.Model, with what keras_dp can train
         self.model = model
         self._checked = []  # (data signature, (loss, optimizer))
+
+    def require_compiled(self, call):
+        """Refuse to `call` ("fit", "evaluate") a model without an optimizer, naming the fix."""
+        model_checks.require_compiled(self.model, call)
+
+    def check_trainable_unchanged(self):
+        """Refuse a layer's `trainable` changed since the optimizer was built, naming the fix."""
+        model_checks.check_trainable_unchanged(self.model)
+
+    def check_labels(self, *data):
+        """Check the class-id labels of each `(source, what)` before any step (`labels.check_data`)."""
+        labels.check_data(self.model, *data)
+
+    def require_built(self, what):
+        """Refuse to read the state of a model not built for training, naming the fix.
+
+        `what` is the subject of the message ("The training state").
+        """
+        if not is_built(self.model) and _compat.state_sync_shadowed(self.model):
+            raise ValueError(
+                "The model was compiled again during fit (a callback called "
+                "model.compile): its new optimizer, loss and metrics are not built, "
+                "and the fit's compiled step holds the old ones. Keras's model.fit "
+                "fails on this too (\"'NoneType' object is not callable\"). Compile "
+                "between fits instead: fit(..., epochs=k), then model.compile(...), "
+                "then fit(..., initial_epoch=k, epochs=n)."
+            )
+        if not is_built(self.model):
+            missing = ("its optimizer, loss or metrics are" if self.model.built
+                       else "the model is")
+            raise ValueError(
+                f"{what} cannot be read yet: {missing} not built. Call "
+                "trainer.build(batch) with one batch of data first (fit does this "
+                "for you); it builds the layers, loss, metrics and optimizer, as "
+                "model.fit does (model.build(input_shape) builds the layers only)."
+            )
 
     def build(self, batch, for_training=True, data="the data"):
         """`build(self.model, batch, for_training, data)` unless already done for this data."""
@@ -414,3 +454,37 @@ def signature(batch):
 def spec(array):
     """A `keras.KerasTensor` with the shape and dtype of `array`."""
     return keras.KerasTensor(np.shape(array), dtype=keras.backend.standardize_dtype(array.dtype))
+
+
+def check_keras_distribution():
+    """Refuse a Keras distribution whose layout keras_dp would ignore.
+
+    keras_dp lays out every variable itself (replicated, or split as
+    `state_sharding` says) and splits each batch over its own mesh. Under
+    `keras.distribution.DataParallel` that is what Keras would do too; any
+    other distribution (`ModelParallel`'s sharded variables) would be
+    silently replaced by keras_dp's layout, so it is refused: when a trainer
+    is made, and again when it builds the model (first in `fit`, `evaluate`
+    and `predict`) or runs a step by hand, since a distribution set after
+    the trainer was made would lay out the variables the build creates and
+    add its own layout constraints to the step's trace.
+
+    Raises:
+        ValueError: a distribution other than `DataParallel` is set.
+    """
+    import keras  # noqa: PLC0415  (keras_dp sets the backend before Keras loads)
+
+    current = keras.distribution.distribution()
+    if current is not None and not isinstance(current, keras.distribution.DataParallel):
+        raise ValueError(
+            "keras_dp trains with data parallelism only: it lays out every "
+            "variable itself (a full copy on every device, or split over them "
+            "by state_sharding) and ignores Keras layouts. "
+            f"Received: a {type(current).__name__} distribution, set with "
+            "keras.distribution.set_distribution() or entered with "
+            "`with distribution.scope():`. Call keras_dp outside that scope, "
+            "after keras.distribution.set_distribution(None) (a model created "
+            "under it trains as well), with state_sharding='full' if its "
+            "variables must be split over the devices to fit; or train a "
+            "model-parallel layout with Keras's own model.fit."
+        )

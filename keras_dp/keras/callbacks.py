@@ -16,8 +16,7 @@ import numpy as np
 
 from keras_dp import _compat
 from keras_dp import distributed as distributed_lib
-from keras_dp import sharding as mesh_lib
-
+from keras_dp import transfer
 
 # Keras's callbacks that write files. Across processes every process would
 # write the same paths at once (a CSV of interleaved rows, two TensorBoard
@@ -242,36 +241,6 @@ def check_callbacks(callbacks):
             )
 
 
-def check_one_restore(callbacks, checkpoint_dir):
-    """Raise a `ValueError` if `checkpoint_dir` is given with a `BackupAndRestore`.
-
-    Each restores a rerun from a point of its own: the checkpoint after the
-    last step it saved (mid-epoch on SIGTERM), the backup at the start of
-    the epoch it saved in, with the weights and optimizer it saved last
-    (every N batches, or at an epoch's end). Together, a rerun took one's
-    weights and the other's position: after a SIGTERM mid-epoch it skipped
-    the steps the checkpoint had done from the backup's weights, and after
-    a crash past a mid-epoch backup it trained that epoch's first batches
-    twice.
-    """
-    if checkpoint_dir is None:
-        return
-    if isinstance(callbacks, keras.callbacks.CallbackList):
-        callbacks = callbacks.callbacks
-    for index, callback in enumerate(keras.tree.flatten(callbacks or [])):
-        if isinstance(callback, keras.callbacks.BackupAndRestore):
-            raise ValueError(
-                "checkpoint_dir and keras.callbacks.BackupAndRestore both restore a rerun "
-                "of this fit, each from its own point (the checkpoint after the last step "
-                "saved, the backup at the start of its epoch), so together a rerun would "
-                "train some batches twice or skip others. Received: "
-                f"checkpoint_dir={checkpoint_dir!r} and callbacks[{index}]=BackupAndRestore("
-                f"backup_dir={callback.backup_dir!r}). Pass one: checkpoint_dir alone resumes "
-                "exactly where the run stopped, mid-epoch too; BackupAndRestore alone "
-                "restarts the epoch of its backup, as under model.fit."
-            )
-
-
 def to_python(logs, model, metrics=None, step="train_step"):
     """Logs as python floats (arrays for non-scalar metrics), in Keras's order.
 
@@ -314,7 +283,7 @@ def flatten_logs(logs):
 
 def _metric_results(model, metrics):
     """`model.get_metrics_result()` with its metric variables holding `metrics`."""
-    values = [np.asarray(mesh_lib.local_copy(value)) for value in metrics]
+    values = [np.asarray(transfer.local_copy(value)) for value in metrics]
     with keras.StatelessScope(state_mapping=list(zip(model.metrics_variables, values))):
         return jax.device_get(model.get_metrics_result())
 
@@ -329,24 +298,3 @@ def in_evaluate_order(logs, model):
     return values[0] if len(values) == 1 else values
 
 
-def check_validation_freq(validation_freq):
-    """Raise a `ValueError` unless `validation_freq` is an int >= 1 or a list."""
-    if isinstance(validation_freq, bool) or not isinstance(validation_freq, (int, list, tuple)):
-        raise ValueError(
-            "`validation_freq` is an int (validate every that many epochs) or "
-            f"a list of 1-based epochs. Received: {validation_freq!r}."
-        )
-    if isinstance(validation_freq, int) and validation_freq < 1:
-        raise ValueError(f"`validation_freq` must be at least 1. Received: {validation_freq}.")
-
-
-def should_validate(epoch, validation_freq):
-    """Keras's rule: `validation_freq` counts epochs from 1."""
-    if isinstance(validation_freq, int):
-        return (epoch + 1) % validation_freq == 0
-    return epoch + 1 in validation_freq
-
-
-def validations(epochs, validation_freq):
-    """How many of `epochs` (epoch indices) validate under `validation_freq`."""
-    return sum(should_validate(epoch, validation_freq) for epoch in epochs)

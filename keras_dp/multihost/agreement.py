@@ -24,14 +24,16 @@ import zlib
 import jax
 import numpy as np
 
+from keras_dp import _messages
+from keras_dp import sharding
+from keras_dp.distributed import TIMEOUT_ENV
+from keras_dp.distributed import NotEveryProcess
+from keras_dp.distributed import timeout
 from keras_dp.multihost import channel as exchange_lib
-from keras_dp import sources as pipeline
 
 # An error's text travels as its bytes; this much of it is enough to say what.
 _MESSAGE_BYTES = 400
 _FAILED, _READY = 1, 0
-TIMEOUT_ENV = "KERAS_DP_AGREEMENT_TIMEOUT"
-DEFAULT_TIMEOUT = 300
 # Not settings but fingerprints of the training data, which should differ
 # between processes: equal on every process, they are warned of. Arrays are
 # sampled whole; other data (a tf.data.Dataset, Grain, an iterable) by the
@@ -46,40 +48,15 @@ class Disagreement(ValueError):
     """The processes' settings of a call differ, or a process failed preparing it."""
 
 
-class NotEveryProcess(TimeoutError):
-    """A process did not come to a call (or a stop) that the others made, within `timeout()`."""
-
-
-def timeout():
-    """Seconds a process waits for the others at a round: `KERAS_DP_AGREEMENT_TIMEOUT`, else 300.
-
-    Raises:
-        ValueError: the variable is not a positive number.
-    """
-    text = os.environ.get(TIMEOUT_ENV)
-    if text is None:
-        return DEFAULT_TIMEOUT
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = 0
-    if not seconds > 0:
-        raise ValueError(f"The environment variable {TIMEOUT_ENV} is a number of seconds "
-                         f"above 0. Received: {TIMEOUT_ENV}={text!r}.") from None
-    return seconds
-
-
 def settings(trainer, batches, *, batch_size, epochs, initial_epoch, shuffle, validation,
              validation_batch_size, validation_steps, validation_freq, steps_per_epoch,
              checkpoint_dir, checkpoints_to_keep=2):
     """What must be the same on every process in `fit`, as `(name, value)` pairs.
 
     Values are integers shown as they are, or text compared by its CRC-32.
-    In one process, `[]`: there is nothing to agree on, and the optimizer's
-    config reads its learning rate off the device.
+    Asked across processes only: in one process there is nothing to agree
+    on, and the optimizer's config reads its learning rate off the device.
     """
-    if not trainer.multiprocess:
-        return []
     optimizer = trainer.model.optimizer
     with warnings.catch_warnings():  # Keras's own numpy 2 `copy=` DeprecationWarning
         warnings.simplefilter("ignore", DeprecationWarning)
@@ -115,7 +92,7 @@ def _fingerprint(batches):
     if arrays is not None:
         return _SAME_ROWS, _rows_fingerprint(arrays, batches.num_samples)
     first = batches.peek()
-    return _SAME_FIRST_BATCH, _rows_fingerprint(first, pipeline.batch_rows(first))
+    return _SAME_FIRST_BATCH, _rows_fingerprint(first, sharding.batch_rows(first))
 
 
 def _rows_fingerprint(tree, rows):
@@ -127,9 +104,7 @@ def _rows_fingerprint(tree, rows):
 
 
 def inference_settings(trainer, batches, *, batch_size, steps):
-    """What must be the same on every process in `evaluate` and `predict` (one process: `[]`)."""
-    if not trainer.multiprocess:
-        return []
+    """What must be the same on every process in `evaluate` and `predict`."""
     return [
         ("batch_size", batch_size), ("steps", steps),
         ("steps_per_execution", trainer.steps_per_execution),
@@ -151,7 +126,7 @@ def _shapes(variables):
 
 
 @contextlib.contextmanager
-def preparing(placement, call="fit"):
+def preparing(hosts, call="fit"):
     """Run a call's preparation, then agree with every process (see the module doc).
 
     Yields a list to which the preparation appends its `settings`; `call`
@@ -164,21 +139,18 @@ def preparing(placement, call="fit"):
             `timeout()` seconds.
     """
     found = []
-    if not placement.multiprocess:
-        yield found
-        return
     try:
         yield found
     except Exception as error:
         text = f"{type(error).__name__}: {error}".encode()[:_MESSAGE_BYTES]
         with contextlib.suppress(NotEveryProcess):  # then this process's error alone
-            _gather(placement, [_FAILED, *text], _absent(call))  # the others learn why, stop too
+            _gather(hosts, [_FAILED, *text], _absent(call))  # the others learn why, stop too
         raise
-    _check(_gather(placement, [_READY, *(_code(value) for _, value in found)], _absent(call)),
+    _check(_gather(hosts, [_READY, *(_code(value) for _, value in found)], _absent(call)),
            found, call)
 
 
-def stop_mid_epoch(placement, epoch, index):
+def stop_mid_epoch(hosts, epoch, index):
     """Check that every process stops after batch `index` of `epoch` (0-based), as this one does.
 
     One round, only when `stop_training` ends an epoch before its last
@@ -188,11 +160,11 @@ def stop_mid_epoch(placement, epoch, index):
     Raises:
         NotEveryProcess: a process did not stop there within `timeout()` s.
     """
-    _same_stop(placement, index, "stop_training", f" of epoch {epoch + 1}",
+    _same_stop(hosts, index, "stop_training", f" of epoch {epoch + 1}",
                ", or at an epoch's end, where one process's stop stops all")
 
 
-def stop_mid_pass(placement, flag, index):
+def stop_mid_pass(hosts, flag, index):
     """Check that every process stops evaluate or predict after batch `index`, as this one does.
 
     `flag` is the model attribute a callback set (`stop_evaluating`,
@@ -202,12 +174,12 @@ def stop_mid_pass(placement, flag, index):
     Raises:
         NotEveryProcess: a process did not stop there within `timeout()` s.
     """
-    _same_stop(placement, index, flag)
+    _same_stop(hosts, index, flag)
 
 
-def _same_stop(placement, index, flag, where="", otherwise=""):
+def _same_stop(hosts, index, flag, where="", otherwise=""):
     """One round in which every process says it stops after batch `index`, as `model.<flag>` asks."""
-    _gather(placement, [index], lambda seconds, process: (
+    _gather(hosts, [index], lambda seconds, process: (
         f"model.{flag} was set after batch {index}{where} on process "
         f"{jax.process_index()}, and process {process} did not stop there within "
         f"{seconds:g} s: it waits for this process in the next step. Across processes a "
@@ -215,7 +187,7 @@ def _same_stop(placement, index, flag, where="", otherwise=""):
         f"which are the same on every process){otherwise}. {_NO_LONGER}"))
 
 
-def same_read(placement, position):
+def same_read(hosts, position):
     """Check that every process reads the model after the same step as this one, before it gathers.
 
     With a state split across processes, the first read of the model
@@ -229,7 +201,7 @@ def same_read(placement, position):
         Disagreement: the processes read it after different steps.
     """
     epoch, steps = position
-    read_at = _gather(placement, [epoch, steps], lambda seconds, process: (
+    read_at = _gather(hosts, [epoch, steps], lambda seconds, process: (
         f"A callback read the model (self.model) after {steps} steps of epoch {epoch + 1} "
         f"on process {jax.process_index()}, and process {process} did not read it there "
         f"within {seconds:g} s. The training state is split across processes "
@@ -246,7 +218,7 @@ def same_read(placement, position):
             "read the model at the same step.")
 
 
-def same_start(placement, epoch, steps=0):
+def same_start(hosts, epoch, steps=0):
     """Check that every process resumes fit after `steps` steps of epoch `epoch` (0-based), as this one.
 
     One round per fit that restores (a `checkpoint_dir`, a `BackupAndRestore`):
@@ -258,7 +230,7 @@ def same_start(placement, epoch, steps=0):
     Raises:
         Disagreement: the processes start at different points.
     """
-    starts = [tuple(values) for values in _gather(placement, [epoch, steps], _absent("fit"))]
+    starts = [tuple(values) for values in _gather(hosts, [epoch, steps], _absent("fit"))]
     if len(set(starts)) > 1:
         raise Disagreement(
             "The processes resume fit at different points: " + ", ".join(
@@ -274,11 +246,11 @@ def _start_words(epoch, steps):
     return f"epoch {epoch + 1}" + (f" after {steps} steps" if steps else "")
 
 
-def _gather(placement, values, message):
+def _gather(hosts, values, message):
     """One round on a new channel; past `timeout()`, `NotEveryProcess(message(seconds, process))`."""
     seconds = timeout()
     try:
-        return placement.exchange.channel(timeout=seconds).all_gather(values)
+        return hosts.exchange.channel(timeout=seconds).all_gather(values)
     except exchange_lib.TimedOut as error:
         raise NotEveryProcess(message(seconds, error.process)) from None
 
@@ -322,7 +294,7 @@ def _check(gathered, found, call):
         values = [values[1 + index] for values in gathered]
         if name in (_SAME_ROWS, _SAME_FIRST_BATCH):
             if len(set(values)) == 1 and jax.process_index() == 0:
-                warnings.warn(_same_rows(name, len(values)), stacklevel=5)
+                _messages.warn(_same_rows(name, len(values)))
         elif len(set(values)) > 1:
             raise Disagreement(_differs(call, name, mine, values)) from None
 

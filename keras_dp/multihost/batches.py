@@ -7,7 +7,7 @@ local device count, by repeating the last row), and
 `jax.make_array_from_process_local_data` assembles the global batch:
 process p's rows form block p, in mesh order. `DeviceBatch.blocks` records
 each block's real rows (static), and the step cuts them out
-(`placement.real_rows`). A process whose share has run out sends a block of
+(`sharding.real_rows`). A process whose share has run out sends a block of
 padding with 0 real rows; the epoch ends when every process is out.
 
 Every process must know every process's row count for each step, and the
@@ -15,7 +15,7 @@ counts decide how steps are grouped into K-step calls. They are agreed
 ahead of use, in a fixed order, through JAX's coordination service
 (`keras_dp.multihost.channel`, not a device collective), on the look-ahead thread:
 
-- arrays: each batch's rows are known before reading (`placement.planned_rows`),
+- arrays: each batch's rows are known before reading (`Source.planned_rows`),
   so the whole epoch's plan is exchanged in one round;
 - datasets: the counts of the next `chunk_steps(K)` batches are exchanged
   together, read ahead of the steps that use them.
@@ -31,12 +31,11 @@ import jax
 import numpy as np
 
 from keras_dp import distributed
+from keras_dp import sharding
+from keras_dp.core import feed
 from keras_dp.multihost import channel as exchange_lib
-from keras_dp import sharding as mesh_lib
-from keras_dp import sources as pipeline
-from keras_dp.core.placement import DeviceBatch
-from keras_dp.core.placement import Placement
-from keras_dp.core.placement import pad_rows
+from keras_dp.sharding import DeviceBatch
+from keras_dp.sharding import pad_rows
 
 # Batches read ahead per exchange of a dataset's counts, at least: fewer
 # round trips to the coordinator, for a few host batches held in memory.
@@ -48,7 +47,7 @@ def chunk_steps(steps_per_execution):
     return steps_per_execution * -(-MIN_CHUNK // steps_per_execution)
 
 
-class MultiProcessPlacement(Placement):
+class GlobalBatches:
     """Assembles global batches from every process's share (see the module doc).
 
     Every process must call `steps` and `shard` in the same order, with
@@ -60,20 +59,19 @@ class MultiProcessPlacement(Placement):
             `shard`, `any_process`, the fit's agreement rounds).
     """
 
-    multiprocess = True
-
-    def __init__(self, mesh, prefetch=0):
-        super().__init__(mesh, prefetch)
-        self.order = distributed.block_order(mesh)  # a mesh it can use, or raise
+    def __init__(self, layout, prefetch=0):
+        self.layout, self.prefetch = layout, prefetch
+        self.order = distributed.block_order(layout.mesh)  # a mesh it can use, or raise
         self.exchange = exchange_lib.Exchange()
-        distributed.publish_host_name()  # for describe(), on any one process
 
     def local_batch_size(self, batch_size):
-        return distributed.local_batch_size(batch_size, self.mesh)
+        """The rows this process slices per step for a global `batch_size`: its share."""
+        return distributed.local_batch_size(batch_size, self.layout.mesh)
 
     def shard(self, batch):
-        counts = self.exchange.channel().all_gather([pipeline.batch_rows(batch)])
-        return to_global([batch], self.mesh, self._blocks(counts, 0), batch)
+        """This process's host batch as its block of one global `DeviceBatch` (one round trip)."""
+        counts = self.exchange.channel().all_gather([sharding.batch_rows(batch)])
+        return to_global([batch], self.layout, self._blocks(counts, 0), batch)
 
     def any_process(self, flag):
         """Whether `flag` is true on any process (one round trip)."""
@@ -88,13 +86,13 @@ class MultiProcessPlacement(Placement):
         closed = threading.Event()
         channel = self.exchange.channel(closed)
         planned = self._plan(channel, iter(host_batches), steps_per_execution, rows)
-        groups = pipeline.group_steps(planned, steps_per_execution, key=lambda step: step[0])
+        groups = feed.group_steps(planned, steps_per_execution, key=lambda step: step[0])
         placed = (
-            (len(group), to_global([batch for _, batch in group], self.mesh, group[0][0],
+            (len(group), to_global([batch for _, batch in group], self.layout, group[0][0],
                                    template))
             for group in groups
         )
-        return _closing(pipeline.prefetch(placed, self.prefetch), closed)
+        return _closing(feed.prefetch(placed, self.prefetch), closed)
 
     def _plan(self, channel, iterator, steps_per_execution, rows):
         """Yield `(blocks, host batch or None)` per global step, in order."""
@@ -105,7 +103,7 @@ class MultiProcessPlacement(Placement):
             chunk = chunk_steps(steps_per_execution)
             while True:
                 batches = list(itertools.islice(iterator, chunk))
-                counts = channel.all_gather([pipeline.batch_rows(b) for b in batches])
+                counts = channel.all_gather([sharding.batch_rows(b) for b in batches])
                 if not any(itertools.chain.from_iterable(counts)):
                     return
                 yield from self._zip(counts, iter(batches))
@@ -122,9 +120,11 @@ class MultiProcessPlacement(Placement):
         return tuple(counts[p][step] if step < len(counts[p]) else 0 for p in self.order)
 
     def local_rows(self, output, batch):
+        """This process's real rows of a batch-split output, as numpy."""
         return self._own_rows(output, batch, 0)
 
     def stacked_local_rows(self, output, batch):
+        """This process's real rows of a `[K, rows, ...]` output, step after step."""
         rows = self._own_rows(output, batch, 1)
         return rows.reshape((-1,) + rows.shape[2:])
 
@@ -148,7 +148,7 @@ def _closing(generator, closed):
         closed.set()
 
 
-def to_global(batches, mesh, blocks, template):
+def to_global(batches, layout, blocks, template):
     """Assemble one global `DeviceBatch` (or a stack of K) from this process's rows.
 
     Args:
@@ -156,7 +156,7 @@ def to_global(batches, mesh, blocks, template):
             of arrays or `None` where its share has run out. One batch
             gives one step; K give a `[K, P * L, ...]` stack, sharded
             `PartitionSpec(None, "batch")`, for a K-step program.
-        mesh: a mesh spanning the processes (`distributed.block_order`).
+        layout: the `Layout` of a mesh spanning the processes (`distributed.block_order`).
         blocks: every block's real row count, in mesh order (the same for
             every step of a stack).
         template: a host batch of this process, to build padding from.
@@ -166,21 +166,21 @@ def to_global(batches, mesh, blocks, template):
         real rows of each block (`None` when the real rows are a prefix,
         as on one process).
     """
-    per_process = mesh_lib.num_devices(mesh) // len(blocks)
+    per_process = layout.batch_shards // len(blocks)
     size = -(-max(blocks) // per_process) * per_process
     # Out of data: copies of one template row, never read by a step.
     local = [pad_rows(batch if batch is not None
                       else jax.tree.map(lambda array: array[:1], template), size)
              for batch in batches]
     if len(local) == 1:
-        local, sharding = local[0], mesh_lib.batch_sharded(mesh)
+        local, placed = local[0], layout.batch
     else:
         local = jax.tree.map(lambda *arrays: np.stack(arrays), *local)
-        sharding = mesh_lib.stacked_batch_sharded(mesh)
+        placed = layout.stacked_batch
     axis = 1 if len(batches) > 1 else 0  # the rows' axis: after the stack's
     global_data = jax.tree.map(
         lambda array: jax.make_array_from_process_local_data(
-            sharding, array,
+            placed, array,
             array.shape[:axis] + (size * len(blocks),) + array.shape[axis + 1:]),
         local,
     )

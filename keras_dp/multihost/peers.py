@@ -28,8 +28,8 @@ import time
 
 import jax
 
-from keras_dp.multihost import agreement
 from keras_dp import distributed as distributed_lib
+from keras_dp.multihost import agreement
 from keras_dp.multihost import channel as exchange_lib
 
 # Raised by every process at the same point: no process waits for another.
@@ -79,15 +79,12 @@ def leaving():
 
 
 @contextlib.contextmanager
-def watch(placement, call="fit"):
+def watch(hosts, call="fit"):
     """The span of a `call` across processes: post an error that leaves it, watch for others'.
 
-    One process: nothing to watch.
+    `hosts` is the trainer's `keras_dp.multihost.hosts.ManyProcesses` (its `exchange`).
     """
-    if not placement.multiprocess:
-        yield
-        return
-    failed, ended, gone = (placement.exchange.notice() for _ in range(3))
+    failed, ended, gone = (hosts.exchange.notice() for _ in range(3))
     stopped = threading.Event()
     threading.Thread(target=_watch, args=(failed, ended, gone, stopped, call), daemon=True,
                      name="keras_dp-peers").start()
@@ -136,3 +133,27 @@ def _end(process, reason, call, gone):
             while gone.read() is None and time.monotonic() < deadline:
                 time.sleep(_POLL_S)
     os._exit(1)
+
+
+def _at_exit(uncaught):
+    """At exit (`distributed.EXIT_HOOKS`): end now where a call this process left waits for it.
+
+    After an uncaught error, end at once, except process 0 whose error the
+    others were told of: it ends last (below). Then, uncaught or not, if a
+    process ended because this one's error left a call it was in, end too
+    (status 1), where JAX's shutdown would wait for it. Process 0 runs the
+    coordination service, whose end stops the others at once with JAX's
+    own error: it first waits for them to end with keras_dp's message.
+    """
+    if uncaught and not (posted() and distributed_lib.is_primary()):
+        distributed_lib.end_now()
+    if ended_for_this_process():
+        if not uncaught:
+            print(f"keras_dp: process {jax.process_index()} ends with status 1: its error "
+                  "left a call the other processes were in, and they have ended.",
+                  file=sys.stderr)
+        distributed_lib.end_now()
+
+
+distributed_lib.EXIT_HOOKS.append(_at_exit)
+distributed_lib.END_HOOKS.append(leaving)  # process 0 may wait for it before ending

@@ -1,27 +1,25 @@
-"""In-memory arrays as batches: sliced, shuffled per epoch, the last one partial."""
+"""In-memory arrays as a source: sliced, shuffled per epoch, the last batch partial."""
 
 import jax
 import numpy as np
 
+from keras_dp import options
+from keras_dp.checks import data as data_checks
 from keras_dp.sources.batch import apply_class_weight
-from keras_dp.sources.batch import array_rows
-from keras_dp.sources.batch import check_count
-from keras_dp.sources.batch import check_dtypes
+from keras_dp.sources.source import Source
 
 
-class ArrayBatches:
+class ArrayBatches(Source):
     """Batches sliced from in-memory arrays, the last one partial if needed."""
-
-    reiterable = True
 
     def __init__(self, x, y, sample_weight, *, batch_size, shuffle, seed, class_weight,
                  what="The data"):
         arrays = jax.tree.map(np.asarray, (x, y, sample_weight))
-        check_dtypes(arrays, what)
-        self.num_samples = array_rows(*arrays, what=what)
+        data_checks.check_dtypes(arrays, what)
+        self.num_samples = data_checks.array_rows(*arrays, what=what)
         if self.num_samples == 0:
             raise ValueError(f"{what} has no rows. Pass at least one sample.")
-        self.batch_size = 32 if batch_size is None else check_count("batch_size", batch_size, 1)
+        self.batch_size = 32 if batch_size is None else options.check_count("batch_size", batch_size, 1)
         if class_weight is not None:
             arrays = apply_class_weight(arrays, class_weight)
         self._arrays, self._shuffle, self._seed = arrays, shuffle, seed
@@ -75,3 +73,8 @@ class ArrayBatches:
             if order is not None:
                 rows = order[rows]
             yield jax.tree.map(lambda array: array[rows], self._arrays)
+
+    def planned_rows(self, skip=0):
+        """Each batch's row count in an epoch, after its first `skip`: full batches, then the rest."""
+        total, size = self.num_samples, self.batch_size
+        return [min(size, total - start) for start in range(0, total, size)][skip:]

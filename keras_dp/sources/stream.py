@@ -1,20 +1,15 @@
-"""Batches in time: epochs of a fixed length, K-step groups, and the look-ahead."""
+"""A source cut into passes of a fixed number of steps: `steps_per_epoch`, `steps`."""
 
 import itertools
 import numbers
-import queue
-import threading
-import warnings
 
-import jax
-import numpy as np
-
+from keras_dp import _messages
+from keras_dp import options
 from keras_dp.sources import grain as grain_source
-from keras_dp.sources.batch import batch_rows
-from keras_dp.sources.batch import check_count
+from keras_dp.sources.source import Source
 
 
-class FixedSteps:
+class FixedSteps(Source):
     """The base of `StepsPerEpoch` and `FirstSteps`: what they pass through to their data."""
 
     def peek(self):
@@ -32,9 +27,7 @@ class FixedSteps:
 
     def _hooks_outside(self):
         """Call a PyDataset's hooks here, around each epoch, not around each pass (`_marked`)."""
-        hooks_outside = getattr(self._batches, "hooks_outside", None)
-        if hooks_outside is not None:
-            hooks_outside()
+        self._batches.hooks_outside()
 
     def _marked(self, batches):
         """`batches`, between a PyDataset's `on_epoch_begin` and `on_epoch_end`.
@@ -45,7 +38,7 @@ class FixedSteps:
         that reshuffles in `on_epoch_end` does so after each epoch, as under
         `model.fit`. `on_epoch_end` runs once the epoch's last batch is read.
         """
-        hooks = getattr(self._batches, "epoch_hooks", None)
+        hooks = self._batches.epoch_hooks
         if hooks is None:
             yield from batches
             return
@@ -66,8 +59,10 @@ class StepsPerEpoch(FixedSteps):
     is warned of when made: `model.fit` ends such an epoch early instead.
     """
 
+    stream = True
+
     def __init__(self, batches, steps, epochs=None):
-        self.steps = check_count("steps_per_epoch", steps, 1)
+        self.steps = options.check_count("steps_per_epoch", steps, 1)
         _warn_if_epochs_span_passes(batches, self.steps, epochs)
         self.exhausted = False
         self._batches = batches
@@ -78,7 +73,7 @@ class StepsPerEpoch(FixedSteps):
     @property
     def resumable(self):
         """The stream's position for checkpoints, for a Grain source; else None."""
-        epochs = getattr(self._batches, "resumable", None)
+        epochs = self._batches.resumable
         return None if epochs is None else grain_source.StreamPosition(epochs, self._states)
 
     def epoch(self, epoch, skip=0):
@@ -89,27 +84,25 @@ class StepsPerEpoch(FixedSteps):
         first `skip` batches dropped.
         """
         if self._stream is None:
-            epochs = getattr(self._batches, "resumable", None)
+            epochs = self._batches.resumable
             if epochs is not None:  # where the stream starts, to save again if stopped there
                 self._states[(epoch, skip)] = epochs.restored(epoch, skip)
             self._stream = self._passes(epoch, skip)
         return self._marked(self._epoch(epoch, skip))
 
     def _epoch(self, epoch, skip):
-        epochs = getattr(self._batches, "resumable", None)
+        epochs = self._batches.resumable
         for old in [key for key in self._states if key[0] < epoch - 1]:
             del self._states[old]  # no checkpoint will name them
         for steps in range(skip + 1, self.steps + 1):
             batch = next(self._stream, None)
             if batch is None:
                 self.exhausted = True
-                warnings.warn(
+                _messages.warn(
                     f"The input ran out of data in epoch {epoch + 1}; training "
                     "stops here. Make sure the data can give at least "
                     "`steps_per_epoch * epochs` batches: pass a re-iterable "
-                    "(a tf.data.Dataset, a list) or `.repeat()` the dataset.",
-                    stacklevel=2,
-                )
+                    "(a tf.data.Dataset, a list) or `.repeat()` the dataset.")
                 return
             if epochs is not None and epochs.recording:
                 # The state after this batch, under both names of its position.
@@ -119,7 +112,7 @@ class StepsPerEpoch(FixedSteps):
             yield batch
 
     def _passes(self, epoch, skip):
-        if getattr(self._batches, "resumable", None) is not None:
+        if self._batches.resumable is not None:
             yield from self._batches.epoch(epoch, skip)  # from a restored position
         else:
             yield from itertools.islice(self._batches.epoch(0), skip, None)
@@ -144,15 +137,13 @@ def _warn_if_epochs_span_passes(batches, steps, epochs):
         return
     if epochs is not None and epochs * steps <= per_pass:
         return
-    warnings.warn(
+    _messages.warn(
         f"The data holds {per_pass} batches a pass, which steps_per_epoch={steps} "
         f"does not divide: each epoch here takes {steps} steps, running on into the "
         "next pass, where Keras's model.fit ends an epoch when the pass ends (\"Your "
         "input ran out of data\") and so trains other steps. For one pass per epoch, "
         f"drop steps_per_epoch (or pass a divisor of {per_pass}); for a stream of "
-        "batches, .repeat() the dataset.",
-        stacklevel=4,
-    )
+        "batches, .repeat() the dataset.")
 
 
 class FirstSteps(FixedSteps):
@@ -184,113 +175,8 @@ class FirstSteps(FixedSteps):
             count += 1
             yield batch
         if count < self._asked:
-            warnings.warn(
+            _messages.warn(
                 f"The data ran out after {count} batches, fewer than the "
-                f"{self._asked} steps asked for; all {count} were used.", stacklevel=2)
+                f"{self._asked} steps asked for; all {count} were used.")
 
-
-# How long closing a `prefetch` waits for its producer to finish an item.
-STOP_WAIT_S = 30
-
-
-def steps_per_execution(model, value=None):
-    """K, the steps per compiled call: `value`, else the model's from `compile`, else 1.
-
-    Raises:
-        ValueError: `value`, or the model's from `compile` when `value` is
-            None, is not an int of at least 1.
-    """
-    received = f"steps_per_execution={value!r}"
-    if value is None:
-        value = getattr(model, "steps_per_execution", None)
-        # Keras's compile stores any value; its fit then fails on 0 deep in its loop.
-        received = f"model.compile(steps_per_execution={value!r})"
-        value = 1 if value is None else value
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(
-            "`steps_per_execution` is the number of steps each compiled call "
-            f"runs, an int of at least 1. Received: {received}."
-        )
-    return int(value)
-
-
-def group_steps(batches, steps_per_execution, key=None):
-    """Group host batches for execution: lists of K batches of the same shapes.
-
-    A run of fewer than K batches of the same shapes (an epoch's end, a
-    partial batch, a dataset whose batches change shape) comes out as
-    single-batch lists, for the one-step program: every batch is used, in
-    order, and batches of one shape share two programs. `key`, if given,
-    replaces the shapes as what must be equal within a group (across
-    processes: every process's row counts).
-    """
-    key = key or _shapes
-    pending = []
-    for batch in batches:
-        if pending and key(batch) != key(pending[0]):
-            yield from ([single] for single in pending)
-            pending = []
-        pending.append(batch)
-        if len(pending) == steps_per_execution:
-            yield pending
-            pending = []
-    yield from ([single] for single in pending)
-
-
-def _shapes(batch):
-    batch_rows(batch)  # the arrays agree on their rows, or a clear error
-    return [np.shape(array) for array in jax.tree.leaves(batch)]
-
-
-def prefetch(items, depth):
-    """Yield `items` in order, produced up to `depth` ahead by a thread.
-
-    The producer (slicing, shuffling, reading tf.data, padding and the copy
-    to the devices) then runs while the devices compute the previous step.
-    It dispatches no computation, so it does not count against the bound on
-    steps in flight. An exception in the producer is raised here, at the
-    item where it happened. Closing this generator stops the producer and
-    waits for it to finish the item in hand (at most `STOP_WAIT_S`), so that
-    no thread of it is left inside native code (a copy to the devices) when
-    the process exits: Python ending such a thread at exit can abort the
-    process. `depth=0` produces inline, without a thread.
-    """
-    if depth <= 0:
-        yield from items
-        return
-    slots = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-    end = object()
-
-    def offer(entry):
-        while not stop.is_set():
-            try:
-                slots.put(entry, timeout=0.1)
-                return True
-            except queue.Full:
-                pass
-        return False
-
-    def produce():
-        try:
-            for item in items:
-                if not offer((item, None)):
-                    return
-            offer((end, None))
-        except BaseException as error:  # noqa: BLE001 - re-raised by the consumer
-            offer((None, error))
-
-    producer = threading.Thread(target=produce, name="keras_dp-prefetch", daemon=True)
-    producer.start()
-    try:
-        while True:
-            item, error = slots.get()
-            if error is not None:
-                raise error
-            if item is end:
-                return
-            yield item
-    finally:
-        stop.set()
-        producer.join(STOP_WAIT_S)
 

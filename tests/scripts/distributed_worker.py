@@ -128,7 +128,7 @@ def fit():
     results = dict(
         counts=np.asarray(history.history["ids"][-1]),
         iterations=int(model.optimizer.iterations.numpy()),
-        rounds_per_epoch=trainer.placement.exchange.rounds / args.epochs,
+        rounds_per_epoch=trainer.hosts.exchange.rounds / args.epochs,
         # Blocking host collectives after epoch 0's start, by name.
         host_collectives=np.asarray(list(HOST_COLLECTIVES.values())),
         host_collectives_after_epoch_0=np.asarray([
@@ -151,7 +151,7 @@ def extras(trainer, x, y):
     dataset_trainer.fit(batches, epochs=args.epochs, verbose=0)
     return dict(
         dataset_weights=np.concatenate([np.ravel(w) for w in model.get_weights()]),
-        dataset_rounds_per_epoch=dataset_trainer.placement.exchange.rounds / args.epochs,
+        dataset_rounds_per_epoch=dataset_trainer.hosts.exchange.rounds / args.epochs,
         predictions=trainer.predict(x, batch_size=args.batch_size, verbose=0),
         expected=trainer.model.predict(x, verbose=0),
         # On process 0 alone, as a user prints it (before, a device
