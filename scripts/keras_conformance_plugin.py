@@ -171,9 +171,9 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def _last_line(report):
-    """The error's own lines: the last block of 'E   ' lines of the traceback (its first 4)."""
+    """The error's own lines: the last block of 'E   ' lines of the traceback, joined by ' | '."""
     if isinstance(report.longrepr, tuple):  # a skip: (path, line, reason)
-        return str(report.longrepr[2])[:600]
+        return str(report.longrepr[2])[:2000]
     text = str(report.longrepr or "")
     blocks, block = [], []
     for line in text.splitlines() + [""]:
@@ -183,9 +183,9 @@ def _last_line(report):
             blocks.append(block)
             block = []
     if blocks:
-        return " | ".join(line for line in blocks[-1][:4] if line)[:600]
+        return " | ".join(line for line in blocks[-1] if line)[:2000]
     lines = text.strip().splitlines()
-    return lines[-1][:600] if lines else ""
+    return lines[-1][:2000] if lines else ""
 
 
 def pytest_runtest_logreport(report):
