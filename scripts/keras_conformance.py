@@ -179,9 +179,9 @@ def read_log(path):
 
 def crash_message(returncode, output):
     """Why a pytest process ended in the middle of a test."""
-    if "Timeout (" in output and "Thread" in output:
+    if re.search(r"^Timeout \(\d+:\d\d:\d\d\)!$", output, re.M):
         return "timeout: the per-test watchdog ended the process (stacks in the mode's .out file)"
-    for pattern in (r".*rendezvous.*", r".*Fatal Python error.*", r".*Check failed.*", r".*Aborted.*"):
+    for pattern in (r"\S*rendezvous.*", r"Fatal Python error.*", r"Check failed.*", r"Aborted.*"):
         match = re.search(pattern, output)
         if match:
             return f"crashed (status {returncode}): {match.group(0).strip()[:300]}"
@@ -201,7 +201,11 @@ def run_mode(mode, tree, work, *, devices, time_limit, test_timeout, keyword, qu
         log = work / f"{mode}.{attempt}.jsonl"
         command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
                    "-p", "keras_conformance_plugin", "-c", str(tree / "pytest.ini"),
-                   "--rootdir", str(tree), "-q", "-rN", "--no-header", "-o", "console_output_style=classic"]
+                   "--rootdir", str(tree), "-q", "-rN", "--no-header", "-o", "console_output_style=classic",
+                   # sys.stdout and sys.stderr captured per test, but not file
+                   # descriptors 1 and 2: what a dying process writes there
+                   # (XLA's abort, the watchdog's stacks) reaches the .out file.
+                   "--capture=sys"]
         if keyword:
             command += ["-k", keyword]
         command += TEST_FILES

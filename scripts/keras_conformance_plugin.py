@@ -158,7 +158,10 @@ def pytest_runtest_protocol(item, nextitem):
     _current.update(nodeid=item.nodeid, routed=0, outcome="passed", message="", start=time.time())
     _log({"event": "start", "nodeid": item.nodeid})
     if TEST_TIMEOUT > 0:
-        faulthandler.dump_traceback_later(TEST_TIMEOUT, exit=True)
+        # To the process's own stderr (the mode's .out file: keras_conformance.py
+        # runs pytest with --capture=sys, so that what dies with the process,
+        # XLA's abort message included, is not lost in a capture file).
+        faulthandler.dump_traceback_later(TEST_TIMEOUT, exit=True, file=sys.__stderr__)
     try:
         yield
     finally:
