@@ -61,7 +61,7 @@ assert "--xla_force_host_platform_device_count=" in os.environ.get("XLA_FLAGS", 
     "XLA_FLAGS must simulate the CPU devices before JAX is imported")
 assert "jax" not in sys.modules, "JAX was imported before the device count was set"
 
-import keras  # noqa: E402  (after the checks: this imports JAX)
+# After the checks: this imports Keras, and so JAX.
 from keras.src.backend.jax.trainer import JAXTrainer  # noqa: E402
 
 _current = {"nodeid": None, "routed": 0}
