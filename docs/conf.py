@@ -159,6 +159,8 @@ def setup(app):
 # --- Theme -----------------------------------------------------------------
 html_theme = "sphinx_book_theme"
 html_title = f"keras_dp {release}"
+html_static_path = ["_static"]
+html_css_files = ["custom.css"]
 html_theme_options = {
     "show_toc_level": 2,
     "navigation_with_keys": False,
