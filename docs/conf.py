@@ -55,7 +55,6 @@ if EXECUTE:
     os.environ.setdefault("KERAS_DP_NOTEBOOK_SAMPLES", "1024")
     os.environ.setdefault("KERAS_DP_NOTEBOOK_EPOCHS", "1")
     os.environ.setdefault("KERAS_DP_NOTEBOOK_RESNET_SAMPLES", "256")
-    os.environ.setdefault("MPLBACKEND", "Agg")
 
 # --- API reference (autodoc, autosummary, napoleon) --------------------------
 autodoc_default_options = {"members": True, "member-order": "bysource"}
