@@ -23,6 +23,19 @@ def test_there_are_notebooks_and_they_are_committed_clean():
                 assert cell.outputs == [] and cell.execution_count is None, path.name
 
 
+def test_each_notebook_opens_with_its_install_command_and_no_notes_for_ci():
+    # They are read as tutorials (docs/tutorials.md renders them): the
+    # install comes first, and how the tests run them is this file's business.
+    for path in NOTEBOOKS:
+        notebook = nbformat.read(path, as_version=4)
+        opening = notebook.cells[:3]
+        setup = [cell for cell in opening if cell.cell_type == "markdown"
+                 and cell.source.startswith("## Setup")]
+        assert setup and 'pip install -e ".[plot]"' in setup[0].source, path.name
+        for cell in opening:
+            assert "CI" not in cell.source.split() and "tests/" not in cell.source, path.name
+
+
 # The notebooks run with --runslow (ResNet-18's alone takes a minute on a
 # 2-core CPU, and each repeats what a test file checks), which keeps the
 # suite within its 10 minutes; CI checks they are committed clean.
