@@ -70,12 +70,20 @@ def fit_sharded(model, x=None, y=None, *, epochs=1, batch_size=None,
     Example:
 
     ```python
-    import keras_dp
+    import keras_dp  # first: it selects Keras's JAX backend before Keras loads
+    import keras
+
+    (x_train, y_train), (x_test, y_test) = keras_dp.datasets.load_mnist()
+    x_train, y_train = x_train[:2048, ..., None], y_train[:2048]
+    x_test, y_test = x_test[:512, ..., None], y_test[:512]
 
     model = keras_dp.models.convnet()
-    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(
-        from_logits=True), metrics=["accuracy"])
-    history = keras_dp.fit_sharded(model, x_train, y_train, batch_size=64, epochs=2)
+    model.compile(optimizer="adam",
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    history = keras_dp.fit_sharded(model, x_train, y_train, batch_size=64, epochs=1,
+                                   validation_data=(x_test, y_test))
+    print(history.history["val_accuracy"])  # the model holds the trained weights
     ```
     """
     trainer = ShardedTrainer(

@@ -193,10 +193,6 @@ def docstring_examples():
     return found
 
 
-# Examples that name data they never load; the package redesign rewrites
-# them (keras_dp/ is not edited on this branch).
-BROKEN_EXAMPLES = {"keras_dp.fit_sharded[0]", "keras_dp.fit_ensemble[0]"}
-
 
 def test_the_public_docstrings_hold_examples():
     names = {name for name, _ in docstring_examples()}
@@ -204,9 +200,7 @@ def test_the_public_docstrings_hold_examples():
 
 
 @pytest.mark.parametrize("name, code", [
-    pytest.param(name, code, id=name, marks=[pytest.mark.xfail(
-        strict=True, reason="fixed by the redesign branch")] if name in BROKEN_EXAMPLES else [])
-    for name, code in docstring_examples()])
+    pytest.param(name, code, id=name) for name, code in docstring_examples()])
 def test_docstring_examples_run_as_written(name, code, tmp_path):
     ast.parse(code)
     from keras_dp import datasets

@@ -19,7 +19,7 @@ epoch's steps run (a call that needs one first waits for it). On
 accelerators the host is idle while the devices run; on XLA:CPU, where
 the devices are the host's own cores, the thread competes with the steps,
 and whether it beats compiling in line was not settled by the runs made
-(README, "Where the time goes").
+(docs/guides/performance.md).
 
 The validation's test programs are planned the same way (`EvalPrograms`:
 every call shape of array data, the first batch's calls of a dataset), and

@@ -107,11 +107,17 @@ def fit_ensemble(build_model, x=None, y=None, *, members=None, batch_size=None,
     Example:
 
     ```python
+    import keras_dp  # first: it selects Keras's JAX backend before Keras loads
+
+    (x_train, y_train), (x_test, y_test) = keras_dp.datasets.load_mnist()
+    x_train, y_train = x_train[:2048, ..., None], y_train[:2048]
+    x_test = x_test[:512, ..., None]
+
     def build_model():
         return keras_dp.models.compile_classifier(keras_dp.models.convnet())
 
     result = keras_dp.fit_ensemble(build_model, x_train, y_train,
-                                   batch_size=64, epochs=2)
+                                   batch_size=64, epochs=1)
     probabilities = result.model.predict(x_test)  # the members' mean
     ```
     """

@@ -307,7 +307,7 @@ def _same_rows(name, processes):
             "processes, each process's arrays are its own share of the data, so each row "
             f"is trained {processes} times per epoch, in every global batch as many times. "
             "Pass each process its own rows: x, y = keras_dp.distributed.process_share(x, y) "
-            "(README, Many hosts). If the shares are meant to be equal, ignore this warning."
+            "(the docs: guides/many-hosts). If the shares are meant to be equal, ignore this warning."
         )
     return (
         f"The first training batch is the same on all {processes} processes. Across "
@@ -315,7 +315,7 @@ def _same_rows(name, processes):
         "of every global batch: if every process reads the whole data, each row is "
         f"trained {processes} times per epoch. Shard it per process: "
         "keras_dp.shard_for_processes(dataset) (a tf.data.Dataset or Grain dataset), or "
-        "dataset.shard(jax.process_count(), jax.process_index()) (README, Many hosts). "
+        "dataset.shard(jax.process_count(), jax.process_index()) (the docs: guides/many-hosts). "
         "If the shares are meant to start alike, ignore this warning."
     )
 

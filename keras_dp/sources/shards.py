@@ -45,4 +45,4 @@ def shard_for_processes(dataset):
         "shard_for_processes takes a tf.data.Dataset or a grain.MapDataset. "
         f"Received: {type(dataset).__name__}. For arrays, pass fit each "
         "process's own rows: x, y = keras_dp.distributed.process_share(x, y) "
-        "(see README, Many hosts).")
+        "(see the docs: guides/many-hosts).")
