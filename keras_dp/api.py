@@ -12,7 +12,8 @@ def fit_sharded(model, x=None, y=None, *, epochs=1, batch_size=None,
                 loss=None, metrics=None, mesh=None, devices=None, seed=0,
                 checkpoint_dir=None, checkpoints_to_keep=2, state_sharding="replicated",
                 data_on_device="auto",
-                keep_last_good="auto", compilation_cache=True, profile_dir=None):
+                keep_last_good="auto", compilation_cache=True, profile_dir=None,
+                micro_batches=1):
     """Train `model` with synchronous data parallelism and return its History.
 
     Each global batch is split by rows over the devices, every device holds
@@ -63,6 +64,10 @@ def fit_sharded(model, x=None, y=None, *, epochs=1, batch_size=None,
         compilation_cache: JAX's persistent compilation cache in a per-user
             directory (`True`, the default), a directory, or `False`; see
             `keras_dp.diagnostics.compilation_cache`.
+        micro_batches: run each global batch as this many slices, one after
+            another inside the compiled step, their gradients summed into
+            one update: the same training up to float summation order, with
+            about 1/M of the step's activations (`ShardedTrainer`).
 
     Returns:
         A `keras.callbacks.History`, as `model.fit` returns.
@@ -91,6 +96,7 @@ def fit_sharded(model, x=None, y=None, *, epochs=1, batch_size=None,
         devices=devices, seed=seed, steps_per_execution=steps_per_execution,
         state_sharding=state_sharding, data_on_device=data_on_device,
         keep_last_good=keep_last_good, compilation_cache=compilation_cache,
+        micro_batches=micro_batches,
     )
     return trainer.fit(
         x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
@@ -106,7 +112,7 @@ def fit_sharded(model, x=None, y=None, *, epochs=1, batch_size=None,
 
 def memory_plan(model, x, y=None, *, batch_size=32, sample_weight=None, devices=None,
                 mesh=None, state_sharding="replicated", optimizer=None, loss=None,
-                metrics=None, data_on_device=False):
+                metrics=None, data_on_device=False, micro_batches=1, capacity=None):
     """Plan the memory of training `model` on `devices` before running it.
 
     Args:
@@ -123,6 +129,12 @@ def memory_plan(model, x, y=None, *, batch_size=32, sample_weight=None, devices=
             with that setting keeps them on the devices, the plan is of its
             step over the resident data (whose arguments then include the
             data, every device holding all of it).
+        micro_batches: as for `ShardedTrainer`: the step planned runs
+            each batch in that many slices.
+        capacity: the bytes of one device to plan for (a device other than
+            these, or a budget below theirs); default what the devices
+            report (nothing on CPU). Where the step exceeds it, the plan
+            lists the changes that would fit (`MemoryPlan.remedies`).
 
     Returns:
         A `keras_dp.diagnostics.memory.MemoryPlan` (print it for a summary):
@@ -139,6 +151,7 @@ def memory_plan(model, x, y=None, *, batch_size=32, sample_weight=None, devices=
             (a dataset, a list of batches).
     """
     trainer = ShardedTrainer(model, optimizer=optimizer, loss=loss, metrics=metrics,
-                             devices=devices, mesh=mesh, state_sharding=state_sharding)
+                             devices=devices, mesh=mesh, state_sharding=state_sharding,
+                             micro_batches=micro_batches)
     return trainer.memory_plan(x, y, batch_size=batch_size, sample_weight=sample_weight,
-                               data_on_device=data_on_device)
+                               data_on_device=data_on_device, capacity=capacity)

@@ -50,9 +50,9 @@ def fit_data(trainer, x, y, sample_weight, *, batch_size, shuffle, class_weight,
     trainer.builder.check_trainable_unchanged()
     trainer.programs.use(donate=trainer.keep_last_good is not True)
     plan = None
-    if not trainer.layout.on_cpu:  # accelerators report capacity
+    if memory.device_capacity(trainer.layout.devices[0]) is not None:  # GPUs, TPUs
         plan = memory.plan_of_step(trainer, batches.peek(), trainer.programs.train_step)
-        memory.check_fits(plan)
+        memory.check_fits(memory.with_remedies(trainer, batches.peek(), plan))
     val = None
     if validation_data is not None:
         validation_data, val_batch_size = sources.validation_source(

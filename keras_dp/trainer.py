@@ -100,6 +100,11 @@ class ShardedTrainer:
             JAX has one already; a path uses that; `False` leaves JAX's
             setting alone (see `keras_dp.diagnostics.compilation_cache`). The directory
             in use is `compilation_cache_dir`.
+        micro_batches: run each global batch as this many slices, one after
+            another inside the compiled step, their gradients summed into one
+            update (`keras_dp.core.micro`): the same step up to float
+            summation order, its activations about 1/M. Refused for a model
+            with BatchNormalization or a `train_step` of its own.
 
     Attributes:
         timings: after `fit`, one dict per epoch of where its time went:
@@ -127,7 +132,8 @@ class ShardedTrainer:
     def __init__(self, model, optimizer=None, loss=None, metrics=None, mesh=None,
                  devices=None, seed=0, steps_per_execution=None, unroll=None,
                  prefetch=2, steps_in_flight=None, state_sharding="replicated",
-                 data_on_device="auto", keep_last_good="auto", compilation_cache=True):
+                 data_on_device="auto", keep_last_good="auto", compilation_cache=True,
+                 micro_batches=1):
         self.builder = build_lib.Builder(model)  # refuses what keras_dp cannot train
         build_lib.check_keras_distribution()
         self.compilation_cache_dir = diagnostics.compilation_cache.enable(compilation_cache)
@@ -145,8 +151,10 @@ class ShardedTrainer:
         self.data_on_device = options.data_on_device(data_on_device, self.hosts.whole_data)
         self.keep_last_good = options.check_auto("keep_last_good", keep_last_good)
         self.unroll = options.unroll(unroll, self.steps_per_execution, self.layout.on_cpu)
+        self.micro_batches = options.check_count("micro_batches", micro_batches, 1)
         self.programs = programs_lib.Programs(model, self.layout, unroll=self.unroll,
-                                              donate=self.keep_last_good is not True)
+                                              donate=self.keep_last_good is not True,
+                                              micro_batches=self.micro_batches)
 
     @property
     def keeps_last_good(self):
@@ -184,6 +192,8 @@ class ShardedTrainer:
         """
         build_lib.check_keras_distribution()
         self.builder.build(sources.unpack(batch), for_training)
+        if for_training:  # the model built: its layers are known now
+            self.builder.check_micro_batches(self.micro_batches)
 
     def init_state(self):
         """Return the model's current variables as a `TrainState` on the mesh.
@@ -261,7 +271,7 @@ class ShardedTrainer:
         state_lib.write_back(state, self.model)
 
     def memory_plan(self, x, y=None, *, batch_size=32, sample_weight=None,
-                    data_on_device=False):
+                    data_on_device=False, capacity=None):
         """Bytes per device of the state and of one train step, before running.
 
         As `keras_dp.memory_plan` (which says what each argument means), for
@@ -274,7 +284,7 @@ class ShardedTrainer:
         """
         return diagnostics.memory.plan_of_fit(self, x, y, batch_size=batch_size,
                                               sample_weight=sample_weight,
-                                              data_on_device=data_on_device)
+                                              data_on_device=data_on_device, capacity=capacity)
 
     def compiled_train_step(self, state, batch):
         """The train step compiled for these arguments (`.as_text()` is HLO)."""

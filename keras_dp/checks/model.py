@@ -312,3 +312,46 @@ def _metric_label(item):
     if isinstance(item, keras.metrics.Metric):
         return f"{type(item).__name__}(...)"
     return getattr(item, "__name__", type(item).__name__)
+
+
+def allows_micro_batches(model):
+    """Whether `model` can run a batch as micro-batches (`check_micro_batches` would pass)."""
+    return not _compat.custom_step(model, "train_step") and not _batch_statistics(model)
+
+
+def _batch_statistics(model):
+    """The layers whose statistics span the batch: BatchNormalization's."""
+    return [layer for layer in _compat.all_layers(model)
+            if isinstance(layer, keras.layers.BatchNormalization)]
+
+
+def check_micro_batches(model, micro_batches):
+    """Refuse `micro_batches` above 1 for a model it cannot split exactly, naming why and the fix.
+
+    A layer whose statistics span the batch (BatchNormalization) would see a
+    micro-batch's mean and variance instead of the batch's, and update its
+    moving statistics once per micro-batch; a model's own `train_step`
+    computes its gradients itself, where keras_dp cannot sum them over
+    micro-batches.
+
+    Raises:
+        ValueError: such a layer, or a `train_step` of the model's own.
+    """
+    if micro_batches == 1:
+        return
+    if _compat.custom_step(model, "train_step"):
+        raise ValueError(
+            f"micro_batches={micro_batches} sums each batch's gradient over slices of it, "
+            f"but {type(model).__name__} computes its gradients in a train_step of its own, "
+            "which keras_dp runs whole. Pass micro_batches=1, or accumulate inside your "
+            "train_step.")
+    batch_statistics = _batch_statistics(model)
+    if batch_statistics:
+        raise ValueError(
+            f"micro_batches={micro_batches} runs each batch as {micro_batches} slices, and "
+            f"this model has layers whose statistics span the batch: "
+            f"{layer_names(batch_statistics)} (BatchNormalization normalizes by the batch's "
+            "mean and variance, and a slice's are not the batch's). Pass micro_batches=1; "
+            "or, to fit a batch in memory, split the state (state_sharding='full') or "
+            "rematerialize (keras.RematScope), or use a normalization that does not span "
+            "the batch (keras.layers.LayerNormalization or GroupNormalization).")

@@ -54,15 +54,18 @@ class Programs:
     `train_step(state, batch) -> (state, logs)` and `train_steps(state,
     stacked) -> (state, logs, finite)`; `resident_step(state, arrays, rows)`
     and `resident_steps`, the same over data kept on the devices;
-    `test_step`/`test_steps` and `predict_step`/`predict_steps`. The train
+    `test_step`/`test_steps` and `predict_step`/`predict_steps`. With
+    `micro_batches`, each train step sums its gradient over that many slices
+    of its batch (`keras_dp.core.micro`). The train
     programs donate their state or keep it, as `use` chose last (a fit
     chooses: `ShardedTrainer.keeps_last_good`); each choice's programs are
     made once. `train(steps)`, `resident(steps)`, `test(steps)` and
     `predict(steps)` pick the program of a call of `steps` steps.
     """
 
-    def __init__(self, model, layout, *, unroll, donate=True):
+    def __init__(self, model, layout, *, unroll, donate=True, micro_batches=1):
         self._model, self._layout, self._unroll = model, layout, unroll
+        self._micro_batches = micro_batches
         self._train = {}  # donate -> the four train programs, by name
         self.test_step, self.test_steps, self.predict_step, self.predict_steps = (
             make(model, layout, multi=multi, unroll=unroll)
@@ -83,7 +86,7 @@ class Programs:
             self._train[donate] = {
                 name: steps_lib.make_train_program(
                     self._model, self._layout, multi=multi, unroll=self._unroll,
-                    donate=donate, resident=resident)
+                    donate=donate, resident=resident, micro_batches=self._micro_batches)
                 for name, multi, resident in (("train_step", False, False),
                                               ("train_steps", True, False),
                                               ("resident_step", False, True),

@@ -32,10 +32,12 @@ import keras
 
 from keras_dp import _compat
 from keras_dp import sharding
+from keras_dp.core import micro
 from keras_dp.core.state import TrainState
 
 
-def make_train_program(model, layout, *, multi=False, unroll=1, donate=True, resident=False):
+def make_train_program(model, layout, *, multi=False, unroll=1, donate=True, resident=False,
+                       micro_batches=1):
     """Return a jitted train program: one step per call, or K (`multi`).
 
     One step: `train_step(state, batch) -> (state, logs)`; K steps:
@@ -77,8 +79,10 @@ def make_train_program(model, layout, *, multi=False, unroll=1, donate=True, res
             program takes `(state, arrays, rows)`, `rows` a
             `keras_dp.core.feed.Rows` (`start` a scalar, or `[K]`), and
             reads `arrays` without donating them.
+        micro_batches: sum each batch's gradient over this many slices run
+            one after another (`keras_dp.core.micro`), one update per batch.
     """
-    step = sharded_train_step(model, layout)
+    step = sharded_train_step(model, layout, micro_batches)
     donate_argnums = 0 if donate else ()
     if resident:
         def gathered(arrays, rows):
@@ -117,7 +121,7 @@ def scan_train_steps(step, state, batches, unroll, layout):
     return state, last, _replicated(jnp.asarray(count), layout)
 
 
-def sharded_train_step(model, layout):
+def sharded_train_step(model, layout, micro_batches=1):
     """The unjitted `step(state, batch) -> (state, logs)` every train program runs.
 
     `batch` is a `DeviceBatch`; the step cuts it to its real rows, runs
@@ -127,7 +131,7 @@ def sharded_train_step(model, layout):
     of a scan partition as the single step does.
     """
     step = model_train_step(model, lambda grads: sharding.constrain(
-        grads, layout.gradient_shardings(grads)))
+        grads, layout.gradient_shardings(grads)), micro_batches, layout.stacked_batch)
 
     def train_step(state, batch):
         # The state's layout pinned on the way in too: inside a rolled scan
@@ -168,12 +172,15 @@ def _replicated(tree, layout):
     return jax.lax.with_sharding_constraint(tree, layout.replicated)
 
 
-def model_train_step(model, constrain_grads=None):
+def model_train_step(model, constrain_grads=None, micro_batches=1, stacked=None):
     """The pure optimizer step of `model` on a batch `(x, y, sample_weight)`.
 
     `constrain_grads`, if given, is applied to the gradients before the
     update (see `make_train_program`); a model's own `train_step` computes its
     gradients itself, so there only the new state's layout is constrained.
+    With `micro_batches` above 1, the batch's gradient is summed over that
+    many slices run one after another (`keras_dp.core.micro`; `stacked` is
+    the sharding of the slices), one update for the whole batch.
 
     The model's own stateless `train_step(state, data)` when it overrides
     Keras's (a GAN, a VAE: see `keras_dp._compat.custom_step`), called as
@@ -193,6 +200,8 @@ def model_train_step(model, constrain_grads=None):
         return custom_train_step
 
     def train_step(state, batch):
+        if micro_batches > 1:
+            return micro_train_step(state, batch)
         x, y, sample_weight = batch
         grad_fn = jax.value_and_grad(model.compute_loss_and_updates, has_aux=True)
         (_, aux), grads = grad_fn(
@@ -214,6 +223,24 @@ def model_train_step(model, constrain_grads=None):
         metrics, logs = _update_metrics(
             model, metrics, loss, x, y, y_pred, sample_weight
         )
+        return TrainState(trainable, non_trainable, optimizer, metrics), logs
+
+    def micro_train_step(state, batch):
+        def slice_step(non_trainable, metrics, piece):
+            x, y, sample_weight = piece
+            grad_fn = jax.value_and_grad(model.compute_loss_and_updates, has_aux=True)
+            (_, (loss, y_pred, non_trainable, metrics)), grads = grad_fn(
+                state.trainable, non_trainable, metrics, x, y, sample_weight,
+                training=True, optimizer_variables=state.optimizer)
+            if constrain_grads is not None:  # the running sum keeps the update's layout
+                grads = constrain_grads(grads)
+            metrics, logs = _update_metrics(model, metrics, loss, x, y, y_pred, sample_weight)
+            return grads, non_trainable, metrics, logs
+
+        grads, non_trainable, metrics, logs = micro.summed(
+            slice_step, state, batch, micro_batches, stacked)
+        trainable, optimizer = model.optimizer.stateless_apply(
+            state.optimizer, grads, state.trainable)
         return TrainState(trainable, non_trainable, optimizer, metrics), logs
 
     return train_step

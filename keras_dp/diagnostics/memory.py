@@ -17,7 +17,9 @@ import numpy as np
 
 from keras_dp import options
 from keras_dp import sharding
+from keras_dp.checks import model as model_checks
 from keras_dp.core import feed
+from keras_dp.core import programs as programs_lib
 from keras_dp.core.feed import least_free
 from keras_dp.core.state import TrainState
 from keras_dp.sources import inputs
@@ -50,6 +52,11 @@ class MemoryPlan:
         resident_data: of `arguments`, the training data kept on the
             devices (`data_on_device`), all of it on each; 0 for the step
             fed batch by batch from the host.
+        micro_batches: the slices each batch runs as (`micro_batches`).
+        batch_size: the global batch the step was planned for.
+        remedies: where the peak exceeds the capacity, the changes a fit
+            could make, each planned: `(what, MemoryPlan)` pairs
+            (`remedies_of`); empty otherwise.
     """
 
     state_sharding: str
@@ -64,6 +71,9 @@ class MemoryPlan:
     peak: int
     capacity: int | None
     resident_data: int = 0
+    micro_batches: int = 1
+    batch_size: int | None = None
+    remedies: tuple = ()
 
     def fits(self):
         """Whether the peak is within the capacity (True when unknown)."""
@@ -71,9 +81,11 @@ class MemoryPlan:
 
     def __str__(self):
         mib = format_bytes
+        settings = f"state_sharding={self.state_sharding!r}"
+        if self.micro_batches > 1:
+            settings += f", micro_batches={self.micro_batches}"
         lines = [
-            f"Memory per device ({self.devices} devices, state_sharding="
-            f"{self.state_sharding!r}):",
+            f"Memory per device ({self.devices} devices, {settings}):",
             f"  weights {mib(self.weights)}, non-trainable {mib(self.non_trainable)}, "
             f"optimizer {mib(self.optimizer)}, metrics {mib(self.metrics)}",
             ("  compiled step over the training data kept on the devices "
@@ -82,8 +94,13 @@ class MemoryPlan:
             f"    arguments {mib(self.arguments)}, outputs "
             f"{mib(self.outputs)}, temporaries {mib(self.temporaries)}, peak {mib(self.peak)}",
             "  capacity " + ("not reported by this platform" if self.capacity is None
-                             else f"{mib(self.capacity)}"),
+                             else f"{mib(self.capacity)}" + ("" if self.fits() else
+                                                             ": does not fit")),
         ]
+        for what, plan in self.remedies:
+            verdict = "fits" if plan.fits() else "does not fit"
+            lines.append(f"  with {what}: peak {mib(plan.peak)}, temporaries "
+                         f"{mib(plan.temporaries)}: {verdict}")
         return "\n".join(lines)
 
 
@@ -99,7 +116,8 @@ def format_bytes(nbytes):
     return f"{nbytes / 2**30:,.2f} GiB"
 
 
-def step_plan(state, step, arguments, layout, resident=False):
+def step_plan(state, step, arguments, layout, resident=False, capacity=None, micro_batches=1,
+              batch_size=None):
     """The `MemoryPlan` of a compiled train `step`, from its abstract arguments.
 
     Nothing is placed: `step` (a jitted train program) is lowered and
@@ -107,7 +125,8 @@ def step_plan(state, step, arguments, layout, resident=False):
     shardings: `TrainState.abstract_of`) and `arguments` (its abstract
     arguments after the state: a `DeviceBatch` from `sharding.abstract_batch`,
     or the resident arrays and rows, `feed.abstract_arguments`, with
-    `resident`), and XLA's memory analysis of it is read.
+    `resident`), and XLA's memory analysis of it is read. `capacity`: the
+    bytes a device has, default what it reports (None on CPU).
     """
     per_group = state_bytes(state)
     resident_data = 0
@@ -122,7 +141,8 @@ def step_plan(state, step, arguments, layout, resident=False):
         optimizer=per_group["optimizer"], metrics=per_group["metrics"],
         arguments=analysis.argument_size_in_bytes, outputs=analysis.output_size_in_bytes,
         temporaries=analysis.temp_size_in_bytes, peak=peak,
-        capacity=device_capacity(layout.devices[0]), resident_data=resident_data,
+        capacity=device_capacity(layout.devices[0]) if capacity is None else capacity,
+        resident_data=resident_data, micro_batches=micro_batches, batch_size=batch_size,
     )
 
 
@@ -167,14 +187,23 @@ def batch_of(batch, batch_size):
 
 
 def check_fits(memory_plan):
-    """Raise a `MemoryError` with the numbers and the fixes if the step cannot fit."""
+    """Raise a `MemoryError` with the numbers and the fixes if the step cannot fit.
+
+    The fixes the plan tried (`MemoryPlan.remedies`) come first, those that
+    fit named as such; then the ones a plan cannot try by itself.
+    """
     if memory_plan.fits():
         return
+    fitting = [what for what, plan in memory_plan.remedies if plan.fits()]
+    tried = (f"These fit: {'; '.join(fitting)}. " if fitting else
+             "None of the changes tried fits alone. " if memory_plan.remedies else "")
     raise MemoryError(
         f"One train step needs {memory_plan.peak / 2**30:.2f} GiB per device, and "
         f"the device has {memory_plan.capacity / 2**30:.2f} GiB.\n{memory_plan}\n"
-        "To fit: split the state over the devices (state_sharding='full', or "
-        "'optimizer'), use a smaller batch_size, or compute in bfloat16 "
+        f"{tried}To fit: split the state over the devices (state_sharding='full', or "
+        "'optimizer'), run each batch in slices (micro_batches=M), use a smaller "
+        "batch_size, rematerialize activations (build the model under "
+        "keras.RematScope(mode='full')), or compute in bfloat16 "
         "(keras.mixed_precision.set_global_policy('mixed_bfloat16'))."
     )
 
@@ -237,14 +266,17 @@ def keep_last_good(choice, state, *, steps_in_flight, layout, hosts, plan=None):
 # -- The plans a trainer makes ------------------------------------------------
 
 
-def plan_of_fit(trainer, x, y=None, *, batch_size=32, sample_weight=None, data_on_device=False):
+def plan_of_fit(trainer, x, y=None, *, batch_size=32, sample_weight=None, data_on_device=False,
+                capacity=None):
     """The `MemoryPlan` of the step `trainer`'s fit on this data would run (`ShardedTrainer.memory_plan`).
 
     On XLA:CPU that is the one `keep_last_good` picks, and a fit on batches
     of this size finds it compiled; on accelerators it is the step that
     donates its state, whose plan a fit reads to choose. With
     `data_on_device` (True or "auto"), the step over the data kept on the
-    devices, when a fit with that setting keeps it.
+    devices, when a fit with that setting keeps it. `capacity` replaces the
+    device's own (to plan for another device); where the step exceeds it,
+    the plan holds its `remedies`.
 
     Raises:
         ValueError: `data_on_device=True` and data a fit could not keep on
@@ -265,13 +297,16 @@ def plan_of_fit(trainer, x, y=None, *, batch_size=32, sample_weight=None, data_o
                                     hosts=trainer.hosts, plan=host_plan)
         if keep:
             return plan_of_step(trainer, batch, programs["resident_step"],
-                                feed.abstract_arguments(batches, trainer.layout))
+                                feed.abstract_arguments(batches, trainer.layout), capacity)
         if data_on_device is True:
             raise feed.refusal(why_not)
-    return host_plan or plan_of_step(trainer, batch, programs["train_step"])
+    donate = programs is trainer.programs.train_programs(True)
+    if host_plan is None or capacity is not None:
+        host_plan = plan_of_step(trainer, batch, programs["train_step"], capacity=capacity)
+    return with_remedies(trainer, batch, host_plan, donate)
 
 
-def plan_of_step(trainer, batch, step, arguments=None):
+def plan_of_step(trainer, batch, step, arguments=None, capacity=None):
     """The `MemoryPlan` of `trainer`'s train `step` on one global host `batch`.
 
     `arguments`: the step's abstract arguments after the state, where they
@@ -279,12 +314,59 @@ def plan_of_step(trainer, batch, step, arguments=None):
     batch's `DeviceBatch`. The model must be built (`trainer.build`).
     """
     state = TrainState.abstract_of(trainer.model, trainer.state_layout())
+    rows = sharding.batch_rows(batch)
+    settings = dict(capacity=capacity, micro_batches=trainer.micro_batches, batch_size=rows)
     if arguments is None:
-        like = sharding.abstract_batch(batch, sharding.batch_rows(batch), trainer.layout)
-        return step_plan(state, step, (like,), trainer.layout)
-    return step_plan(state, step, arguments, trainer.layout, resident=True)
+        like = sharding.abstract_batch(batch, rows, trainer.layout)
+        return step_plan(state, step, (like,), trainer.layout, **settings)
+    return step_plan(state, step, arguments, trainer.layout, resident=True, **settings)
 
 
+def with_remedies(trainer, batch, plan, donate=True):
+    """`plan`, with the changes a fit could make planned where the step does not fit (`remedies_of`).
+
+    `donate`: whether the planned step donates its state, as the remedies' will.
+    """
+    if plan.fits():
+        return plan
+    return dataclasses.replace(
+        plan, remedies=tuple(remedies_of(trainer, batch, plan.capacity, donate)))
+
+
+def remedies_of(trainer, batch, capacity, donate=True):
+    """`(what, MemoryPlan)` of each change a fit could make alone, compiled and planned.
+
+    A split state (`state_sharding` "optimizer", "full", where not already),
+    micro-batches (2, 4, 8, where the model allows them and the batch has
+    the rows), and half the batch. Each is planned as the fit's step with
+    that one change, on the same devices and `capacity`, donating its state
+    or not as `donate` says.
+    """
+    layout, model = trainer.layout, trainer.model
+    rows = sharding.batch_rows(batch)
+    changes = [(f"state_sharding={mode!r}", dict(state_sharding=mode), batch)
+               for mode in ("optimizer", "full")
+               if sharding.MODES.index(mode) > sharding.MODES.index(layout.state_sharding)]
+    if model_checks.allows_micro_batches(model):
+        changes += [(f"micro_batches={count}", dict(micro_batches=count), batch)
+                    for count in (2, 4, 8) if count > trainer.micro_batches and count <= rows]
+    if rows > 1:
+        changes.append((f"batch_size={rows // 2}", {}, batch_of(batch, rows // 2)))
+    plans = []
+    for what, change, planned in changes:
+        mode = change.get("state_sharding", layout.state_sharding)
+        trial = sharding.Layout(layout.mesh, mode, layout.batch_axis)
+        program = programs_lib.Programs(
+            model, trial, unroll=trainer.unroll, donate=donate,
+            micro_batches=change.get("micro_batches", trainer.micro_batches)).train_step
+        state = TrainState.abstract_of(model, trial.state_shardings(TrainState.variables_of(model)))
+        count = sharding.batch_rows(planned)
+        like = sharding.abstract_batch(planned, count, trial)
+        plans.append((what, step_plan(state, program, (like,), trial, capacity=capacity,
+                                      micro_batches=change.get("micro_batches",
+                                                               trainer.micro_batches),
+                                      batch_size=count)))
+    return plans
 def keep_last_good_of(trainer, plan=None):
     """Whether `trainer`'s next fit keeps the last completed state (`keep_last_good`).
 

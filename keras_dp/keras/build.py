@@ -72,6 +72,10 @@ class Builder:
         """Refuse a layer's `trainable` changed since the optimizer was built, naming the fix."""
         model_checks.check_trainable_unchanged(self.model)
 
+    def check_micro_batches(self, micro_batches):
+        """Refuse micro-batches this model cannot be split into (`checks.model.check_micro_batches`)."""
+        model_checks.check_micro_batches(self.model, micro_batches)
+
     def check_labels(self, *data):
         """Check the class-id labels of each `(source, what)` before any step (`labels.check_data`)."""
         labels.check_data(self.model, *data)
