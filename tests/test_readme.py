@@ -225,6 +225,7 @@ def test_the_blocks_group_into_sessions():
         "docs/guides/grain.md": 1,
         "docs/guides/how-it-works.md": 2,  # the trainer by hand, then its epochs
         "docs/guides/many-hosts.md": 1,
+        "docs/guides/memory.md": 3,  # the plan, micro-batches, remat: one session
         "docs/guides/performance.md": 1,
         "docs/guides/sharded-state.md": 1,
     }
@@ -284,7 +285,12 @@ def test_python_blocks_run_as_written(name, blocks_, tmp_path, small_mnist):
     if ".as_text()" in text:
         assert "all-reduce" in result.stdout  # 2 devices: the gradients are summed
     if "memory_plan" in text:
-        assert re.search(r"Memory per device \(2 devices, state_sharding='full'\)", result.stdout)
+        mode = "full" if 'state_sharding="full"' in text else "replicated"
+        assert re.search(rf"Memory per device \(2 devices, state_sharding='{mode}'\)",
+                         result.stdout)
+    if "capacity=" in text:  # a plan that does not fit says which changes would
+        assert re.search(r"does not fit\n(.*\n)*  with micro_batches=4: peak .*: fits",
+                         result.stdout)
 
 
 def bash_blocks():
