@@ -390,6 +390,8 @@ class ShardedTrainer:
             initial_epoch = options.check_count("initial_epoch", initial_epoch, 0)
             checkpoints_to_keep = options.check_count(
                 "checkpoints_to_keep", checkpoints_to_keep, 1)
+            epochs, steps_per_epoch, validation_steps = prepare.keras_limits(
+                epochs, steps_per_epoch=steps_per_epoch, validation_steps=validation_steps)
             plan = dict(batch_size=batch_size, shuffle=shuffle, epochs=epochs,
                         initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
                         validation_batch_size=validation_batch_size,
