@@ -72,7 +72,8 @@ def fit_data(trainer, x, y, sample_weight, *, batch_size, shuffle, class_weight,
                                  keras_peeks=build.keras_reads_a_batch_to_build(trainer.model),
                                  what=sources.TRAINING)
     if steps_per_epoch is not None:
-        batches = sources.StepsPerEpoch(batches, steps_per_epoch, epochs - initial_epoch)
+        batches = sources.StepsPerEpoch(batches, steps_per_epoch,
+                                         trainer.steps_per_execution, epochs)
     sources.check_ends(batches, "x", "steps_per_epoch")
     with sources.naming_list_reading(x, y):
         trainer.build(batches.peek())

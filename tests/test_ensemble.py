@@ -958,21 +958,37 @@ def test_fit_evaluate_and_predict_call_the_test_and_predict_hooks_as_keras_does(
     assert ours.calls == theirs.calls
 
 
-def test_steps_per_epoch_draws_from_one_continuing_stream_as_model_fit_does():
-    # 4 batches a pass: epoch 3 starts the second pass. (On data that ends
-    # mid-epoch keras_dp runs on into the next pass, where Keras cuts the
-    # epoch short: README, "Any batch size, exactly".)
+@pytest.mark.parametrize("steps_per_epoch, steps_per_execution, steps", [
+    (2, 1, 6),  # 4 batches a pass: epoch 3 starts the second pass
+    (3, 1, 7),  # the pass ends epoch 2 after 1 step, as in model.fit
+    (3, 2, 12),  # whole calls of 2: an epoch is the whole pass, as in model.fit
+])
+def test_steps_per_epoch_draws_from_one_continuing_stream_as_model_fit_does(
+        steps_per_epoch, steps_per_execution, steps):
     x, y = small_data(40)
-    options = dict(batch_size=10, epochs=3, steps_per_epoch=2, shuffle=False, verbose=0)
-    result = keras_dp.fit_ensemble(build_small, x, y, members=2, seed=9, devices=devices(2),
-                                   **options)
-    assert result.history.params["steps"] == 2
+    options = dict(batch_size=10, epochs=3, steps_per_epoch=steps_per_epoch, shuffle=False,
+                   verbose=0)
+
+    def build():
+        model = build_small()
+        model.compile(model.optimizer, model.loss, metrics=["accuracy"],
+                      steps_per_execution=steps_per_execution)
+        return model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the data ran out, in both
+        result = keras_dp.fit_ensemble(build, x, y, members=2, seed=9, devices=devices(2),
+                                       **options)
+    assert result.history.params["steps"] == steps_per_epoch
     for i, member in enumerate(result.members):
-        reference = alone(9 + i, build_small)
-        expected = reference.fit(x, y, **options).history["loss"]
+        reference = alone(9 + i, build)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            expected = reference.fit(x, y, **options).history["loss"]
         np.testing.assert_allclose([epoch[i] for epoch in result.member_history["loss"]],
                                    expected, rtol=1e-5)
         assert_members_close(member, reference, rtol=1e-5)
+        assert int(member.optimizer.iterations) == int(reference.optimizer.iterations) == steps
 
 
 @pytest.mark.slow

@@ -217,7 +217,8 @@ class EnsembleTrainer:
         sources = self._sources(x, y, sample_weight, batch_size, shuffle, member_shuffle,
                                 class_weight)
         if steps_per_epoch is not None:
-            sources = [pipeline.StepsPerEpoch(source, steps_per_epoch, epochs - initial_epoch)
+            sources = [pipeline.StepsPerEpoch(source, steps_per_epoch,
+                                              self.steps_per_execution, epochs)
                        for source in sources]
         pipeline.check_ends(sources[0], "x", "steps_per_epoch")
         self._build(sources[0].peek(), True, "the training data")
@@ -450,3 +451,4 @@ def refuse_checkpoint_dir(checkpoint_dir):
             "rerun restores every member from the last epoch's backup and "
             "resumes at the epoch after it. Received: "
             f"checkpoint_dir={checkpoint_dir!r}.")
+
