@@ -1036,6 +1036,26 @@ def test_checkpoint_dir_is_refused_before_any_member_is_built_naming_backup_and_
     assert int(trainer.members[0].optimizer.iterations) == 0
 
 
+@pytest.mark.parametrize("value", ["full", "replicated"])
+def test_state_sharding_is_refused_before_any_member_is_built_naming_fit_sharded(value):
+    # It was Python's "unexpected keyword argument" TypeError.
+    built = []
+
+    def build():
+        built.append(1)
+        return build_small()
+
+    message = (r"^state_sharding is not supported for ensembles: fit_ensemble trains each "
+               r"member whole on a device of its own.*keras_dp.fit_sharded\(model, ..., "
+               rf"state_sharding='full'\)\. Received: state_sharding='{value}'\.$")
+    with pytest.raises(ValueError, match=message):
+        keras_dp.fit_ensemble(build, *small_data(16), members=2, devices=devices(2),
+                              state_sharding=value)
+    with pytest.raises(ValueError, match=message):
+        keras_dp.EnsembleTrainer(build, 2, devices=devices(2), state_sharding=value)
+    assert built == []
+
+
 def test_a_callback_that_sets_model_optimizer_learning_rate_is_told_where_the_members_are():
     # A warmup written the usual way (self.model.optimizer.learning_rate =)
     # set an attribute of the members' view and changed nothing.
