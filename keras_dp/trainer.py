@@ -59,9 +59,10 @@ class ShardedTrainer:
             model's `steps_per_execution` from `compile`, else 1), in
             `fit`, its validation, `evaluate` and `predict`. K batches of
             equal size are stacked and sent at once, and one program runs K
-            steps, each exactly a single step; batches left over at an
-            epoch's end run one by one. Callbacks and the progress bar are
-            called once per call, as in `model.fit`.
+            steps, each exactly a single step; a group of K that cannot be
+            stacked (a partial batch, the epoch's last fewer) runs one by
+            one. Callbacks and the progress bar are called once per K
+            batches, as in `model.fit`.
         unroll: how many of the K steps to unroll per loop iteration of
             the compiled scan (default: all of them on CPU, where XLA runs
             a rolled loop of this kind slower; 1 elsewhere). True unrolls
@@ -341,10 +342,12 @@ class ShardedTrainer:
             class_weight: `{class_id: weight}`, applied as sample weights.
             initial_epoch: the epoch to start at (to resume a run); the
                 shuffle order of epoch e is the same as in an unbroken run.
-            steps_per_epoch: run this many steps per epoch, drawing batches
-                from one continuing stream (for endless datasets). A
-                re-iterable source restarts when it ends; a one-shot
-                iterator that runs out stops training with a warning.
+            steps_per_epoch: run this many steps per epoch (rounded up to
+                whole calls of `steps_per_execution`), reading on from one
+                iterator across epochs, as `model.fit` does: an epoch ends
+                early where the data ends, and the next starts a new pass;
+                a one-shot iterator that runs out stops training with a
+                warning.
             validation_steps: score the first this many validation batches
                 each time, as `model.fit` does (needed for an endless
                 validation dataset). None: the whole validation data.

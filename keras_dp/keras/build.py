@@ -32,11 +32,8 @@ def compile_model(model, optimizer, loss, metrics):
         ValueError: the model's own `compile` takes arguments Keras's does
             not (`model_checks.check_recompilable`).
     """
-    overrides = {
-        name: value
-        for name, value in (("optimizer", optimizer), ("loss", loss), ("metrics", metrics))
-        if value is not None
-    }
+    overrides = {name: value for name, value in (
+        ("optimizer", optimizer), ("loss", loss), ("metrics", metrics)) if value is not None}
     if not overrides:
         return
     model_checks.check_recompilable(model, overrides)
@@ -114,22 +111,18 @@ class Builder:
             return
         build(self.model, batch, for_training, data)
         self._checked.append((key, parts))
-        loss = parts[0]
-        if for_training and loss is not None and not loss.built:
-            # Keras's symbolic build calls the model's compute_loss, which
-            # builds the compiled loss if it uses it: one that overrides
-            # compute_loss without calling it leaves it unbuilt, as under
-            # model.fit, and it holds no state to train.
-            self._unused_loss = loss
+        if for_training and parts[0] is not None and not parts[0].built:
+            # Keras's build ran the model's compute_loss: one that never calls
+            # the compiled loss leaves it unbuilt (as model.fit does), stateless.
+            self._unused_loss = parts[0]
 
 
 def is_built(model, for_training=True, unused_loss=None):
     """Whether the model is built, and for training its optimizer, loss and metrics.
 
     A layer the model never calls stays unbuilt, without weights, as under
-    `model.fit`; it does not keep the model from training; nor does
-    `unused_loss`, a compiled loss that a `compute_loss` override never
-    calls (it stays unbuilt under `model.fit` too).
+    `model.fit`, as does `unused_loss`, a compiled loss that the model's
+    `compute_loss` never calls: neither keeps the model from training.
     """
     if not model.built:
         return False
@@ -351,10 +344,9 @@ def check_labels(model, x, y, y_pred, sample_weight):
     Returns:
         The spec of the loss (`model.compute_loss`) on the batch.
     """
-    # As Keras's steps call it: an override written before Keras 3.3 added
-    # `training` is called without it (`Trainer._compute_loss`).
-    mode = {"training": False} if "training" in inspect.signature(
-        model.compute_loss).parameters else {}
+    # Called as Keras's steps call it: without `training` if it takes none.
+    mode = ({"training": False} if "training" in inspect.signature(model.compute_loss).parameters
+            else {})
 
     def loss_spec(weights):
         return _compat.compute_output_spec(
