@@ -41,9 +41,10 @@ class ShardedTrainer:
     """Synchronous data-parallel training of a Keras model over a JAX mesh.
 
     Args:
-        model: a `keras.Model` (Sequential, Functional or subclassed). It
-            may be unbuilt; it is built from the first batch, as in
-            `model.fit`.
+        model: a `keras.Model` (Sequential, Functional or subclassed), or
+            any Keras layer with Keras's JAX trainer mixed in, as Keras's
+            own tests write models. It may be unbuilt; it is built from the
+            first batch, as in `model.fit`.
         optimizer, loss, metrics: as in `model.compile`; each one given
             overrides what the model was compiled with. To train, an
             uncompiled model needs at least `optimizer` (and `loss`, unless
@@ -115,7 +116,7 @@ class ShardedTrainer:
         hosts: what differs across processes (`keras_dp.multihost.hosts`).
 
     Raises:
-        TypeError: `model` is not a `keras.Model`.
+        TypeError: `model` is not a Keras model (see `model`).
         TypeError: `seed`, `prefetch` or `unroll` is not an integer.
         ValueError: `steps_per_execution` or `steps_in_flight` is not an
             int of at least 1 (their messages say what each counts), the
