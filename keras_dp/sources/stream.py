@@ -1,4 +1,4 @@
-"""A source cut into passes of a fixed number of steps: `steps_per_epoch`, `steps`."""
+"""A source read for a count of steps per epoch or evaluation: `steps_per_epoch`, `steps`."""
 
 import itertools
 import numbers
