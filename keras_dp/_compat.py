@@ -122,6 +122,21 @@ def optimizer_trainable_variables(optimizer):
     return optimizer._trainable_variables
 
 
+def is_jax_trainer(model):
+    """Whether `model` has Keras's JAX trainer API: `keras.Model`'s on the JAX backend.
+
+    Keras's models get `compile`, `fit`, `train_step`, `stateless_call`,
+    `compute_loss`, the optimizer and metrics from the JAX trainer mixin
+    (`keras.src.backend.jax.trainer.JAXTrainer`); a `keras.layers.Layer`
+    with it mixed in is a model to Keras (its own tests write
+    `class ExampleModel(JAXTrainer, layers.Dense)`), without being a
+    `keras.Model`.
+    """
+    from keras.src.backend.jax.trainer import JAXTrainer
+
+    return isinstance(model, JAXTrainer)
+
+
 def has_call(model):
     """Whether `model` defines `call()` (Keras's `Model.call` only raises)."""
     import keras

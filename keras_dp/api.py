@@ -25,7 +25,8 @@ def fit_sharded(model, x=None, y=None, *, epochs=1, batch_size=None,
     normally or by an exception, the model holds the trained weights.
 
     Args:
-        model: a `keras.Model`, compiled or not.
+        model: a `keras.Model` (or a layer with Keras's JAX trainer mixed
+            in), compiled or not.
         x: arrays (with `y`), a `(x, y[, sample_weight])` tuple, a
             `tf.data.Dataset` of batches, or a re-iterable of batches.
         y, sample_weight: arrays, with array `x` only.

@@ -8,6 +8,9 @@ process learns of any process's mistake (`keras_dp.multihost.agreement`).
 
 import dataclasses
 
+import keras
+
+from keras_dp import _messages
 from keras_dp import options
 from keras_dp import sources
 from keras_dp.core import feed
@@ -22,6 +25,32 @@ class FitData:
     batches: object
     validation: object
     plan: object
+
+
+def keras_limits(epochs=None, **steps):
+    """`epochs` and each of `steps` capped by Keras's debugging limits, where they are set.
+
+    `keras.config.set_max_epochs(n)` caps every fit's `epochs`, and
+    `keras.config.set_max_steps_per_epoch(n)` the steps of each fit epoch,
+    each validation, `evaluate` and `predict` (a count of None, the whole
+    data, included), with Keras's own warnings ("Limiting epochs to n",
+    "Limiting steps_per_epoch to n"). Returns `epochs` (if given) and the
+    counts, in order, as a tuple, or the one value alone.
+    """
+    limited = []
+    cap = keras.config.max_epochs()
+    if epochs is not None:
+        if cap and cap < epochs:
+            _messages.warn(f"Limiting epochs to {cap}")
+            epochs = cap
+        limited.append(epochs)
+    cap = keras.config.max_steps_per_epoch()
+    for count in steps.values():
+        if cap and (not count or cap < count):
+            _messages.warn(f"Limiting steps_per_epoch to {cap}")
+            count = cap
+        limited.append(count)
+    return tuple(limited) if len(limited) > 1 else limited[0]
 
 
 def fit_data(trainer, x, y, sample_weight, *, batch_size, shuffle, class_weight,
@@ -43,7 +72,8 @@ def fit_data(trainer, x, y, sample_weight, *, batch_size, shuffle, class_weight,
                                  keras_peeks=build.keras_reads_a_batch_to_build(trainer.model),
                                  what=sources.TRAINING)
     if steps_per_epoch is not None:
-        batches = sources.StepsPerEpoch(batches, steps_per_epoch, epochs - initial_epoch)
+        batches = sources.StepsPerEpoch(batches, steps_per_epoch,
+                                         trainer.steps_per_execution, epochs)
     sources.check_ends(batches, "x", "steps_per_epoch")
     with sources.naming_list_reading(x, y):
         trainer.build(batches.peek())
@@ -83,6 +113,7 @@ def inference_data(trainer, x, y, sample_weight, *, batch_size, steps, call):
     predicting builds the layers only.
     """
     training = call == "evaluate"
+    steps = keras_limits(steps=steps)
     if training:
         trainer.builder.require_compiled("evaluate")
         x = sources.model_inputs(x, y, trainer.model)

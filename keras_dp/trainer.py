@@ -41,9 +41,10 @@ class ShardedTrainer:
     """Synchronous data-parallel training of a Keras model over a JAX mesh.
 
     Args:
-        model: a `keras.Model` (Sequential, Functional or subclassed). It
-            may be unbuilt; it is built from the first batch, as in
-            `model.fit`.
+        model: a `keras.Model` (Sequential, Functional or subclassed), or
+            any Keras layer with Keras's JAX trainer mixed in, as Keras's
+            own tests write models. It may be unbuilt; it is built from the
+            first batch, as in `model.fit`.
         optimizer, loss, metrics: as in `model.compile`; each one given
             overrides what the model was compiled with. To train, an
             uncompiled model needs at least `optimizer` (and `loss`, unless
@@ -59,9 +60,10 @@ class ShardedTrainer:
             model's `steps_per_execution` from `compile`, else 1), in
             `fit`, its validation, `evaluate` and `predict`. K batches of
             equal size are stacked and sent at once, and one program runs K
-            steps, each exactly a single step; batches left over at an
-            epoch's end run one by one. Callbacks and the progress bar are
-            called once per call, as in `model.fit`.
+            steps, each exactly a single step; a group of K that cannot be
+            stacked (a partial batch, the epoch's last fewer) runs one by
+            one. Callbacks and the progress bar are called once per K
+            batches, as in `model.fit`.
         unroll: how many of the K steps to unroll per loop iteration of
             the compiled scan (default: all of them on CPU, where XLA runs
             a rolled loop of this kind slower; 1 elsewhere). True unrolls
@@ -119,7 +121,7 @@ class ShardedTrainer:
         hosts: what differs across processes (`keras_dp.multihost.hosts`).
 
     Raises:
-        TypeError: `model` is not a `keras.Model`.
+        TypeError: `model` is not a Keras model (see `model`).
         TypeError: `seed`, `prefetch` or `unroll` is not an integer.
         ValueError: `steps_per_execution` or `steps_in_flight` is not an
             int of at least 1 (their messages say what each counts), the
@@ -351,10 +353,12 @@ class ShardedTrainer:
             class_weight: `{class_id: weight}`, applied as sample weights.
             initial_epoch: the epoch to start at (to resume a run); the
                 shuffle order of epoch e is the same as in an unbroken run.
-            steps_per_epoch: run this many steps per epoch, drawing batches
-                from one continuing stream (for endless datasets). A
-                re-iterable source restarts when it ends; a one-shot
-                iterator that runs out stops training with a warning.
+            steps_per_epoch: run this many steps per epoch (rounded up to
+                whole calls of `steps_per_execution`), reading on from one
+                iterator across epochs, as `model.fit` does: an epoch ends
+                early where the data ends, and the next starts a new pass;
+                a one-shot iterator that runs out stops training with a
+                warning.
             validation_steps: score the first this many validation batches
                 each time, as `model.fit` does (needed for an endless
                 validation dataset). None: the whole validation data.
@@ -400,6 +404,8 @@ class ShardedTrainer:
             initial_epoch = options.check_count("initial_epoch", initial_epoch, 0)
             checkpoints_to_keep = options.check_count(
                 "checkpoints_to_keep", checkpoints_to_keep, 1)
+            epochs, steps_per_epoch, validation_steps = prepare.keras_limits(
+                epochs, steps_per_epoch=steps_per_epoch, validation_steps=validation_steps)
             plan = dict(batch_size=batch_size, shuffle=shuffle, epochs=epochs,
                         initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
                         validation_batch_size=validation_batch_size,

@@ -20,7 +20,7 @@ tests/keras_conformance_allowed.txt lists (each with its reason) are allowed.
 Exit status: 0 no other difference; 1 differences; 2 the run was incomplete
 (a mode ran out of time, a file failed to collect); 3 no sdist could be had.
 
-    python scripts/keras_conformance.py                 # both modes: ~6 minutes on 2 cores
+    python scripts/keras_conformance.py                 # both modes: ~13 minutes on 2 loaded cores
     python scripts/keras_conformance.py --json out.json # and every test's result
     python scripts/keras_conformance.py --sdist keras-3.15.1.tar.gz -k early_stopping
 
@@ -106,27 +106,6 @@ def fetch_sdist(version, cache_dir, timeout=600):
             raise NoSdist(f"`{' '.join(command)}` failed (status {done.returncode}):\n{tail}")
         os.replace(found[0], cached)  # atomic: a concurrent run sees the whole file or none
     return cached
-
-
-# --rebase-trainer-mixins: trainer_test.py's models are layers mixed with
-# Keras's JAX Trainer (`class ExampleModel(Trainer, layers.Dense)`), which
-# keras_dp refuses as not a keras.Model. Rebased onto keras.Model they show
-# what fails behind that refusal (a diagnostic; one test breaks under plain
-# Keras by it: test_loss_scaling_prevents_underflow names an attribute `layers`).
-MIXIN_REBASES = ((r"\(Trainer, layers\.Dense\)", "(layers.Dense, models.Model)"),
-                 (r"\(Trainer, layers\.Layer\)", "(models.Model)"))
-
-
-def rebase_trainer_mixins(path):
-    text = path.read_text(encoding="utf-8")
-    count = 0
-    for pattern, replacement in MIXIN_REBASES:
-        text, replaced = re.subn(pattern, replacement, text)
-        count += replaced
-    if not count:
-        raise SystemExit(f"--rebase-trainer-mixins: no Trainer-mixin class in {path}")
-    path.write_text(text, encoding="utf-8")
-    return count
 
 
 def extract(sdist, tree):
@@ -375,10 +354,6 @@ def main(argv=None):
     parser.add_argument("--test-timeout", type=float, default=300,
                         help="seconds one test may take before its process is ended (default 300)")
     parser.add_argument("-k", dest="keyword", help="only the tests pytest's -k selects")
-    parser.add_argument("--rebase-trainer-mixins", action="store_true",
-                        help="diagnostic, never a pass: rewrite trainer_test.py's Trainer-mixin "
-                             "classes as keras.Model subclasses, to see what fails behind "
-                             "keras_dp's refusal of them (exit status 2)")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
     modes = [mode.strip() for mode in args.modes.split(",") if mode.strip()]
@@ -419,10 +394,6 @@ def main(argv=None):
     try:
         tree = work / "tree"
         extract(sdist, tree)
-        if args.rebase_trainer_mixins:
-            count = rebase_trainer_mixins(tree / TEST_FILES[0])
-            print(f"DIAGNOSTIC: {count} Trainer-mixin classes of {TEST_FILES[0]} rebased onto "
-                  "keras.Model; not a conformance result", flush=True)
         (work / "plugin").mkdir()
         shutil.copy(PLUGIN, work / "plugin" / PLUGIN.name)
         results, internal, problems, seconds = {}, {}, [], {}
@@ -438,7 +409,7 @@ def main(argv=None):
                   flush=True)
         status = report(args, modes, results, internal, problems, seconds, environment, sdist,
                         time.monotonic() - started)
-        return EXIT_INCOMPLETE if args.rebase_trainer_mixins else status
+        return status
     finally:
         if not args.workdir and not args.keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -109,6 +109,30 @@ def test_a_rerun_of_an_early_stopped_run_returns_its_final_weights_at_once(data,
         "checkpoint_dir to train again.\n")
 
 
+class RaisesOnTrainEnd(keras.callbacks.Callback):
+    def on_train_end(self, logs=None):
+        raise RuntimeError("a callback failed in on_train_end")
+
+
+def test_a_callback_raising_in_on_train_end_still_leaves_the_best_weights_checkpointed(
+        data, tmp_path):
+    # Before, the save after on_train_end was skipped when a later callback
+    # raised there: the checkpoint, marked stopped, held the last epoch's
+    # weights, and the rerun returned them instead of EarlyStopping's best.
+    model, record = mlp(), EpochWeights()
+    stop = keras.callbacks.EarlyStopping(monitor="loss", patience=1, min_delta=10,
+                                         restore_best_weights=True)
+    with pytest.raises(RuntimeError, match="a callback failed in on_train_end"):
+        fit(model, data, epochs=6, checkpoint_dir=tmp_path,
+            callbacks=[stop, record, RaisesOnTrainEnd()])
+    assert len(record.seen) == 2
+    rerun = mlp(seed=7)
+    assert fit(rerun, data, epochs=6, checkpoint_dir=tmp_path).epoch == []
+    for mine, best in zip(weights(rerun), record.seen[0], strict=True):
+        np.testing.assert_array_equal(mine, best)  # epoch 1's, not epoch 2's
+    assert int(rerun.optimizer.iterations.numpy()) == 2 * ROWS // BATCH
+
+
 @pytest.mark.slow  # 5 s: three fits
 def test_a_callbacks_own_state_starts_afresh_on_resume_as_under_backup_and_restore(data, tmp_path):
     # Keras's BackupAndRestore saves the weights and the epoch, not the

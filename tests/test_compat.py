@@ -315,3 +315,20 @@ jax.distributed.shutdown()
                           timeout=120, env=dict(env, JAX_PLATFORMS="cpu", PYTHONPATH=root))
     assert done.stdout.split("\n")[:3] == ["timed out: True", "not found: True", "read: 1"], (
         done.stdout + done.stderr[-2000:])
+
+
+def test_is_jax_trainer_knows_keras_models_and_layers_with_the_trainer_mixed_in():
+    from keras.src.backend.jax.trainer import JAXTrainer
+
+    class Mixed(JAXTrainer, keras.layers.Dense):  # as Keras's own trainer tests write models
+        def __init__(self):
+            keras.layers.Dense.__init__(self, 2)
+            JAXTrainer.__init__(self)
+
+    assert _compat.is_jax_trainer(keras.Sequential([keras.layers.Dense(2)]))
+    assert _compat.is_jax_trainer(Mixed())
+    assert not _compat.is_jax_trainer(keras.layers.Dense(2))
+    # What keras_dp calls on a model, the mixin gives a layer.
+    for name in ("compile", "compute_loss_and_updates", "stateless_call", "train_step",
+                 "test_step", "predict_step", "jax_state_sync", "reset_metrics"):
+        assert callable(getattr(Mixed(), name)), name

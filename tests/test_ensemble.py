@@ -958,21 +958,37 @@ def test_fit_evaluate_and_predict_call_the_test_and_predict_hooks_as_keras_does(
     assert ours.calls == theirs.calls
 
 
-def test_steps_per_epoch_draws_from_one_continuing_stream_as_model_fit_does():
-    # 4 batches a pass: epoch 3 starts the second pass. (On data that ends
-    # mid-epoch keras_dp runs on into the next pass, where Keras cuts the
-    # epoch short: README, "Any batch size, exactly".)
+@pytest.mark.parametrize("steps_per_epoch, steps_per_execution, steps", [
+    (2, 1, 6),  # 4 batches a pass: epoch 3 starts the second pass
+    (3, 1, 7),  # the pass ends epoch 2 after 1 step, as in model.fit
+    (3, 2, 12),  # whole calls of 2: an epoch is the whole pass, as in model.fit
+])
+def test_steps_per_epoch_draws_from_one_continuing_stream_as_model_fit_does(
+        steps_per_epoch, steps_per_execution, steps):
     x, y = small_data(40)
-    options = dict(batch_size=10, epochs=3, steps_per_epoch=2, shuffle=False, verbose=0)
-    result = keras_dp.fit_ensemble(build_small, x, y, members=2, seed=9, devices=devices(2),
-                                   **options)
-    assert result.history.params["steps"] == 2
+    options = dict(batch_size=10, epochs=3, steps_per_epoch=steps_per_epoch, shuffle=False,
+                   verbose=0)
+
+    def build():
+        model = build_small()
+        model.compile(model.optimizer, model.loss, metrics=["accuracy"],
+                      steps_per_execution=steps_per_execution)
+        return model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the data ran out, in both
+        result = keras_dp.fit_ensemble(build, x, y, members=2, seed=9, devices=devices(2),
+                                       **options)
+    assert result.history.params["steps"] == steps_per_epoch
     for i, member in enumerate(result.members):
-        reference = alone(9 + i, build_small)
-        expected = reference.fit(x, y, **options).history["loss"]
+        reference = alone(9 + i, build)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            expected = reference.fit(x, y, **options).history["loss"]
         np.testing.assert_allclose([epoch[i] for epoch in result.member_history["loss"]],
                                    expected, rtol=1e-5)
         assert_members_close(member, reference, rtol=1e-5)
+        assert int(member.optimizer.iterations) == int(reference.optimizer.iterations) == steps
 
 
 @pytest.mark.slow
@@ -1018,6 +1034,26 @@ def test_checkpoint_dir_is_refused_before_any_member_is_built_naming_backup_and_
     with pytest.raises(ValueError, match=message):
         trainer.fit(*small_data(16), checkpoint_dir=str(tmp_path))
     assert int(trainer.members[0].optimizer.iterations) == 0
+
+
+@pytest.mark.parametrize("value", ["full", "replicated"])
+def test_state_sharding_is_refused_before_any_member_is_built_naming_fit_sharded(value):
+    # It was Python's "unexpected keyword argument" TypeError.
+    built = []
+
+    def build():
+        built.append(1)
+        return build_small()
+
+    message = (r"^state_sharding is not supported for ensembles: fit_ensemble trains each "
+               r"member whole on a device of its own.*keras_dp.fit_sharded\(model, ..., "
+               rf"state_sharding='full'\)\. Received: state_sharding='{value}'\.$")
+    with pytest.raises(ValueError, match=message):
+        keras_dp.fit_ensemble(build, *small_data(16), members=2, devices=devices(2),
+                              state_sharding=value)
+    with pytest.raises(ValueError, match=message):
+        keras_dp.EnsembleTrainer(build, 2, devices=devices(2), state_sharding=value)
+    assert built == []
 
 
 def test_a_callback_that_sets_model_optimizer_learning_rate_is_told_where_the_members_are():

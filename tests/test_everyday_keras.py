@@ -119,20 +119,18 @@ def test_at_k_steps_a_rate_set_in_on_train_batch_begin_trains_the_call_it_begins
     keras_model, keras_history, model, history = fit_both(
         two_per_call, x, y, make_callbacks=lambda: [RateAtBatchBegin()], epochs=2)
     assert_same_training(keras_model, keras_history, model, history)
-    # 5 full batches and a partial one: keras_dp runs the leftovers (batch 4,
-    # fewer than K, and the partial batch 5) as calls of one step each, so the
-    # hook runs at batches 0, 2, 4 and 5 (Keras: 0, 2, 4, with batch 5 in
-    # batch 4's call at batch 4's rate). keras_dp then trains what Keras trains
-    # with the rate set at exactly those batches, one step per call.
+    # 5 full batches and a partial one: keras_dp runs the leftovers (batch 4
+    # and the partial batch 5) as calls of one step each, and the hooks see
+    # them as one group, as Keras's one call: the rate is set at batches 0,
+    # 2 and 4, and batch 5 trains at batch 4's rate, as under Keras.
     x, y = rows(40)
-    model, warmup = two_per_call(), RateAtBatchBegin()
-    history = keras_dp.ShardedTrainer(model, devices=devices(3)).fit(
-        x, y, callbacks=[warmup], epochs=2, **FIT)
-    assert warmup.seen == [0, 2, 4, 5] * 2
-    keras_model = classifier()
-    keras_history = keras_model.fit(x, y, callbacks=[RateAtBatchBegin(at={0, 2, 4, 5})],
-                                    epochs=2, **FIT)
+    ours, theirs = RateAtBatchBegin(), RateAtBatchBegin()
+    callbacks = [ours, theirs]  # Keras's fit takes its callback first
+    keras_model, keras_history, model, history = fit_both(
+        two_per_call, x, y, make_callbacks=lambda: [callbacks.pop()], epochs=2)
     assert_same_training(keras_model, keras_history, model, history)
+    assert ours.seen == theirs.seen == [0, 2, 4] * 2
+    assert float(model.optimizer.learning_rate.numpy()) == pytest.approx(0.1)  # batch 4's
 
 
 class ShrinksWeights(keras.callbacks.Callback):

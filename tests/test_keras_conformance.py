@@ -3,8 +3,8 @@
 The slow test runs Keras's trainer_test.py and 11 callback test files from the
 installed Keras's source distribution, plain and routed through keras_dp, on 2
 simulated CPU devices, and fails on any test that passes plain but not routed
-and is not in tests/keras_conformance_allowed.txt. About 7 minutes on a
-2-core machine:
+and is not in tests/keras_conformance_allowed.txt. About 13 minutes on
+the loaded 2-core VM (docs/benchmarks.md):
 
     pytest tests/test_keras_conformance.py --runslow
 
@@ -58,7 +58,7 @@ def test_an_allowed_entry_matches_its_node_id_or_a_prefix_and_its_message(tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(2 * 1800 + 900)  # the script's limit of 1800 s per mode; it takes ~7 min
+@pytest.mark.timeout(2 * 1800 + 900)  # the script's limit of 1800 s per mode; it takes ~13 min
 def test_keras_fit_tests_pass_through_keras_dp(tmp_path):
     fetch = subprocess.run([sys.executable, str(SCRIPT), "--fetch-only"], capture_output=True,
                            text=True, timeout=900, cwd=ROOT)

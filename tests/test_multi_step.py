@@ -14,15 +14,16 @@ from conftest import BatchEnds, assert_close_to_scale, devices, mlp
 
 @pytest.mark.parametrize("on_device, programs", [
     (False, ("train_step", "train_steps")), (True, ("resident_step", "resident_steps"))])
-def test_the_multi_step_program_compiles_once_and_callbacks_see_each_call(
+def test_the_multi_step_program_compiles_once_and_callbacks_see_each_group_of_k(
         mnist, on_device, programs):
     (x, y), _ = mnist
     record = BatchEnds()
     trainer = keras_dp.ShardedTrainer(mlp(), devices=devices(2), steps_per_execution=4,
                                       data_on_device=on_device)
     trainer.fit(x[:600], y[:600], batch_size=64, epochs=2, verbose=0, callbacks=[record])
-    # 9 full batches and one of 24 rows: calls of 4, 4, then 1 and 1 alone.
-    assert record.ends == [3, 7, 8, 9] * 2
+    # 9 full batches and one of 24 rows: calls of 4, 4, then 1 and 1 alone,
+    # which the hooks see as one group, as Keras's short last call: batch 11.
+    assert record.ends == [3, 7, 11] * 2
     single, multi = (getattr(trainer.programs, name) for name in programs)
     assert multi._cache_size() == 1
     assert single._cache_size() == 2  # 64 rows and 24 rows
@@ -69,7 +70,8 @@ class EvaluateAndPredictEnds(keras.callbacks.Callback):
 
 def test_evaluate_predict_and_validation_run_k_steps_per_call_exactly(mnist):
     # 700 rows at batch 64 on 3 devices: 10 full batches (three calls of 3,
-    # then 1 alone) and a 60-row batch, run alone; bitwise equal to K=1.
+    # then 1 alone) and a 60-row batch, run alone; bitwise equal to K=1. The
+    # last two are one group to the hooks, as Keras's short call: batch 11.
     (x, y), (x_test, y_test) = mnist
     x_val, y_val = x_test[:700], y_test[:700]
     results, records = {}, {}
@@ -86,8 +88,8 @@ def test_evaluate_predict_and_validation_run_k_steps_per_call_exactly(mnist):
     assert results[3][1] == results[1][1]
     np.testing.assert_array_equal(results[3][2], results[1][2])
     assert results[3][2].shape == (700, 10)
-    assert records[3].test == [2, 5, 8, 9, 10]
-    assert records[3].predict == [(2, 192), (5, 192), (8, 192), (9, 64), (10, 60)]
+    assert records[3].test == [2, 5, 8, 11]
+    assert records[3].predict == [(2, 192), (5, 192), (8, 192), (11, 124)]
     assert records[1].test == list(range(11))
     assert trainer.programs.test_steps._cache_size() == 1
     assert trainer.programs.predict_steps._cache_size() == 1
@@ -133,10 +135,11 @@ def keras_and_sharded_at_k2():
         yield fit, model if fit == "keras" else keras_dp.ShardedTrainer(model, devices=devices(2))
 
 
-def test_model_checkpoint_save_freq_counts_k_step_calls_as_readme_says(tmp_path):
-    # README (Several steps per call): the leftover batches of an epoch run
-    # one call each, so a callback counting batches by the hooks' indices
-    # saves at other batches than under Keras, which runs them as one call.
+def test_model_checkpoint_save_freq_counts_k_step_calls_as_keras_does(tmp_path):
+    # The leftover batches of an epoch (a full one and a partial one at K=2)
+    # run one call each, and the hooks see them as one group, as Keras's one
+    # short call: a callback counting batches by the hooks' indices saves
+    # where Keras's does.
     x = np.random.default_rng(0).random((7 * 16 + 5, 4), "float32")  # 7 batches of 16, 1 of 5
     y = np.arange(len(x)) % 3
     saved = {}
@@ -147,14 +150,13 @@ def test_model_checkpoint_save_freq_counts_k_step_calls_as_readme_says(tmp_path)
         runner.fit(x, y, batch_size=16, epochs=3, verbose=0, shuffle=False,
                    callbacks=[checkpoint])
         saved[fit] = sorted(path.name.split(".")[0] for path in directory.iterdir())
-    assert saved["sharded"] == ["w1-4", "w1-7", "w2-2", "w2-6", "w3-2", "w3-6"]
     assert saved["keras"] == ["w1-4", "w1-8", "w2-4", "w2-8", "w3-4", "w3-8"]
+    assert saved["sharded"] == saved["keras"]
 
 
-def test_a_leftover_validation_batch_is_its_own_call_where_keras_reports_a_short_call_once():
-    # README (Several steps per call): 3 validation batches at K=2 end with
-    # batch indices 1, then 2 here; Keras runs the last as a short call
-    # that it reports as 1, then 3.
+def test_a_leftover_validation_batch_is_reported_as_keras_reports_its_short_call():
+    # 3 validation batches at K=2: Keras runs the last as a short call that
+    # it reports as batch 3; keras_dp runs it alone and reports it so.
     x = np.random.default_rng(0).random((40, 4), "float32")
     y = np.arange(len(x)) % 3
     ends = {}
@@ -163,7 +165,7 @@ def test_a_leftover_validation_batch_is_its_own_call_where_keras_reports_a_short
         runner.fit(x, y, batch_size=16, verbose=0, validation_data=(x[:24], y[:24]),
                    validation_batch_size=8, callbacks=[record])
         ends[fit] = record.test
-    assert ends == {"sharded": [1, 2], "keras": [1, 3]}
+    assert ends == {"sharded": [1, 3], "keras": [1, 3]}
 
 
 def test_steps_fewer_than_k_read_exactly_that_many_batches_where_keras_runs_a_whole_call():
@@ -200,12 +202,11 @@ def bar_counts(out):
     return re.findall(r"\d+/(?:\d+|Unknown)", bars)
 
 
-def test_the_bar_counts_leftover_batches_one_by_one_and_never_passes_its_total(capsys):
-    # README (Several steps per call): 10 batches at K=4 run calls of 4, 4,
-    # then 1 and 1, and the bar shows 4, 8, 9, 10 of 10; Keras 3.15.1 runs
-    # the last 2 as one short call, which it reports as batch 12 ("12/10"),
-    # and with a dataset of unknown length it sets the total to 12 after
-    # epoch 1.
+def test_the_bar_counts_k_step_groups_as_keras_does(capsys):
+    # 10 batches at K=4 run calls of 4, 4, then 1 and 1, which the hooks see
+    # as Keras's one short call: batch 12, "12/10", as Keras 3.15.1 shows it;
+    # with a dataset of unknown length Keras's bar then takes 12 as the
+    # total, and so does keras_dp's (Keras's own ProgbarLogger).
     tf = pytest.importorskip("tensorflow")
     x = np.random.default_rng(0).random((20, 4), "float32")
     y = np.arange(len(x)) % 3
@@ -220,9 +221,7 @@ def test_the_bar_counts_leftover_batches_one_by_one_and_never_passes_its_total(c
             runner.fit(*data, batch_size=batch_size, epochs=2, shuffle=False,
                        callbacks=[EveryBarUpdate()])
             counts[fit, len(data)] = bar_counts(capsys.readouterr().out)
-    epoch = ["4/10", "8/10", "9/10", "10/10", "10/10"]  # the last: the epoch's end
-    assert counts["sharded", 2] == epoch * 2
-    assert counts["sharded", 1] == ["4/Unknown", "8/Unknown", "9/Unknown", "10/Unknown",
-                                    "10/10"] + epoch
     assert counts["keras", 2] == ["4/10", "8/10", "12/10", "10/10"] * 2
     assert counts["keras", 1][3:] == ["12/12", "4/12", "8/12", "12/12", "12/12"]
+    assert counts["sharded", 2] == counts["keras", 2]
+    assert counts["sharded", 1] == counts["keras", 1]

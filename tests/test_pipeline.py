@@ -1,12 +1,14 @@
 """The host pipeline (`keras_dp.sources`): user data to host batches, in order, every row once."""
 
+import warnings
+
 import keras
 import numpy as np
 import tensorflow as tf
 import pytest
 
 import keras_dp
-from conftest import BatchEnds, assert_weights_close, devices, mlp, sgd_mlp
+from conftest import assert_weights_close, devices, mlp, sgd_mlp
 
 
 def test_prefetch_keeps_order_raises_in_place_and_stops_when_closed():
@@ -110,26 +112,40 @@ def test_steps_per_epoch_reads_an_endless_dataset_and_stops_a_short_generator(mn
     history = keras_dp.fit_sharded(model, endless, steps_per_epoch=5, epochs=2, verbose=0,
                                    devices=devices(2))
     assert int(model.optimizer.iterations.numpy()) == 10 and history.epoch == [0, 1]
-    # Arrays: an epoch of 3 steps may run into the next pass over the data.
+    # Arrays of 4 batches a pass: epochs of 3 steps end where the pass ends, as in model.fit.
     model = mlp()
-    keras_dp.fit_sharded(model, x[:256], y[:256], batch_size=64, steps_per_epoch=3, epochs=3,
-                         verbose=0, devices=devices(2))
-    assert int(model.optimizer.iterations.numpy()) == 9
+    with pytest.warns(UserWarning, match="ran out after 1 steps of epoch 2, before "
+                      "steps_per_epoch=3: as under Keras's model.fit, the epoch ends there"):
+        keras_dp.fit_sharded(model, x[:256], y[:256], batch_size=64, steps_per_epoch=3,
+                             epochs=3, verbose=0, devices=devices(2))
+    assert int(model.optimizer.iterations.numpy()) == 3 + 1 + 3
     short = ((x[i:i + 32], y[i:i + 32]) for i in range(0, 224, 32))  # 7 batches
     model = mlp()
     with pytest.warns(UserWarning, match="ran out of data in epoch 2.*steps_per_epoch \\* epochs"):
         history = keras_dp.fit_sharded(model, short, steps_per_epoch=5, epochs=3, verbose=0,
                                        devices=devices(2))
     assert int(model.optimizer.iterations.numpy()) == 7 and history.epoch == [0, 1]
+    # A generator that ends with an epoch stops the fit there, without an empty epoch.
+    exact = ((x[i:i + 32], y[i:i + 32]) for i in range(0, 320, 32))  # 10 batches
+    model = mlp()
+    with pytest.warns(UserWarning, match="ran out of data at the end of epoch 2"):
+        history = keras_dp.fit_sharded(model, exact, steps_per_epoch=5, epochs=4, verbose=0,
+                                       devices=devices(2))
+    assert int(model.optimizer.iterations.numpy()) == 10 and history.epoch == [0, 1]
 
 
-def test_steps_per_epoch_runs_on_into_the_next_pass_where_model_fit_cuts_the_epoch_short():
-    # What README's "Any batch size, exactly" says: 20 rows in batches of 6 are
-    # 4 batches a pass; with steps_per_epoch=3, keras_dp's epoch 2 is batch 4
-    # (2 rows) then batches 1 and 2 of the next pass. Keras's ends after batch
-    # 4 ("Your input ran out of data") and epoch 3 starts the next pass.
-    import keras
-
+@pytest.mark.parametrize("steps_per_execution, steps_per_epoch, ends, steps", [
+    (1, 3, [[0, 1, 2], [0], [0, 1, 2]], 7),  # 4 batches a pass: the pass ends epoch 2
+    (1, 5, [[0, 1, 2, 3]] * 3, 12),  # more steps than a pass: one pass an epoch
+    (2, 3, [[1, 3]] * 3, 12),  # whole calls: 3 steps round up to 4
+    (3, 2, [[2], [2], [2]], 7),  # a call of 3 steps, then the pass's last batch alone
+])
+def test_steps_per_epoch_over_finite_data_counts_steps_as_model_fit(
+        steps_per_execution, steps_per_epoch, ends, steps):
+    # Keras keeps one iterator across epochs: an epoch runs whole calls of K
+    # steps while fewer than steps_per_epoch have run, and ends where the
+    # data does ("Your input ran out of data"); the next starts a new pass.
+    # 20 rows in batches of 6: 4 batches a pass, the last of 2 rows.
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(20, 4)).astype("float32"), rng.integers(0, 3, 20)
 
@@ -137,16 +153,37 @@ def test_steps_per_epoch_runs_on_into_the_next_pass_where_model_fit_cuts_the_epo
         keras.utils.set_random_seed(0)
         built = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
         built.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(
-            from_logits=True))
+            from_logits=True), steps_per_execution=steps_per_execution)
         return built
 
-    ours, theirs = BatchEnds(), BatchEnds()
-    options = dict(batch_size=6, steps_per_epoch=3, epochs=3, shuffle=False, verbose=0)
-    keras_dp.fit_sharded(model(), x, y, devices=devices(2), callbacks=[ours], **options)
-    with pytest.warns(UserWarning, match="ran out of data"):
-        model().fit(x, y, callbacks=[theirs], **options)
-    assert ours.ends == [0, 1, 2] * 3
-    assert theirs.ends == [0, 1, 2, 0, 0, 1, 2]
+    ours, theirs = EpochEnds(), EpochEnds()
+    options = dict(batch_size=6, steps_per_epoch=steps_per_epoch, epochs=3, shuffle=False,
+                   verbose=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # both say that the data ran out
+        ours_model = model()
+        keras_dp.fit_sharded(ours_model, x, y, devices=devices(2), callbacks=[ours], **options)
+        theirs_model = model()
+        theirs_model.fit(x, y, callbacks=[theirs], **options)
+    assert theirs.ends == ends
+    assert ours.ends == ends
+    assert int(theirs_model.optimizer.iterations.numpy()) == steps
+    assert int(ours_model.optimizer.iterations.numpy()) == steps
+    assert_weights_close(ours_model, theirs_model)
+
+
+class EpochEnds(keras.callbacks.Callback):
+    """Each epoch's `on_train_batch_end` indices, a list per epoch."""
+
+    def __init__(self):
+        super().__init__()
+        self.ends = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.ends.append([])
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.ends[-1].append(batch)
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -197,6 +234,13 @@ def test_group_steps_groups_k_equal_batches_and_runs_the_rest_alone():
     batches = [np.zeros((4, 1))] * 5 + [np.zeros((3, 1))]
     groups = list(keras_dp.core.feed.group_steps(batches, 2))
     assert [[_rows(b) for b in group] for group in groups] == [[4, 4], [4, 4], [4], [3]]
+    # Taken K at a time from the start, as Keras's calls take them: a run
+    # of K that changes shape runs alone, batch by batch.
+    batches = [np.zeros((4, 1)), np.zeros((3, 1)), np.zeros((3, 1)), np.zeros((4, 1))] * 2
+    groups = list(keras_dp.core.feed.group_steps(batches, 2))
+    assert [[_rows(b) for b in group] for group in groups] == [[4], [3], [3], [4]] * 2
+    groups = list(keras_dp.core.feed.group_steps(batches[1:], 2))
+    assert [[_rows(b) for b in group] for group in groups] == [[3, 3], [4, 4], [3, 3], [4]]
     assert list(keras_dp.core.feed.group_steps(batches, 1)) == [[b] for b in batches]
 
 

@@ -154,18 +154,22 @@ def _first(paths, shown=4):
 
 
 def check_model(model):
-    """Raise a `TypeError` naming the fix unless `model` is a `keras.Model`.
+    """Raise a `TypeError` naming the fix unless `model` is a Keras model.
 
-    Refuses a model with a layer that runs TensorFlow ops
+    A Keras model is a `keras.Model`, or any `keras.layers.Layer` with
+    Keras's JAX trainer mixed in (`class M(JAXTrainer, layers.Dense)`, as
+    Keras's own tests write models): what `model.fit` needs of it, keras_dp
+    needs. Refuses a model with a layer that runs TensorFlow ops
     (`check_no_tensorflow_layers`), a keras_hub task with a preprocessor
     (`check_no_preprocessor`) and a stateful RNN whose states Keras does not
     track (`check_no_stateful_rnn`). Warns when the model is compiled to run
     its step eagerly or un-jitted, which keras_dp does not honour: its
     sharded step is always compiled.
     """
-    if not isinstance(model, keras.Model):
+    if not (isinstance(model, keras.layers.Layer) and _compat.is_jax_trainer(model)):
         raise TypeError(
-            "keras_dp trains a keras.Model. Received an object of type "
+            "keras_dp trains a keras.Model (or a Keras layer with Keras's JAX trainer "
+            "mixed in, as a keras.Model has it). Received an object of type "
             f"{type(model).__module__}.{type(model).__qualname__}. Wrap "
             "layers in keras.Sequential([...]) or keras.Model(inputs, "
             "outputs)."

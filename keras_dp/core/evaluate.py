@@ -15,6 +15,7 @@ import numpy as np
 
 from keras_dp.checks import labels as labels_lib
 from keras_dp.core import programs as programs_lib
+from keras_dp.core.feed import Cadence
 from keras_dp.core.live import Throttle
 from keras_dp.core.state import TrainState
 from keras_dp.core.state import fresh_metrics
@@ -32,7 +33,8 @@ def evaluate(trainer, weights, batches, callbacks, before_end, programs=None):
 
     Runs `steps_per_execution` test steps per compiled call over stacked
     batches of one row count, and the rest (a partial batch, the last
-    fewer than K) one by one, as `fit` does; callbacks see each call.
+    fewer than K) one by one, as `fit` does; the batch hooks come once per
+    K batches, as under Keras's `evaluate` (`Cadence`).
     The calls run through `programs` (a `programs.EvalPrograms` of
     `batches`, made here if None), which compiles each call shape's
     program once, ahead of its first call where it can.
@@ -58,16 +60,23 @@ def evaluate(trainer, weights, batches, callbacks, before_end, programs=None):
     trainable, non_trainable = weights() if callable(weights) else weights
     placed = trainer.hosts.steps(batches.epoch(0), trainer.steps_per_execution, batches.peek(),
                                  batches.planned_rows())
+    cadence = Cadence(trainer.steps_per_execution)
     with contextlib.closing(placed), callbacks_lib.released_on_error(callbacks):
         for steps, device_batch in placed:
-            callbacks.on_test_batch_begin(index)
+            if cadence.begins(index):
+                callbacks.on_test_batch_begin(index)
             non_trainable, metrics, logs = programs.call(
                 (trainable, non_trainable), metrics, steps, device_batch)
             throttle.add(logs)
             index += steps
-            callbacks.on_test_batch_end(index - 1, logs)
-            if _stops(trainer, "stop_evaluating", placed, index - 1):
-                break
+            end = cadence.ends(index)
+            if end is not None:
+                callbacks.on_test_batch_end(end, logs)
+                if _stops(trainer, "stop_evaluating", placed, index - 1):
+                    break
+        end = cadence.close()  # the group the data ended in
+        if end is not None:
+            callbacks.on_test_batch_end(end, logs)
     throttle.drain()
     logs = callbacks_lib.to_python(logs, trainer.model, metrics, "test_step")
     before_end(non_trainable, metrics)
@@ -79,8 +88,9 @@ def predict(trainer, weights, batches, callbacks):
     """The model's outputs for every row of `batches`, in order, and the non-trainable values.
 
     `steps_per_execution` predict steps per compiled call, as `evaluate`
-    runs them; `on_predict_batch_end` gets each call's outputs (K batches'
-    rows, concatenated), as under `model.predict`. Each call's outputs are
+    runs them; `on_predict_batch_end` gets each group's outputs (K
+    batches' rows, concatenated; `Cadence`), as under
+    `model.predict`. Each call's outputs are
     copied to the host before the next is dispatched. The non-trainable
     values are carried from call to call, as `model.predict` carries them
     (a `SeedGenerator` advances each batch). `weights` may be a function,
@@ -98,18 +108,25 @@ def predict(trainer, weights, batches, callbacks):
     inputs = (batch[0] for batch in batches.epoch(0))
     placed = hosts.steps(inputs, trainer.steps_per_execution, batches.peek()[0],
                          batches.planned_rows())
+    cadence, group = Cadence(trainer.steps_per_execution), 0
     with contextlib.closing(placed), callbacks_lib.released_on_error(callbacks):
         for steps, x_device in placed:
-            callbacks.on_predict_batch_begin(index)
+            if cadence.begins(index):
+                callbacks.on_predict_batch_begin(index)
+                group = len(outputs)
             output, non_trainable = trainer.programs.predict(steps)(
                 (trainable, non_trainable), x_device)
             rows = hosts.local_rows if steps == 1 else hosts.stacked_local_rows
-            output = jax.tree.map(lambda out: rows(out, x_device), output)  # noqa: B023
-            outputs.append(output)
+            outputs.append(jax.tree.map(lambda out: rows(out, x_device), output))  # noqa: B023
             index += steps
-            callbacks.on_predict_batch_end(index - 1, {"outputs": output})
-            if _stops(trainer, "stop_predicting", placed, index - 1):
-                break
+            end = cadence.ends(index)
+            if end is not None:
+                callbacks.on_predict_batch_end(end, {"outputs": _joined(outputs[group:])})
+                if _stops(trainer, "stop_predicting", placed, index - 1):
+                    break
+        end = cadence.close()  # the group the data ended in
+        if end is not None:
+            callbacks.on_predict_batch_end(end, {"outputs": _joined(outputs[group:])})
     callbacks.on_predict_end()
     return jax.tree.map(_join, *outputs), non_trainable
 
@@ -124,6 +141,11 @@ def _stops(trainer, flag, placed, index):
         return False
     trainer.hosts.stop_mid_pass(placed, flag, index)
     return True
+
+
+def _joined(parts):
+    """A group's outputs, one per call, as one (the K batches' rows, as Keras's hook gets them)."""
+    return parts[0] if len(parts) == 1 else jax.tree.map(_join, *parts)
 
 
 def _join(*parts):

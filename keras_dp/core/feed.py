@@ -242,26 +242,79 @@ def planned_calls(batches, steps_per_execution, skip=0):
 
 
 def group_steps(batches, steps_per_execution, key=None):
-    """Group host batches for execution: lists of K batches of the same shapes.
+    """Group host batches for execution: K batches of the same shapes, or one.
 
-    A run of fewer than K batches of the same shapes (an epoch's end, a
-    partial batch, a dataset whose batches change shape) comes out as
-    single-batch lists, for the one-step program: every batch is used, in
-    order, and batches of one shape share two programs. `key`, if given,
-    replaces the shapes as what must be equal within a group (across
-    processes: every process's row counts).
+    The batches are taken K at a time, as Keras's loops take them for one
+    call (positions 0 to K - 1, K to 2K - 1, ... of what is given, so
+    that the callbacks' groups, `Cadence`, are
+    these): K batches of one shape come out as one group, for the K-step
+    program; a run of K that changes shape (a partial batch, a dataset
+    whose batches vary), or the fewer than K at the end, as single-batch
+    lists, for the one-step program. Every batch is used, in order, and
+    batches of one shape share two programs. `key`, if given, replaces the
+    shapes as what must be equal within a group (across processes: every
+    process's row counts).
     """
     key = key or _shapes
     pending = []
     for batch in batches:
-        if pending and key(batch) != key(pending[0]):
-            yield from ([single] for single in pending)
-            pending = []
         pending.append(batch)
         if len(pending) == steps_per_execution:
-            yield pending
+            yield from _split(pending, key)
             pending = []
-    yield from ([single] for single in pending)
+    yield from _split(pending, key, whole=False)
+
+
+def _split(run, key, whole=True):
+    """`run` as one group if it is whole and of one key, else as single-batch lists."""
+    if whole and (len(run) == 1 or all(key(batch) == key(run[0]) for batch in run[1:])):
+        yield run
+    else:
+        yield from ([single] for single in run)
+
+
+class Cadence:
+    """Where Keras's loops call the batch hooks when a call runs K steps (`steps_per_execution`).
+
+    Keras calls `on_*_batch_begin(b)` and `on_*_batch_end(b + K - 1)` once
+    per K batches, b = 0, K, 2K, ..., a last group of fewer included: 7
+    batches at K=3 end at 2, 5 and 8, and the progress bar counts 3, 6, 9
+    of 7. keras_dp runs a group of K batches of one shape as one call, and
+    a group it cannot stack (a partial batch in it, or the fewer than K the
+    data ends with) as one-step calls: the hooks still come once per group,
+    around all of its calls (`group_steps` groups the batches so). `first` is the position the groups count from (a resumed
+    epoch's first step).
+
+    The loop asks `begins(index)` before each call at `index` (True: call
+    `on_*_batch_begin(index)`), `ends(index)` after it, `index` now
+    counting the steps done (a batch index for `on_*_batch_end`, or None
+    mid-group), and `close()` when it stops (the end of an open group, or
+    None).
+    """
+
+    def __init__(self, steps_per_execution, first=0):
+        self.steps_per_execution, self.first = steps_per_execution, first
+        self.open = None  # the index of the open group's first batch
+
+    def begins(self, index):
+        """Whether a group begins with the call at `index` (none is open)."""
+        if self.open is not None:
+            return False
+        self.open = index
+        return True
+
+    def ends(self, index):
+        """After a call, `index` steps done: the group's end index if it is complete, else None."""
+        if (index - self.first) % self.steps_per_execution:
+            return None
+        return self.close()
+
+    def close(self):
+        """The open group's end index (its first batch's + K - 1), closing it; None if none is open."""
+        if self.open is None:
+            return None
+        start, self.open = self.open, None
+        return start - (start - self.first) % self.steps_per_execution + self.steps_per_execution - 1
 
 
 def _shapes(batch):

@@ -30,6 +30,7 @@ from keras_dp.checks import model as model_checks
 from keras_dp.core import evaluate as inference
 from keras_dp.core import programs as programs_lib
 from keras_dp.core import state as state_lib
+from keras_dp.core.feed import Cadence
 from keras_dp.core.live import LiveModel
 from keras_dp.core.live import Position
 from keras_dp.core.live import Throttle
@@ -99,22 +100,20 @@ def run_epochs(trainer, batches, val, callbacks, *, epochs, resume, validation_f
     epoch's plan is known, `programs.CompilingFeed`, and with them, during
     the first epoch, the validation's, if any epoch validates). Each
     epoch's `EpochTimer.result()` is appended to `trainer.timings`, emptied
-    first; with `profile_dir`, a few calls of the first epoch are traced
-    there (`Profile`). Whatever ends the loop (an exception, Ctrl-C
-    at any moment), the model holds the state of the last completed step
-    when this returns or raises, a step that failed at run time included
-    when the steps keep their input (`trainer.keeps_last_good`); if the
-    failing step had consumed that state (it was donated), the model holds
-    the last one written back. The exception's note says which
-    (`LiveModel.report`). Then, as at the end of `model.fit` (in its
+    first; `profile_dir` traces a few calls of the first epoch. Whatever
+    ends the loop (an exception, Ctrl-C), the model holds the last step's
+    state when this returns or raises, a step that failed at run time
+    included when the steps keep their input (`trainer.keeps_last_good`);
+    if it was donated, the model holds the last one written back, as the
+    exception's note says (`LiveModel.report`). Then, as at the end of `model.fit` (in its
     `finally`, failed or not), the optimizer's `finalize_variable_values`
     runs: with `use_ema`, the moving averages replace the weights, each
     variable keeping a buffer of its own (`state.finalize_variable_values`).
 
     A run that stops early (`stop_training`) marks its checkpoint stopped,
-    and saves it once more after `on_train_end`, so that it holds what the
-    model ends with (`EarlyStopping`'s best weights); a `resume` from such
-    a checkpoint (`resume.stopped`) trains nothing.
+    and saves it once more after `on_train_end` (even if a callback raises
+    there), so that it holds what the model ends with (`EarlyStopping`'s
+    best weights); a `resume` from it (`resume.stopped`) trains nothing.
     """
     model = trainer.model
     model.stop_training = False
@@ -166,10 +165,12 @@ def run_epochs(trainer, batches, val, callbacks, *, epochs, resume, validation_f
         if checkpoints is not None and not finished:
             checkpoints.close()
     if finished:
-        callbacks.on_train_end(epoch_logs)
-        if checkpoints is not None and stopped is not None:
-            # What the run ends with (EarlyStopping's best weights) is what a rerun gets.
-            checkpoints.save(trainer.init_state(), stopped, trainer.seed)
+        try:
+            callbacks.on_train_end(epoch_logs)
+        finally:  # also when a later callback's on_train_end raises
+            if checkpoints is not None and stopped is not None:
+                # What the run ends with (EarlyStopping's best weights) is what a rerun gets.
+                checkpoints.save(trainer.init_state(), stopped, trainer.seed)
     if checkpoints is not None:
         checkpoints.close()
     return model.history
@@ -257,11 +258,10 @@ def start_epoch(run, epoch, skip):
 
     The state stays on the devices from epoch to epoch unless a callback
     changed the model (weights, learning rate) since they met; a change of
-    a layer's `trainable` is refused. Across
-    processes, reading the model is a broadcast of process 0's in which
-    every process takes part, so they decide together (one host round
-    trip): if any process's callbacks changed its model, every process
-    reads process 0's.
+    a layer's `trainable` is refused. Across processes, reading the model
+    is a broadcast of process 0's in which every process takes part, so
+    they decide together (one host round trip): if any process's callbacks
+    changed its model, every process reads process 0's.
     """
     trainer, live = run.trainer, run.live
     if not skip:
@@ -275,8 +275,9 @@ def start_epoch(run, epoch, skip):
     needs_read = run.hosts.any_reads(live.needs_read(), live.sync)
     if needs_read:
         live.read(trainer.init_state(), (epoch, skip))
-    elif not skip:
-        live.state = trainer.reset_metrics(live.state)
+    elif not skip:  # reset above, as Keras resets them once an epoch
+        live.state = live.state._replace(metrics=state_lib.fresh_metrics(
+            run.model, trainer.mesh, trainer.state_layout().metrics, reset=False))
     run.timer.lap("other_s")
 
 
@@ -284,39 +285,48 @@ def train_batches(run, epoch, skip):
     """Run the epoch's steps; return the last step's logs (None if no step ran).
 
     Keeps at most `steps_in_flight` calls unfinished, checks each call's
-    loss when it finishes, and stops early on `stop_training`. Counts the
-    time waiting for input, in steps and in callbacks (`run.timer`), and
-    starts and stops the profile (`run.profile`).
+    loss when it finishes, and stops early on `stop_training`. The batch
+    hooks, `stop_training` and SIGTERM come once per K steps, as under
+    `model.fit` (`Cadence`). Counts the time waiting for input, in steps
+    and in callbacks (`run.timer`); starts and stops the profile.
 
     Raises:
         FloatingPointError: a step's loss was NaN or Inf (unless a callback
             such as `TerminateOnNaN` stopped training instead).
     """
     throttle = Throttle(run.trainer.steps_in_flight)
+    cadence = Cadence(run.trainer.steps_per_execution, skip)
     placed = run.feed.epoch(epoch, skip)
     index, logs, timer = skip, None, run.timer
     # Closing it on a break (stop_training) stops the look-ahead thread now.
     with contextlib.closing(placed):
         for calls, (steps, device_batch) in enumerate(placed, 1):
             timer.lap("input_s")
-            if run.preemption is not None and run.preemption.requested:
-                throttle.drain()
-                save_and_exit(run, Position(epoch, index))
-            run.callbacks.on_train_batch_begin(index)
-            timer.lap("callbacks_s")
+            if cadence.begins(index):
+                if run.preemption is not None and run.preemption.requested:
+                    throttle.drain()
+                    save_and_exit(run, Position(epoch, index))
+                run.callbacks.on_train_batch_begin(index)
+                timer.lap("callbacks_s")
             logs = train_call(run, steps, device_batch, throttle, (epoch, index))
             if run.profile is not None:
                 run.profile.after_call(calls, logs)
             timer.lap("steps_s")
             index += steps
             timer.samples += steps * device_batch.rows
-            run.callbacks.on_train_batch_end(index - 1, logs)
-            timer.lap("callbacks_s")
-            if throttle.failure is not None or run.model.stop_training:
+            end = cadence.ends(index) if throttle.failure is None else cadence.close()
+            if end is not None:
+                run.callbacks.on_train_batch_end(end, logs)
+                timer.lap("callbacks_s")
+            if throttle.failure is not None or (end is not None and run.model.stop_training):
                 if throttle.failure is None:  # every process's stop, or a clear error
                     run.hosts.stop_mid_epoch(placed, epoch, index - 1)
                 break
         timer.lap("input_s")  # the wait that found the epoch's end
+    end = cadence.close()  # the group the data ended in
+    if end is not None:
+        run.callbacks.on_train_batch_end(end, logs)
+        timer.lap("callbacks_s")
     throttle.drain()
     timer.lap("steps_s")
     if run.profile is not None:

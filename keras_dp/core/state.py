@@ -172,14 +172,18 @@ def model_weights(model, mesh, shardings=None):
     return place(weights, mesh, layout)
 
 
-def fresh_metrics(model, mesh, shardings=None):
+def fresh_metrics(model, mesh, shardings=None, reset=True):
     """Return the metric variables' reset values on `mesh` (`shardings`: a list).
 
-    Reset values are the same in every process (Keras resets a metric to its
-    initializer's constant), so across processes they are placed without a
-    broadcast: starting an epoch costs no collective.
+    `model.reset_metrics()` resets them first, unless `reset=False` says
+    the caller has just done so (Keras calls it once per epoch and once per
+    evaluation, and a model may count its calls or a metric skip them).
+    Reset values are the same in every process (Keras resets a metric to
+    its initializer's constant), so across processes they are placed
+    without a broadcast: starting an epoch costs no collective.
     """
-    model.reset_metrics()
+    if reset:
+        model.reset_metrics()
     return place(_values(model.metrics_variables), mesh,
                           shardings or sharding.replicated(mesh), same_on_every_process=True)
 

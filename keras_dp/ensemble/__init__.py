@@ -45,7 +45,7 @@ def fit_ensemble(build_model, x=None, y=None, *, members=None, batch_size=None,
                  steps_per_epoch=None, validation_steps=None, validation_batch_size=None,
                  validation_freq=1, steps_per_execution=None, from_logits=None,
                  seed=0, mesh=None, devices=None, compilation_cache=True,
-                 checkpoint_dir=None):
+                 checkpoint_dir=None, state_sharding=None):
     """Train an ensemble, one member per device, that averages probabilities.
 
     Member `i` is `build_model()` called right after
@@ -100,6 +100,10 @@ def fit_ensemble(build_model, x=None, y=None, *, members=None, batch_size=None,
         checkpoint_dir: not supported for ensembles: anything but None
             raises a `ValueError` before any member is built, naming
             `keras.callbacks.BackupAndRestore` to use instead.
+        state_sharding: not supported for ensembles, whose members each
+            live whole on a device: anything but None raises a
+            `ValueError` before any member is built, saying so and what to
+            use for a model too large for one device (`fit_sharded`).
 
     Returns:
         `EnsembleResult(members, model, history, member_history)`.
@@ -125,7 +129,7 @@ def fit_ensemble(build_model, x=None, y=None, *, members=None, batch_size=None,
     trainer = EnsembleTrainer(
         build_model, members, seed=seed, mesh=mesh, devices=devices,
         from_logits=from_logits, steps_per_execution=steps_per_execution,
-        compilation_cache=compilation_cache,
+        compilation_cache=compilation_cache, state_sharding=state_sharding,
     )
     history = trainer.fit(
         x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,

@@ -10,12 +10,13 @@ members' means, as in `fit`. Each takes the `EnsembleTrainer` whose parts it
 runs.
 """
 
+import itertools
+
 import jax
 import numpy as np
 
 from keras_dp import sharding
 from keras_dp import sources
-from keras_dp.core import feed
 from keras_dp.ensemble import logs as logs_lib
 from keras_dp.ensemble import members as members_lib
 from keras_dp.ensemble.scores import classification_scores
@@ -57,7 +58,8 @@ def evaluate(trainer, weights, batches, callbacks, before_end):
             parts.append(np.asarray(probabilities))  # waits for the step
             labels.append(_one_output(batch[1]))
             sample_weights.append(_one_output(batch[2]))
-        callbacks.on_test_batch_end(first + len(group) - 1, logs_lib.batch_means(logs))
+        callbacks.on_test_batch_end(first + trainer.steps_per_execution - 1,
+                                    logs_lib.batch_means(logs))
         if callbacks.model.stop_evaluating:  # a callback stopped it, as under Keras
             break
     scores = logs_lib.member_logs(trainer, logs, metrics, "test_step")
@@ -98,7 +100,8 @@ def predict(trainer, weights, batches, callbacks):
             probabilities, non_trainable = trainer._predict_step((trainable, non_trainable), x)
             parts.append(np.asarray(probabilities))  # waits for the step
         outputs = np.concatenate(parts[-len(group):], axis=1).mean(axis=0)
-        callbacks.on_predict_batch_end(first + len(group) - 1, {"outputs": outputs})
+        callbacks.on_predict_batch_end(first + trainer.steps_per_execution - 1,
+                                        {"outputs": outputs})
         if callbacks.model.stop_predicting:  # a callback stopped it, as under Keras
             break
     callbacks.on_predict_end()
@@ -109,14 +112,17 @@ def _groups(trainer, batches):
     """Yield `(index of the first batch, [batches])`: the batches Keras's hooks see as one call.
 
     With `steps_per_execution` K, `model.evaluate` and `model.predict` call
-    the batch hooks once per K batches (`feed.group_steps`, as `fit`
-    groups them); the ensemble runs them one by one within.
+    the batch hooks once per K batches, a last group of fewer included
+    (`callbacks.Cadence`, as `fit` does); the ensemble runs them one by one
+    within. A group's end index is its first's + K - 1, as in Keras.
     """
-    index = 0
-    for group in feed.group_steps((sources.unpack(batch) for batch in batches.epoch(0)),
-                                      trainer.steps_per_execution):
+    steps_per_execution = trainer.steps_per_execution
+    unpacked = (sources.unpack(batch) for batch in batches.epoch(0))
+    for index in itertools.count(0, steps_per_execution):
+        group = list(itertools.islice(unpacked, steps_per_execution))
+        if not group:
+            return
         yield index, group
-        index += len(group)
 
 
 def _one_output(values):

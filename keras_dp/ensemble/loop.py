@@ -23,6 +23,7 @@ import numpy as np
 from keras_dp import _compat
 from keras_dp import options
 from keras_dp.core import state as state_lib
+from keras_dp.core.feed import Cadence
 from keras_dp.core.live import ADVICE
 from keras_dp.core.live import LiveModel
 from keras_dp.core.state import TrainState
@@ -254,9 +255,11 @@ def train_epoch(trainer, live, sources, epoch, callbacks):
         FloatingPointError: a member's loss was NaN or Inf (unless a
             callback such as `TerminateOnNaN` stopped training instead).
     """
-    index, logs = 0, {}
+    index, logs, member_logs = 0, {}, {}
+    cadence = Cadence(trainer.steps_per_execution)
     for steps, batch, per_member in trainer._calls(sources, epoch):
-        callbacks.on_train_batch_begin(index)
+        if cadence.begins(index):
+            callbacks.on_train_batch_begin(index)
         if live.needs_read():  # a callback changed a member
             live.read(trainer.init_state(), (epoch, index))
         step = trainer._step(per_member, steps)
@@ -267,11 +270,16 @@ def train_epoch(trainer, live, sources, epoch, callbacks):
         failed = [(member, index + int(count)) for member, count in enumerate(finite)
                   if count < steps]
         index += steps
-        callbacks.on_train_batch_end(index - 1, logs_lib.mean_logs(member_logs))
+        end = cadence.close() if failed else cadence.ends(index)
+        if end is not None:
+            callbacks.on_train_batch_end(end, logs_lib.mean_logs(member_logs))
         if failed and not callbacks.model.stop_training:
             raise FloatingPointError(failure_message(epoch, failed, member_logs["loss"]))
-        if callbacks.model.stop_training:
+        if end is not None and callbacks.model.stop_training:
             break
+    end = cadence.close()  # the group the data ended in
+    if end is not None:
+        callbacks.on_train_batch_end(end, logs_lib.mean_logs(member_logs))
     return logs
 
 

@@ -42,6 +42,8 @@ class EnsembleTrainer:
             call, the rest one by one.
         compilation_cache: JAX's persistent compilation cache, as for
             `ShardedTrainer` (the directory in use is `compilation_cache_dir`).
+        state_sharding: not supported (see `fit_ensemble`): anything but
+            None raises a `ValueError` before any member is built.
 
     Attributes:
         member_history: after `fit`, each member's own logs per epoch,
@@ -65,7 +67,8 @@ class EnsembleTrainer:
 
     def __init__(self, build_model, members=None, *, seed=0, mesh=None,
                  devices=None, from_logits=None, steps_per_execution=None,
-                 compilation_cache=True):
+                 compilation_cache=True, state_sharding=None):
+        refuse_state_sharding(state_sharding)  # a member is whole on its device
         self.compilation_cache_dir = compilation_cache_lib.enable(compilation_cache)
         self.seed = options.check_count("seed", seed, 0)  # before any member is built
         count, self.mesh = members_lib.member_mesh(members, mesh, devices)
@@ -217,7 +220,8 @@ class EnsembleTrainer:
         sources = self._sources(x, y, sample_weight, batch_size, shuffle, member_shuffle,
                                 class_weight)
         if steps_per_epoch is not None:
-            sources = [pipeline.StepsPerEpoch(source, steps_per_epoch, epochs - initial_epoch)
+            sources = [pipeline.StepsPerEpoch(source, steps_per_epoch,
+                                              self.steps_per_execution, epochs)
                        for source in sources]
         pipeline.check_ends(sources[0], "x", "steps_per_epoch")
         self._build(sources[0].peek(), True, "the training data")
@@ -450,3 +454,19 @@ def refuse_checkpoint_dir(checkpoint_dir):
             "rerun restores every member from the last epoch's backup and "
             "resumes at the epoch after it. Received: "
             f"checkpoint_dir={checkpoint_dir!r}.")
+
+
+def refuse_state_sharding(state_sharding):
+    """Raise a `ValueError` saying why and what to use instead unless `state_sharding` is None.
+
+    `fit_sharded`'s `state_sharding` splits one model's state over the
+    devices; an ensemble puts each member whole on a device of its own.
+    """
+    if state_sharding is not None:
+        raise ValueError(
+            "state_sharding is not supported for ensembles: fit_ensemble trains "
+            "each member whole on a device of its own (M members on M devices, or "
+            "M / D on each), so no member's state is split over devices. For one "
+            "model too large for a device, train it with keras_dp.fit_sharded(model, "
+            "..., state_sharding='full'). Received: "
+            f"state_sharding={state_sharding!r}.")

@@ -6,6 +6,8 @@ devices, and checks first that the labels fit the model's output, so that
 a mistake fails with a message instead of deep inside a traced step.
 """
 
+import inspect
+
 import jax
 import keras
 import numpy as np
@@ -30,11 +32,8 @@ def compile_model(model, optimizer, loss, metrics):
         ValueError: the model's own `compile` takes arguments Keras's does
             not (`model_checks.check_recompilable`).
     """
-    overrides = {
-        name: value
-        for name, value in (("optimizer", optimizer), ("loss", loss), ("metrics", metrics))
-        if value is not None
-    }
+    overrides = {name: value for name, value in (
+        ("optimizer", optimizer), ("loss", loss), ("metrics", metrics)) if value is not None}
     if not overrides:
         return
     model_checks.check_recompilable(model, overrides)
@@ -63,6 +62,7 @@ class Builder:
         model_checks.check_model(model)  # a keras.Model, with what keras_dp can train
         self.model = model
         self._checked = []  # (data signature, (loss, optimizer))
+        self._unused_loss = None  # a compiled loss Keras's build found the model never calls
 
     def require_compiled(self, call):
         """Refuse to `call` ("fit", "evaluate") a model without an optimizer, naming the fix."""
@@ -85,7 +85,8 @@ class Builder:
 
         `what` is the subject of the message ("The training state").
         """
-        if not is_built(self.model) and _compat.state_sync_shadowed(self.model):
+        built = is_built(self.model, unused_loss=self._unused_loss)
+        if not built and _compat.state_sync_shadowed(self.model):
             raise ValueError(
                 "The model was compiled again during fit (a callback called "
                 "model.compile): its new optimizer, loss and metrics are not built, "
@@ -94,7 +95,7 @@ class Builder:
                 "between fits instead: fit(..., epochs=k), then model.compile(...), "
                 "then fit(..., initial_epoch=k, epochs=n)."
             )
-        if not is_built(self.model):
+        if not built:
             missing = ("its optimizer, loss or metrics are" if self.model.built
                        else "the model is")
             raise ValueError(
@@ -110,17 +111,22 @@ class Builder:
         parts = (_compat.compiled_loss(self.model), getattr(self.model, "optimizer", None))
         checked = any(key == seen and all(a is b for a, b in zip(parts, objects))
                       for seen, objects in self._checked)
-        if checked and is_built(self.model, for_training):
+        if checked and is_built(self.model, for_training, self._unused_loss):
             return
         build(self.model, batch, for_training, data)
         self._checked.append((key, parts))
+        if for_training and parts[0] is not None and not parts[0].built:
+            # Keras's build ran the model's compute_loss: one that never calls
+            # the compiled loss leaves it unbuilt (as model.fit does), stateless.
+            self._unused_loss = parts[0]
 
 
-def is_built(model, for_training=True):
+def is_built(model, for_training=True, unused_loss=None):
     """Whether the model is built, and for training its optimizer, loss and metrics.
 
     A layer the model never calls stays unbuilt, without weights, as under
-    `model.fit`; it does not keep the model from training.
+    `model.fit`, as does `unused_loss`, a compiled loss that the model's
+    `compute_loss` never calls: neither keeps the model from training.
     """
     if not model.built:
         return False
@@ -130,7 +136,7 @@ def is_built(model, for_training=True):
     optimizer = getattr(model, "optimizer", None)  # absent before compile()
     return (
         optimizer is not None and optimizer.built
-        and all(part is None or part.built for part in parts)
+        and all(part is None or part.built or part is unused_loss for part in parts)
     )
 
 
@@ -342,9 +348,13 @@ def check_labels(model, x, y, y_pred, sample_weight):
     Returns:
         The spec of the loss (`model.compute_loss`) on the batch.
     """
+    # Called as Keras's steps call it: without `training` if it takes none.
+    mode = ({"training": False} if "training" in inspect.signature(model.compute_loss).parameters
+            else {})
+
     def loss_spec(weights):
         return _compat.compute_output_spec(
-            model.compute_loss, x=x, y=y, y_pred=y_pred, sample_weight=weights, training=False)
+            model.compute_loss, x, y, y_pred, weights, **mode)
 
     try:
         return loss_spec(sample_weight)

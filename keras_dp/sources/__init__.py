@@ -8,8 +8,9 @@ sparse matrices, densified, count as arrays), a `(x, y)` or
 such batches. `make_batches` turns each into a `Source`
 (`keras_dp.sources.source`): `ArrayBatches` or `IterableBatches`, whose
 `epoch(e)` yields host batches `(x, y, sample_weight)` of numpy arrays;
-`StepsPerEpoch` and `FirstSteps` (`keras_dp.sources.stream`) cut a source
-into passes of a fixed number of steps. How `x` and `y` are read (which
+`StepsPerEpoch` and `FirstSteps` (`keras_dp.sources.stream`) read a source
+for a count of steps per epoch (as `model.fit` does, from one iterator that
+goes on across epochs) or per evaluation. How `x` and `y` are read (which
 list is the model's inputs, the validation split) is
 `keras_dp.sources.inputs`'s; the feeds (`keras_dp.core.feed`) put the
 batches on the devices.

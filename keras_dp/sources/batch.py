@@ -23,20 +23,25 @@ def unpack(batch):
 
 
 def densify(tree):
-    """`tree` with each sparse matrix (`scipy.sparse`, `tf.SparseTensor`) made a dense numpy array.
+    """`tree` with each sparse array made a dense numpy array.
 
-    Keras's `model.fit` reads such an `x` as the dense matrix it stands
-    for; keras_dp slices rows of dense arrays, so it densifies them once,
-    on the host (the memory of the dense array).
+    Sparse arrays: `scipy.sparse` matrices and arrays, `tf.SparseTensor`,
+    and JAX's `jax.experimental.sparse` arrays (`BCOO`, ...), from arrays or
+    from any dataset's batches. Keras's `model.fit` on JAX hands a batch's
+    sparse arrays to the model as JAX sparse arrays, which compute what
+    their dense matrices do; keras_dp splits the rows of each batch over
+    the devices, which it does for dense arrays, so it densifies them on the
+    host as they come (the memory of the dense batch).
     """
-    return jax.tree.map(_dense, tree)
+    return jax.tree.map(_dense, tree, is_leaf=is_sparse)
 
 
 def is_sparse(leaf):
-    """Whether `leaf` is a `scipy.sparse` matrix or array, or a `tf.SparseTensor`."""
+    """Whether `leaf` is a `scipy.sparse` matrix or array, a `tf.SparseTensor` or a JAX sparse array."""
     module = type(leaf).__module__
     return (module.startswith("scipy.sparse") and hasattr(leaf, "toarray")) or (
-        module.startswith("tensorflow") and type(leaf).__name__ == "SparseTensor")
+        module.startswith("tensorflow") and type(leaf).__name__ == "SparseTensor") or (
+        module.startswith("jax.experimental.sparse") and hasattr(leaf, "todense"))
 
 
 def _dense(leaf):
@@ -44,6 +49,8 @@ def _dense(leaf):
         return leaf
     if hasattr(leaf, "toarray"):
         return leaf.toarray()
+    if hasattr(leaf, "todense"):  # JAX's
+        return np.asarray(leaf.todense())
     import tensorflow as tf
 
     return tf.sparse.to_dense(leaf).numpy()

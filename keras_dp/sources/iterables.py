@@ -13,6 +13,7 @@ from keras_dp.checks import data as data_checks
 from keras_dp.sources import grain as grain_source
 from keras_dp.sources.batch import VALIDATION
 from keras_dp.sources.batch import apply_class_weight
+from keras_dp.sources.batch import densify
 from keras_dp.sources.batch import unpack
 from keras_dp.sources.pydataset import PyDatasetEpochs
 from keras_dp.sources.source import Source
@@ -144,7 +145,7 @@ class IterableBatches(Source):
             raise ValueError(_empty_message(self._what, epoch))
 
     def _host_batch(self, batch, index, epoch):
-        batch = jax.tree.map(np.asarray, unpack(batch))
+        batch = jax.tree.map(np.asarray, densify(unpack(batch)))
         where = f"Batch {index} of epoch {epoch + 1}{self._of}"
         structure = jax.tree.structure(batch)
         if self._structure is None:

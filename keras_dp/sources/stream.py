@@ -1,4 +1,4 @@
-"""A source cut into passes of a fixed number of steps: `steps_per_epoch`, `steps`."""
+"""A source read for a count of steps per epoch or evaluation: `steps_per_epoch`, `steps`."""
 
 import itertools
 import numbers
@@ -47,28 +47,44 @@ class FixedSteps(Source):
         hooks.on_epoch_end()
 
 
-class StepsPerEpoch(FixedSteps):
-    """Epochs of a fixed number of steps, drawn from one continuing stream.
+# Between two passes of `StepsPerEpoch`'s stream: where an epoch ends early.
+_PASS_END = object()
 
-    Epoch e takes the next `steps` batches. When the data ends, a
-    re-iterable source (arrays, a `tf.data.Dataset`, a list) starts a new
-    pass, reshuffled for arrays, so an epoch may span two passes. A one-shot
-    iterator that runs out ends the epoch early and sets `exhausted`, and
-    the trainer stops, as `model.fit` does. An epoch that would span the end
-    of a pass over data of known length, within the `epochs` this fit runs,
-    is warned of when made: `model.fit` ends such an epoch early instead.
+
+class StepsPerEpoch(FixedSteps):
+    """Epochs of `steps_per_epoch` steps from one continuing stream, read as `model.fit` reads them.
+
+    Epoch e reads on from where epoch e - 1 stopped. It ends after
+    `steps` steps, rounded up to whole calls of `steps_per_execution` (K),
+    or where a pass over the data ends, whichever comes first: Keras's
+    epoch iterator runs calls of K steps while fewer than `steps` have run,
+    and ends the epoch when the data runs out ("Your input ran out of
+    data"). The next epoch then starts a new pass of a re-iterable source
+    (arrays reshuffled, a `tf.data.Dataset` iterated again); an epoch never
+    starts on a pass that has just ended. 10 batches a pass with
+    `steps=9`: 9, 1, 9, 1 steps; with `steps=11`: 10 each; with `steps=5`
+    at K=2: 6, then 4. A one-shot iterator that runs out ends its epoch and
+    sets `exhausted`, and the trainer stops after that epoch (Keras would
+    train on a replay of the batches it read to build from).
+
+    `epochs`, the fit's (the index after its last epoch), spares a look
+    ahead past its last epoch. `steps` stays what callbacks see as
+    `params["steps"]` and the progress bar's total, as under `model.fit`.
     """
 
     stream = True
 
-    def __init__(self, batches, steps, epochs=None):
+    def __init__(self, batches, steps, steps_per_execution=1, epochs=None):
+        self.epochs = epochs  # the fit's `epochs`: the index after its last epoch, if known
         self.steps = options.check_count("steps_per_epoch", steps, 1)
-        _warn_if_epochs_span_passes(batches, self.steps, epochs)
+        self.per_epoch = -(-self.steps // steps_per_execution) * steps_per_execution
         self.exhausted = False
         self._batches = batches
         self._hooks_outside()
         self._stream = None  # started by the first `epoch`
         self._states = {}  # a Grain source's state at each (epoch, steps), while recording
+        self._warned = False
+        self._ahead = None  # a batch read ahead to see whether a one-shot iterator ended
 
     @property
     def resumable(self):
@@ -94,56 +110,70 @@ class StepsPerEpoch(FixedSteps):
         epochs = self._batches.resumable
         for old in [key for key in self._states if key[0] < epoch - 1]:
             del self._states[old]  # no checkpoint will name them
-        for steps in range(skip + 1, self.steps + 1):
-            batch = next(self._stream, None)
-            if batch is None:
-                self.exhausted = True
-                _messages.warn(
-                    f"The input ran out of data in epoch {epoch + 1}; training "
-                    "stops here. Make sure the data can give at least "
-                    "`steps_per_epoch * epochs` batches: pass a re-iterable "
-                    "(a tf.data.Dataset, a list) or `.repeat()` the dataset.")
+        steps = skip
+        while steps < self.per_epoch:
+            batch = self._next()
+            if batch is _PASS_END and steps == skip:
+                continue  # a pass that ended with the last epoch: start the next
+            if batch is _PASS_END and self._batches.reiterable:
+                self._ran_out(epoch, steps)
+                if epochs is not None and epochs.recording:  # the next epoch starts a new pass
+                    self._states[(epoch + 1, 0)] = self._states[(epoch, steps)]
                 return
+            if batch is _PASS_END or batch is None:  # a one-shot iterator's end
+                self._used_up(f"in epoch {epoch + 1}")
+                return
+            steps += 1
             if epochs is not None and epochs.recording:
                 # The state after this batch, under both names of its position.
                 self._states[(epoch, steps)] = epochs.last
-                if steps == self.steps:
+                if steps == self.per_epoch:
                     self._states[(epoch + 1, 0)] = epochs.last
             yield batch
+        if not self._batches.reiterable and (self.epochs is None or epoch + 1 < self.epochs):
+            # Whether a one-shot iterator ended with this epoch: if so, the
+            # fit stops now rather than run an empty epoch.
+            self._ahead = next(self._stream, None)
+            if self._ahead is _PASS_END:
+                self._used_up(f"at the end of epoch {epoch + 1}")
+
+    def _next(self):
+        """The stream's next batch, `_PASS_END` between passes, or None at its end."""
+        ahead, self._ahead = self._ahead, None
+        return ahead if ahead is not None else next(self._stream, None)
+
+    def _used_up(self, where):
+        """A one-shot iterator ran out (`where`: "in epoch 3"): the fit stops after this epoch."""
+        self.exhausted = True
+        _messages.warn(
+            f"The input ran out of data {where}; training "
+            "stops here. Make sure the data can give at least "
+            "`steps_per_epoch * epochs` batches: pass a re-iterable "
+            "(a tf.data.Dataset, a list) or `.repeat()` the dataset.")
+
+    def _ran_out(self, epoch, steps):
+        """Say once that a pass ended an epoch early, as Keras's "Your input ran out of data" does."""
+        if self._warned:
+            return
+        self._warned = True
+        _messages.warn(
+            f"The data ran out after {steps} steps of epoch {epoch + 1}, before "
+            f"steps_per_epoch={self.steps}: as under Keras's model.fit, the epoch ends "
+            "there and the next epoch starts a new pass over the data. For epochs of "
+            f"{self.steps} steps each, .repeat() the dataset (or pass a steps_per_epoch "
+            "that divides the batches of a pass).")
 
     def _passes(self, epoch, skip):
         if self._batches.resumable is not None:
             yield from self._batches.epoch(epoch, skip)  # from a restored position
         else:
             yield from itertools.islice(self._batches.epoch(0), skip, None)
+        yield _PASS_END
         for data_pass in itertools.count(1):
             if not self._batches.reiterable:
                 return
             yield from self._batches.epoch(data_pass)
-
-
-def _warn_if_epochs_span_passes(batches, steps, epochs):
-    """Warn when an epoch of `steps` steps would span the end of a pass over `batches`.
-
-    That happens when `steps` does not divide the data's known batches per
-    pass and the `epochs` to run read past the first pass (`epochs` None:
-    assume they do). Such an epoch runs on into the next pass, where
-    `model.fit` ends an epoch at the end of the data ("Your input ran out of
-    data") and starts the next one on a new pass, so the steps differ from
-    Keras's from there on.
-    """
-    per_pass = batches.steps  # None where the data's length is unknown
-    if not per_pass or per_pass % steps == 0:
-        return
-    if epochs is not None and epochs * steps <= per_pass:
-        return
-    _messages.warn(
-        f"The data holds {per_pass} batches a pass, which steps_per_epoch={steps} "
-        f"does not divide: each epoch here takes {steps} steps, running on into the "
-        "next pass, where Keras's model.fit ends an epoch when the pass ends (\"Your "
-        "input ran out of data\") and so trains other steps. For one pass per epoch, "
-        f"drop steps_per_epoch (or pass a divisor of {per_pass}); for a stream of "
-        "batches, .repeat() the dataset.")
+            yield _PASS_END
 
 
 class FirstSteps(FixedSteps):
