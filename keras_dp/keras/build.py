@@ -46,16 +46,12 @@ def compile_model(model, optimizer, loss, metrics):
 
 
 class Builder:
-    """A trainer's side of its Keras model: `build` it from data, and what it requires of it.
+    """A trainer's side of its Keras model: `build` it from data, and the checks it needs.
 
-    `build` skips data it has already checked: tracing the model
-    symbolically costs a fit call as much as several steps of a small
-    model, so a batch whose signature was already checked against the same
-    loss and optimizer is not traced again. The loss and optimizer objects
-    are kept and compared by identity (a recompile replaces them; an id()
-    could be reused by a new object after the old one is freed). The other
-    methods are the checks of `keras_dp.checks.model` and
-    `keras_dp.checks.labels` on this model.
+    `build` skips data already checked against the same loss and optimizer
+    (compared by identity): tracing a model symbolically costs as much as
+    several steps of a small one. The other methods are the checks of
+    `keras_dp.checks.model` and `keras_dp.checks.labels` on this model.
     """
 
     def __init__(self, model):
