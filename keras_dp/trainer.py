@@ -54,6 +54,16 @@ class ShardedTrainer:
             `trainer.layout` says where every array lives on it).
         devices: the devices to train on (default: all of JAX's devices).
             Use either `mesh` or `devices`.
+        distribution: a `keras.distribution.ModelParallel` (or
+            `DataParallel`) to train under, as Keras's `fit` would: on its
+            device mesh of any number of axes, each batch split over its
+            `batch_dim_name` axis (unevenly where it must) and replicated
+            over the others, each variable laid out as its layout map says
+            (`state_sharding` splits what it leaves whole over the batch
+            axis). Default: the distribution active when the trainer is
+            made (`keras.distribution.set_distribution`, or inside
+            `distribution.scope()`), else keras_dp's 1-D mesh. Not with
+            `mesh` or `devices`. See docs/guides/model-axis.md.
         seed: seed of the per-epoch shuffle of array data.
         steps_per_execution: steps per compiled call (default: the
             model's `steps_per_execution` from `compile`, else 1), in
@@ -127,15 +137,16 @@ class ShardedTrainer:
     def __init__(self, model, optimizer=None, loss=None, metrics=None, mesh=None,
                  devices=None, seed=0, steps_per_execution=None, unroll=None,
                  prefetch=2, steps_in_flight=None, state_sharding="replicated",
-                 data_on_device="auto", keep_last_good="auto", compilation_cache=True):
+                 data_on_device="auto", keep_last_good="auto", compilation_cache=True,
+                 distribution=None):
         self.builder = build_lib.Builder(model)  # refuses what keras_dp cannot train
-        build_lib.check_keras_distribution()
+        self.layout = prepare.layout_of(model, distribution=distribution, mesh=mesh,
+                                        devices=devices, state_sharding=state_sharding)
         self.compilation_cache_dir = diagnostics.compilation_cache.enable(compilation_cache)
         build_lib.compile_model(model, optimizer, loss, metrics)
-        self.model = model
-        self.mesh = sharding.make_mesh(devices, mesh)
-        self.layout = sharding.Layout(self.mesh, sharding.check_mode(state_sharding))
+        self.model, self.mesh = model, self.layout.mesh
         self.state_sharding = self.layout.state_sharding
+        self._layout_reported = False
         self.seed = options.check_count("seed", seed, 0)
         prefetch = options.check_count("prefetch", prefetch, 0)
         self.timings = []
@@ -177,13 +188,18 @@ class ShardedTrainer:
 
         Raises:
             ValueError: the model cannot be built on `x`, or the labels do
-                not fit its output; or a Keras distribution other than
-                `DataParallel` was set since the trainer was made
-                (`keras_dp.keras.build.check_keras_distribution`; `fit`,
-                `evaluate` and `predict` build first, so they refuse it too).
+                not fit its output; a layout that does not divide its
+                variable; or a Keras distribution other than the trainer's
+                was set since the trainer was made
+                (`keras_dp.keras.layouts.check_current`; `fit`, `evaluate`
+                and `predict` build first, so they refuse it too).
         """
-        build_lib.check_keras_distribution()
-        self.builder.build(sources.unpack(batch), for_training)
+        prepare.check_distribution(self)
+        with self.layout.tracing():  # variables created in the distribution's layouts
+            self.builder.build(sources.unpack(batch), for_training)
+        if not self._layout_reported:
+            self._layout_reported = True
+            prepare.report_layout(self)
 
     def init_state(self):
         """Return the model's current variables as a `TrainState` on the mesh.
@@ -233,9 +249,9 @@ class ShardedTrainer:
                 placed with `shard`.
             ValueError: `state` was donated to an earlier step, the
                 batch has no labels and the model's loss needs them, or a
-                Keras distribution other than `DataParallel` is active.
+                Keras distribution other than the trainer's is active.
         """
-        build_lib.check_keras_distribution()
+        prepare.check_distribution(self)
         state_lib.check_usable(state, "trainer.train_step")
         sharding.check_device_batch(batch)
         if batch.data[1] is None:  # no labels: refused as `build` refuses them, if needed
@@ -278,7 +294,7 @@ class ShardedTrainer:
 
     def compiled_train_step(self, state, batch):
         """The train step compiled for these arguments (`.as_text()` is HLO)."""
-        build_lib.check_keras_distribution()
+        prepare.check_distribution(self)
         sharding.check_device_batch(batch, "trainer.compiled_train_step")
         return self.programs.train_step.lower(state, batch).compile()
 

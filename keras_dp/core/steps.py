@@ -135,12 +135,13 @@ def sharded_train_step(model, layout):
         # and a split state then gave the weights their slots' split, so the
         # forward ran column-split, summing in another order than the single
         # step (free here: the single step's arguments already lie so).
-        state = sharding.constrain(state, layout.state_shardings(state))
-        new_state, logs = step(state, sharding.real_rows(batch, layout))
+        shardings = layout.state_shardings(state)
+        state = sharding.constrain(state, shardings)
+        with layout.tracing():  # a Keras distribution's constraints on layer outputs
+            new_state, logs = step(state, sharding.real_rows(batch, layout))
         new_state, logs = keep_if_not_finite(new_state, state, logs,
-                                             join=layout.state_sharding == "replicated")
-        return sharding.constrain(new_state, layout.state_shardings(new_state)), _replicated(
-            logs, layout)
+                                             join=not sharding.splits(shardings))
+        return sharding.constrain(new_state, shardings), _replicated(logs, layout)
 
     return train_step
 
@@ -278,8 +279,9 @@ def _test_step(model, layout):
     def test_step(weights, metrics, batch):
         x, y, sample_weight = sharding.real_rows(batch, layout)
         trainable, non_trainable = weights
-        logs, _, non_trainable, metrics = keras_test_step(
-            model, custom, trainable, non_trainable, metrics, x, y, sample_weight)
+        with layout.tracing():
+            logs, _, non_trainable, metrics = keras_test_step(
+                model, custom, trainable, non_trainable, metrics, x, y, sample_weight)
         non_trainable = sharding.constrain(
             non_trainable, layout.group_shardings(non_trainable, "non_trainable"))
         metrics = sharding.constrain(metrics, layout.group_shardings(metrics, "metrics"))
@@ -326,12 +328,13 @@ def _predict_step(model, layout):
     def predict_step(weights, batch):
         trainable, non_trainable = weights
         x = sharding.real_rows(batch, layout)
-        if custom:  # called as model.predict calls it
-            y_pred, non_trainable = model.predict_step((trainable, non_trainable),
-                                                       _keras_data((x,)))
-        else:
-            y_pred, non_trainable = model.stateless_call(trainable, non_trainable, x,
-                                                         **inference_kwargs(model))
+        with layout.tracing():
+            if custom:  # called as model.predict calls it
+                y_pred, non_trainable = model.predict_step((trainable, non_trainable),
+                                                           _keras_data((x,)))
+            else:
+                y_pred, non_trainable = model.stateless_call(trainable, non_trainable, x,
+                                                             **inference_kwargs(model))
         y_pred = jax.tree.map(
             lambda out: jax.lax.with_sharding_constraint(
                 sharding.restore_rows(out, batch), layout.batch),

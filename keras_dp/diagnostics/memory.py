@@ -50,6 +50,10 @@ class MemoryPlan:
         resident_data: of `arguments`, the training data kept on the
             devices (`data_on_device`), all of it on each; 0 for the step
             fed batch by batch from the host.
+        mesh: the mesh's `(axis, size)` pairs, the batch axis's first.
+        variables: a `VariablePlan` per state variable, group by group in
+            the state's order: its path, shape, dtype, `PartitionSpec`
+            and bytes per device (their sums are the group fields).
     """
 
     state_sharding: str
@@ -64,6 +68,8 @@ class MemoryPlan:
     peak: int
     capacity: int | None
     resident_data: int = 0
+    mesh: tuple = ()
+    variables: tuple = ()
 
     def fits(self):
         """Whether the peak is within the capacity (True when unknown)."""
@@ -71,9 +77,10 @@ class MemoryPlan:
 
     def __str__(self):
         mib = format_bytes
+        where = (f"{self.devices} devices" if len(self.mesh) < 2 else "mesh " + ", ".join(
+            f"{axis}={size}" for axis, size in self.mesh))
         lines = [
-            f"Memory per device ({self.devices} devices, state_sharding="
-            f"{self.state_sharding!r}):",
+            f"Memory per device ({where}, state_sharding={self.state_sharding!r}):",
             f"  weights {mib(self.weights)}, non-trainable {mib(self.non_trainable)}, "
             f"optimizer {mib(self.optimizer)}, metrics {mib(self.metrics)}",
             ("  compiled step over the training data kept on the devices "
@@ -84,7 +91,47 @@ class MemoryPlan:
             "  capacity " + ("not reported by this platform" if self.capacity is None
                              else f"{mib(self.capacity)}"),
         ]
+        if len(self.mesh) > 1:  # a model axis: where each variable lies
+            lines.append("  each variable, as laid out:")
+            lines.extend("    " + line for line in variable_lines(self.variables))
         return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class VariablePlan:
+    """One state variable as laid out: `group`, `path`, `shape`, `dtype`, `spec`, `bytes` per device."""
+
+    group: str
+    path: str
+    shape: tuple
+    dtype: str
+    spec: tuple
+    bytes: int
+
+
+def variable_plans(variables, state):
+    """A `VariablePlan` per variable of `variables` (a `TrainState` of Keras variables).
+
+    `state`: the matching `TrainState` of arrays or `jax.ShapeDtypeStruct`s
+    with their shardings (`TrainState.abstract_of`).
+    """
+    return tuple(
+        VariablePlan(group, variable.path, tuple(value.shape), str(value.dtype),
+                     tuple(value.sharding.spec), sharding.bytes_per_device(value))
+        for group, group_variables, values in zip(state._fields, variables, state)
+        if values is not None
+        for variable, value in zip(group_variables, values))
+
+
+def variable_lines(plans):
+    """One aligned line per `VariablePlan`: group, path, shape, dtype, spec, bytes per device."""
+    width = max((len(plan.path) for plan in plans), default=0)
+    def spec(plan):  # every dimension's entry, None where it is whole
+        entries = list(plan.spec) + [None] * (len(plan.shape) - len(plan.spec))
+        return f"PartitionSpec({', '.join(map(repr, entries))})"
+
+    return [f"{plan.group:<14}{plan.path:<{width + 2}}{str(plan.shape):<16}{plan.dtype:<9}"
+            f"{spec(plan):<36}{format_bytes(plan.bytes):>10}" for plan in plans]
 
 
 def format_bytes(nbytes):
@@ -99,7 +146,7 @@ def format_bytes(nbytes):
     return f"{nbytes / 2**30:,.2f} GiB"
 
 
-def step_plan(state, step, arguments, layout, resident=False):
+def step_plan(state, step, arguments, layout, resident=False, variables=None):
     """The `MemoryPlan` of a compiled train `step`, from its abstract arguments.
 
     Nothing is placed: `step` (a jitted train program) is lowered and
@@ -107,7 +154,9 @@ def step_plan(state, step, arguments, layout, resident=False):
     shardings: `TrainState.abstract_of`) and `arguments` (its abstract
     arguments after the state: a `DeviceBatch` from `sharding.abstract_batch`,
     or the resident arrays and rows, `feed.abstract_arguments`, with
-    `resident`), and XLA's memory analysis of it is read.
+    `resident`), and XLA's memory analysis of it is read. `variables`: the
+    Keras variables of `state` (a `TrainState`), for the plan's
+    `variables`.
     """
     per_group = state_bytes(state)
     resident_data = 0
@@ -123,6 +172,9 @@ def step_plan(state, step, arguments, layout, resident=False):
         arguments=analysis.argument_size_in_bytes, outputs=analysis.output_size_in_bytes,
         temporaries=analysis.temp_size_in_bytes, peak=peak,
         capacity=device_capacity(layout.devices[0]), resident_data=resident_data,
+        mesh=tuple(sorted(layout.mesh.shape.items(),
+                          key=lambda item: item[0] != layout.batch_axis)),
+        variables=() if variables is None else variable_plans(variables, state),
     )
 
 
@@ -279,10 +331,11 @@ def plan_of_step(trainer, batch, step, arguments=None):
     batch's `DeviceBatch`. The model must be built (`trainer.build`).
     """
     state = TrainState.abstract_of(trainer.model, trainer.state_layout())
+    variables = TrainState.variables_of(trainer.model)
     if arguments is None:
         like = sharding.abstract_batch(batch, sharding.batch_rows(batch), trainer.layout)
-        return step_plan(state, step, (like,), trainer.layout)
-    return step_plan(state, step, arguments, trainer.layout, resident=True)
+        return step_plan(state, step, (like,), trainer.layout, variables=variables)
+    return step_plan(state, step, arguments, trainer.layout, resident=True, variables=variables)
 
 
 def keep_last_good_of(trainer, plan=None):
