@@ -264,7 +264,7 @@ class VariableLayouts:
                     f"divide its size" + (f" {variable.shape[dim]}" if dim < len(
                         variable.shape) else f": the variable has {len(variable.shape)}"))
             raise ValueError(
-                f"The layout {spec} of {variable.path} (shape {tuple(variable.shape)}) "
+                f"The layout {tuple(spec)} of {variable.path} (shape {tuple(variable.shape)}) "
                 f"{what}. JAX splits a dimension only evenly. Change the layout map's "
                 "entry for this variable (None leaves a dimension whole), or use a mesh "
                 "whose axes divide it (a Gemma with 1 key-value head cannot split its "
