@@ -58,7 +58,7 @@ def describe(layout, state=None, batch=None, hosts=None, steps_per_execution=1,
         )
         for path, array in jax.tree_util.tree_leaves_with_path(batch.data):
             lines.append(
-                f"  {_batch_name(path):<14}{str(array.shape):<18}"
+                f"  {_batch_name(path):<14} {str(array.shape):<18}"
                 f"{str(array.dtype):<9}PartitionSpec{tuple(array.sharding.spec)}"
             )
             lines.append("    " + " | ".join(_shard_rows(array, batch)))
