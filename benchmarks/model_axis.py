@@ -14,9 +14,12 @@ under the same `ModelParallel` runs on each mesh with a model axis, from
 the same weights. The global batch must divide by B for Keras (keras_dp
 takes any).
 
-Each system runs `--epochs` epochs of `--steps` steps on the same token
-rows; the first epoch compiles, and the step time is the median of the
-later epochs' seconds divided by the steps. Tokens per second are
+Each system (`ShardedTrainer.fit` or `model.fit`, one epoch of `--steps`
+steps per call, on the same token rows) runs a first epoch that compiles,
+then `--rounds` timed epochs, the systems alternating round by round; the
+step time is the median epoch's seconds (from `on_epoch_begin` to
+`on_epoch_end`) over the steps, and each ratio is the median of the
+rounds' ratios. Tokens per second are
 `batch * sequence_length / step`; model FLOPs per token are 6 times the
 parameters plus the attention's 12 * layers * heads * head_dim * length
 (PaLM's count, appendix B), so model FLOP/s per device is that times the
@@ -58,15 +61,16 @@ def parse_args(argv=None):
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--sequence-length", type=int, default=64)
     parser.add_argument("--steps", type=int, default=8, help="steps per epoch")
-    parser.add_argument("--epochs", type=int, default=4,
-                        help="epochs per system; the first (compilation) is not timed")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="timed epochs per system, the systems alternating; a first "
+                             "epoch each compiles, untimed")
     parser.add_argument("--policy", default=None,
                         help="Keras dtype policy (default float32 on CPU, mixed_bfloat16 else)")
     parser.add_argument("--out", default=None,
                         help="JSON file (default benchmarks/results-model-axis-<platform>.json)")
     args = parser.parse_args(argv)
-    if args.epochs < 2:
-        parser.error("--epochs must be at least 2: the first one compiles")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     args.meshes = args.meshes.split(",")
     args.systems = args.systems.split(",")
     unknown = set(args.systems) - {"keras_dp", "keras"}
@@ -115,6 +119,9 @@ def model_flops_per_token(config, parameters, length):
 
 
 def run(args):
+    """Every system built and warmed up (its first epoch compiles), then `--rounds` rounds of
+    one timed epoch each, the systems alternating, so that a change in the machine's load
+    falls on all of them alike."""
     import jax  # noqa: PLC0415
     import keras  # noqa: PLC0415
     import keras_hub  # noqa: PLC0415
@@ -141,8 +148,8 @@ def run(args):
                           loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         return model
 
-    results = []
-    for text in args.meshes:
+    def system(name, text):
+        """`(row, epoch)`: the system's result row and a function running one timed epoch."""
         batch, width = mesh_shape(text, count)
         distribution = None
         if width > 1:
@@ -151,48 +158,56 @@ def run(args):
             distribution = keras.distribution.ModelParallel(
                 layout_map=keras_hub.models.GemmaBackbone.get_layout_map(mesh),
                 batch_dim_name="batch")
-        for system in args.systems:
-            if system == "keras" and distribution is None:
-                continue  # Keras's ModelParallel needs a model axis; Nx1 is keras_dp's own
-            model = build(distribution)
-            parameters = model.count_params()
-            timer = EpochTimes()
-            start = time.perf_counter()
-            if system == "keras_dp":
-                keras_dp.fit_sharded(model, x, y, batch_size=args.batch_size,
-                                     epochs=args.epochs, verbose=0, callbacks=[timer],
-                                     distribution=distribution,
-                                     devices=None if distribution else jax.devices())
-            else:
+        model = build(distribution)
+        timer = EpochTimes()
+        if name == "keras_dp":
+            trainer = keras_dp.ShardedTrainer(model, distribution=distribution,
+                                              devices=None if distribution else jax.devices())
+
+            def epoch():
+                trainer.fit(x, y, batch_size=args.batch_size, epochs=1, verbose=0,
+                            callbacks=[timer])
+        else:
+            def epoch():
                 with distribution.scope():
-                    model.fit(x, y, batch_size=args.batch_size, epochs=args.epochs, verbose=0,
+                    model.fit(x, y, batch_size=args.batch_size, epochs=1, verbose=0,
                               callbacks=[timer])
-            total = time.perf_counter() - start
-            step = statistics.median(timer.seconds[1:]) / args.steps
-            tokens_per_s = args.batch_size * args.sequence_length / step
-            flops = model_flops_per_token(config, parameters, args.sequence_length)
-            results.append({
-                "system": system, "mesh": text, "batch_axis": batch, "model_axis": width,
-                "parameters": parameters, "step_s": step, "tokens_per_s": tokens_per_s,
-                "model_flops_per_s_per_device": tokens_per_s * flops / count,
-                "first_epoch_s": timer.seconds[0], "epochs_s": timer.seconds,
-                "wall_s": total})
-            print(json.dumps(results[-1]), flush=True)
-            del model
+        return {"system": name, "mesh": text, "batch_axis": batch, "model_axis": width,
+                "parameters": model.count_params(), "timer": timer}, epoch
+
+    systems = [system(name, text) for text in args.meshes for name in args.systems
+               if name == "keras_dp" or mesh_shape(text, count)[1] > 1]
+    for row, epoch in systems:  # compile
+        start = time.perf_counter()
+        epoch()
+        row["first_epoch_s"] = time.perf_counter() - start
+    for _ in range(args.rounds):
+        for _, epoch in systems:
+            epoch()
+    results = []
+    flops = None
+    for row, _ in systems:
+        seconds = row.pop("timer").seconds[1:]
+        step = statistics.median(seconds) / args.steps
+        tokens_per_s = args.batch_size * args.sequence_length / step
+        flops = model_flops_per_token(config, row["parameters"], args.sequence_length)
+        results.append({**row, "step_s": step, "step_s_by_round": [
+            epoch_s / args.steps for epoch_s in seconds], "tokens_per_s": tokens_per_s,
+            "model_flops_per_s_per_device": tokens_per_s * flops / count})
+        print(json.dumps(results[-1]), flush=True)
     return results
 
 
 def ratios(results):
-    """Step-time ratios within the run: each row against the first mesh's keras_dp row, and
-    each keras_dp row against Keras's on the same mesh."""
-    ours = {row["mesh"]: row["step_s"] for row in results if row["system"] == "keras_dp"}
-    keras_rows = {row["mesh"]: row["step_s"] for row in results if row["system"] == "keras"}
-    first = next(iter(ours), None)
-    out = {f"keras_dp {mesh} / keras_dp {first}": ours[mesh] / ours[first]
-           for mesh in ours if mesh != first}
-    out.update({f"keras_dp {mesh} / keras {mesh}": ours[mesh] / keras_rows[mesh]
-                for mesh in keras_rows if mesh in ours})
-    return out
+    """Step-time ratios, each the median over the rounds of that round's ratio: each
+    keras_dp mesh against the first mesh's, and keras_dp against Keras's on the same mesh."""
+    rounds = {(row["system"], row["mesh"]): row["step_s_by_round"] for row in results}
+    ours = [mesh for system, mesh in rounds if system == "keras_dp"]
+    pairs = [(("keras_dp", mesh), ("keras_dp", ours[0])) for mesh in ours[1:]]
+    pairs += [(("keras_dp", mesh), ("keras", mesh)) for system, mesh in rounds
+              if system == "keras" and ("keras_dp", mesh) in rounds]
+    return {f"{a[0]} {a[1]} / {b[0]} {b[1]}": statistics.median(
+        x / y for x, y in zip(rounds[a], rounds[b])) for a, b in pairs}
 
 
 def main(argv=None):
