@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -183,6 +184,15 @@ def test_fit_under_a_distribution_keeps_the_layouts_and_steps_and_every_part_wor
     assert loss == pytest.approx(float(expected), rel=1e-5)
 
 
+def test_a_model_keras_dp_builds_is_built_in_the_distributions_layouts():
+    dist = distribution()
+    model = keras.Sequential([keras.layers.Dense(32, name="up"), keras.layers.Dense(4, name="down")])
+    model.compile(optimizer="adam", loss="mse")  # unbuilt: the first batch builds it
+    keras_dp.fit_sharded(model, *data(), batch_size=BATCH, verbose=0, distribution=dist)
+    assert model.get_layer("up").kernel.value.sharding.spec == P("batch", "model")
+    assert model.get_layer("down").kernel.value.sharding.spec == P("model", None)
+
+
 def test_a_layout_map_key_that_matches_nothing_is_reported_by_name_or_refused_when_strict():
     dist = distribution({".*up/kernel": (None, "model"), ".*up/kernal": ("model", None)})
     x, y = data()
@@ -252,6 +262,14 @@ def test_a_distribution_with_devices_another_kind_or_a_missing_batch_axis_is_ref
     with pytest.raises(ValueError, match=r"batch_dim_name 'data' is not an axis of its device "
                                          r"mesh \{'batch': 2, 'model': 2\}"):
         keras_dp.ShardedTrainer(mlp(), distribution=distribution(batch_dim_name="data"))
+    # Across processes: refused up front (not tested yet).
+    from keras_dp.keras import layouts
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(layouts.sharding, "spans_processes", lambda mesh: True)
+        with pytest.raises(ValueError, match=r"within one process only.*mesh \{'batch': 2, "
+                                             r"'model': 2\} over 1 processes"):
+            keras_dp.ShardedTrainer(mlp(), distribution=distribution())
     # A DataParallel: its devices, keras_dp's exact uneven split.
     parallel = keras.distribution.DataParallel(devices=devices(3))
     trainer = keras_dp.ShardedTrainer(mlp(), distribution=parallel)
@@ -281,6 +299,12 @@ def test_memory_plan_equals_the_bytes_placed_on_device_0_per_group():
         assert up.spec == ((None, "model") if mode != "full" else ("batch", "model"))
         assert up.bytes == 8 * 4096 * 4 // (2 if mode != "full" else 4)
         assert "mesh batch=2, model=2" in str(plan) and "up/kernel" in str(plan)
+    text = trainer.describe()
+    assert ("Mesh: 4 device(s), 'batch' 2, 'model' 2, platform cpu; each batch is split along "
+            "'batch' and replicated along 'model'\n  batch 0: cpu:0, cpu:1\n"
+            "  batch 1: cpu:2, cpu:3") in text
+    assert re.search(r"trainable\s+up/kernel\s+\(8, 4096\)\s+float32\s+"
+                     r"PartitionSpec\('batch', 'model'\)\s+32.0 KiB", text), text
 
 
 class SigtermAt(keras.callbacks.Callback):

@@ -139,8 +139,10 @@ def sharded_train_step(model, layout):
         state = sharding.constrain(state, shardings)
         with layout.tracing():  # a Keras distribution's constraints on layer outputs
             new_state, logs = step(state, sharding.real_rows(batch, layout))
-        new_state, logs = keep_if_not_finite(new_state, state, logs,
-                                             join=not sharding.splits(shardings))
+        split = None  # a split state is checked shard by shard, then over the mesh
+        if sharding.splits(shardings):
+            split = (layout.mesh, shardings.trainable + shardings.optimizer)
+        new_state, logs = keep_if_not_finite(new_state, state, logs, split=split)
         return sharding.constrain(new_state, shardings), _replicated(logs, layout)
 
     return train_step
@@ -400,7 +402,7 @@ def _update_metrics(model, metrics, loss, x, y, y_pred, sample_weight):
 # -- The guard in every train step ------------------------------------------
 
 
-def keep_if_not_finite(new_state, state, logs, join=True):
+def keep_if_not_finite(new_state, state, logs, split=None):
     """Inside a step: `(new_state, logs)`, undone where the step gave non-finite values.
 
     If the running loss `logs["loss"]` is NaN or Inf, or a new trainable or
@@ -413,11 +415,14 @@ def keep_if_not_finite(new_state, state, logs, join=True):
     later step of the epoch keeps the state too. Steps without a `loss`
     log are not checked; a `loss` of several values (a step of the
     model's own may log one per output) is finite when all of them are.
-    `join`: see `_all_finite`.
+    `split`: `(mesh, shardings)` of the new trainable and optimizer values
+    when some are split (`_all_finite_split`); None when all are
+    replicated (`_all_finite`).
     """
     if "loss" not in logs:
         return new_state, logs
-    update_finite = _all_finite(new_state.trainable + new_state.optimizer, join)
+    updated = new_state.trainable + new_state.optimizer
+    update_finite = _all_finite(updated) if split is None else _all_finite_split(updated, *split)
     finite = loss_is_finite(logs["loss"]) & update_finite
     keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
 
@@ -451,23 +456,42 @@ def _is_float(value):
     return jnp.issubdtype(jnp.result_type(value), jnp.floating)
 
 
-def _all_finite(values, join):
+def _all_finite(values):
     """Whether every float value in `values` is finite (one scalar).
 
-    With `join`, the values of each dtype are checked as one flat vector:
-    XLA fuses the join into a single reduction, where a reduction per
-    variable made the whole train step compile 4.2x slower (ResNet-18 on
-    XLA:CPU: 15.3 s against 3.6 s, and 3.4 s with no check;
-    `benchmarks/guard_compile.py`). The join is paid per step instead: on
-    CPU the copy made ResNet-18's step 17% slower than the per-variable
-    check, and it takes 8% more temporary memory. Only for values laid out alike
-    (replicated): joining split arrays would make XLA gather them.
+    The values of each dtype are checked as one flat vector: XLA fuses the
+    join into a single reduction, where a reduction per variable made the
+    whole train step compile 4.2x slower (ResNet-18 on XLA:CPU: 15.3 s
+    against 3.6 s, and 3.4 s with no check; `benchmarks/guard_compile.py`).
+    The join is paid per step instead: on CPU the copy made ResNet-18's
+    step 17% slower than the per-variable check, and it takes 8% more
+    temporary memory. For values laid out alike (replicated, or one
+    device's shards): joining split arrays would make XLA gather them.
     """
-    floats = [value for value in jax.tree.leaves(values) if _is_float(value)]
-    if join:
-        by_dtype = {}
-        for value in floats:
+    by_dtype = {}
+    for value in jax.tree.leaves(values):
+        if _is_float(value):
             by_dtype.setdefault(jnp.result_type(value), []).append(jnp.ravel(value))
-        floats = [jnp.concatenate(group) for group in by_dtype.values()]
-    checks = [jnp.all(jnp.isfinite(value)) for value in floats]
+    checks = [jnp.all(jnp.isfinite(jnp.concatenate(group))) for group in by_dtype.values()]
     return jnp.all(jnp.stack(checks)) if checks else jnp.asarray(True)
+
+
+def _all_finite_split(values, mesh, shardings):
+    """`_all_finite` of values laid out as `shardings` on `mesh`, with one collective.
+
+    Each device checks its own shards, joined per dtype, and one all-reduce
+    (the minimum over every mesh axis) joins the answers. A reduction per
+    split variable cost an all-reduce each: with a small Gemma's 45 split
+    arrays on a 2 x 2 CPU mesh, 15% of the step (`benchmarks/model_axis.py`).
+    """
+    pairs = [(value, placed.spec) for value, placed in zip(values, shardings, strict=True)
+             if _is_float(value)]
+    if not pairs:
+        return jnp.asarray(True)
+
+    def local(*shards):
+        return jax.lax.pmin(_all_finite(shards).astype(jnp.int32), tuple(mesh.axis_names))
+
+    return jax.shard_map(local, mesh=mesh, in_specs=tuple(spec for _, spec in pairs),
+                         out_specs=jax.sharding.PartitionSpec())(
+        *(value for value, _ in pairs)) > 0
