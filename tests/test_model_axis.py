@@ -74,7 +74,28 @@ def test_a_model_split_over_a_model_axis_equals_keras_fit_on_one_device_in_float
     assert runs["argument"]["layouts"]["mid/kernel"] == ["model", None]
 
 
-@pytest.mark.slow  # 80-100 s each on the 2-core VM: two Gemma compiles per case, float64
+@pytest.mark.slow  # 25 s each on the 2-core VM; the default suite runs "replicated"
+@pytest.mark.parametrize("mode", ["optimizer", "full"])
+def test_state_sharding_on_top_of_a_layout_map_computes_the_same_steps_in_float64(mode):
+    # up/kernel (8, 512): ("batch", "model") by the map; mid/kernel (512, 16):
+    # ("model", None), so the batch axis goes on its free dimension.
+    runs = run_script("--model", "dense", "--cases", "argument", "--state-sharding", mode,
+                      "--width", "512")
+    run = runs["argument"]
+    assert run["state_sharding"] == mode and run["iterations"] == 6
+    for group in ("weights", "optimizer"):
+        assert max(run[group].values()) <= 1e-9, (group, run[group])
+    split = run["state_layouts"]
+    assert split["up/kernel"] == ["batch", "model"]  # it uses the batch axis already
+    assert split["mid/kernel"] == (["model", "batch"] if mode == "full" else ["model", None])
+    slot = next(path for path in split if path.endswith("mid_kernel_momentum"))
+    assert split[slot] == ["model", "batch"]
+    # The map's layouts stay on the model's variables; the split over the
+    # batch axis lives in the training state only.
+    assert run["layouts"] == run["built_layouts"]
+
+
+@pytest.mark.slow  # 60-80 s each on the 2-core VM: two Gemma compiles per case, float64
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_gemma_on_a_2x2_mesh_with_keras_hubs_layout_map_equals_keras_fit_in_float64(lora):

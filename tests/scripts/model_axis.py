@@ -40,6 +40,8 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--model", choices=["dense", "gemma"], default="dense")
 parser.add_argument("--lora", action="store_true")
 parser.add_argument("--cases", default="argument,global,keras_peer")
+parser.add_argument("--state-sharding", default="replicated")
+parser.add_argument("--width", type=int, default=32, help="the dense model's first layer")
 args = parser.parse_args()
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""),
                                     "--xla_force_host_platform_device_count=4"])
@@ -80,7 +82,7 @@ def float64_everywhere():
 
 def dense_model():
     inputs = keras.Input((8,))
-    hidden = keras.layers.Dense(32, activation="tanh", name="up")(inputs)
+    hidden = keras.layers.Dense(args.width, activation="tanh", name="up")(inputs)
     hidden = keras.layers.Dense(16, activation="tanh", name="mid")(hidden)
     model = keras.Model(inputs, keras.layers.Dense(4, name="down")(hidden))
     if args.lora:
@@ -197,6 +199,7 @@ def main():
     distribution = make_distribution()
     cases = args.cases.split(",")
     common = {"model": args.model, "lora": args.lora, "dtype": keras.config.floatx(),
+              "state_sharding": args.state_sharding,
               "result_type": keras.backend.result_type("float64", "float32")}
     for case in ("argument", "global"):
         if case not in cases:
@@ -204,7 +207,8 @@ def main():
         if case == "argument":
             model = fresh(initial, distribution)
             built = layouts(model)
-            loss = ours_fit(model, ROWS, BATCH, distribution=distribution)
+            loss = ours_fit(model, ROWS, BATCH, distribution=distribution,
+                            state_sharding=args.state_sharding)
         else:
             keras.distribution.set_distribution(distribution)
             try:
@@ -214,8 +218,15 @@ def main():
             finally:
                 keras.distribution.set_distribution(None)
         weights, slots = differences(model, reference)
+        shardings = keras_dp.ShardedTrainer(model, distribution=distribution,
+                                            state_sharding=args.state_sharding).state_layout()
+        state_layouts = {
+            variable.path: [None if axis is None else str(axis) for axis in placed.spec]
+            for variables, placed_group in zip(keras_dp.TrainState.variables_of(model), shardings)
+            for variable, placed in zip(variables, placed_group)}
         print(json.dumps({
             **common, "case": case, "weights": weights, "optimizer": slots,
+            "state_layouts": state_layouts,
             "loss": loss, "reference_loss": reference_loss, "built_layouts": built,
             "layouts": layouts(model),
             "trainable": [v.path for v in model.trainable_variables],
