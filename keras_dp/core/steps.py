@@ -482,7 +482,7 @@ def _all_finite_split(values, mesh, shardings):
     Each device checks its own shards, joined per dtype, and one all-reduce
     (the minimum over every mesh axis) joins the answers. A reduction per
     split variable cost an all-reduce each: with a small Gemma's 45 split
-    arrays on a 2 x 2 CPU mesh, 15% of the step (`benchmarks/model_axis.py`).
+    arrays on a 2 x 2 CPU mesh, 15% of the step (CHANGELOG.md).
     """
     pairs = [(value, placed.spec) for value, placed in zip(values, shardings, strict=True)
              if _is_float(value)]
