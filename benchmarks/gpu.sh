@@ -12,11 +12,12 @@
 #     bash benchmarks/gpu.sh evaluate   # evaluate_steps.py: evaluate/predict K 1,4,16 against K=1; ~2 min
 #     bash benchmarks/gpu.sh resnet     # resnet.py: ResNet-18 float32 and mixed_bfloat16, keras_dp and Keras; ~4 min
 #     bash benchmarks/gpu.sh flags      # resnet.py (keras_dp) under each XLA flag below; ~6 min
+#     bash benchmarks/gpu.sh model_axis # model_axis.py: a 1e9-parameter Gemma on 1xN and Nx1 meshes; ~8 min (estimated, not yet run)
 # Results (JSON, and each part's log) go to $OUT when set (the device
 # tool's folder that comes back), else to benchmarks/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: bash benchmarks/gpu.sh prepare|convnet|evaluate|resnet|flags}
+part=${1:?usage: bash benchmarks/gpu.sh prepare|convnet|evaluate|resnet|flags|model_axis}
 out=${OUT:-benchmarks}
 
 if [ "$part" = prepare ]; then
@@ -27,7 +28,8 @@ if [ "$part" = prepare ]; then
   cp ../shared/data/mnist.npz .data/
   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
       --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-      --platform manylinux2014_x86_64 -d .whl keras==3.15.1 namex optree
+      --platform manylinux2014_x86_64 -d .whl keras==3.15.1 namex optree \
+      keras-hub==0.32.0 regex tokenizers  # keras-hub without its TensorFlow (model_axis)
   exit
 fi
 
@@ -62,7 +64,16 @@ case "$part" in
       XLA_FLAGS="$flags" python3 benchmarks/resnet.py --platform gpu --systems keras_dp --epochs 3 \
           --out "$out/results-resnet18-gpu-flags-$index.json" 2>&1 | tee -a "$out/gpu-$part.log"
     done ;;
+  model_axis)
+    # A Gemma-shaped model of 1.06e9 parameters from a config (random weights),
+    # mixed_bfloat16: keras_dp on a (1, N) ("batch", "model") mesh under
+    # GemmaBackbone.get_layout_map, and as pure data parallelism on N devices;
+    # Keras's own ModelParallel fit on the (1, N) mesh where N > 1. Tokens/s
+    # and model FLOP/s per device (6 x parameters + attention, per token).
+    python3 benchmarks/model_axis.py --platform gpu --config 1b --meshes 1xN,Nx1 \
+        --systems keras_dp,keras --batch-size 8 --sequence-length 1024 --steps 10 --rounds 3 \
+        --out "$out/results-model-axis-gpu.json" 2>&1 | tee -a "$out/gpu-$part.log" ;;
   *)
-    echo "unknown part $part: prepare, convnet, evaluate, resnet or flags" >&2
+    echo "unknown part $part: prepare, convnet, evaluate, resnet, flags or model_axis" >&2
     exit 2 ;;
 esac

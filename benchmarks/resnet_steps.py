@@ -79,7 +79,7 @@ def main(argv=None):
     sharded = [trainer.shard(b) for b in host]
     time_steps("keras_dp train_step", trainer.train_step, trainer.init_state(), sharded)
     guard = finite.keep_if_not_finite
-    finite.keep_if_not_finite = lambda new, old, logs, join=True: (new, logs)
+    finite.keep_if_not_finite = lambda new, old, logs, split=None: (new, logs)
     try:
         bare_dp = keras_dp.ShardedTrainer(new_model())
         bare_dp.build(host[0])

@@ -25,12 +25,13 @@ __version__ = "0.1.0"
 # Each public name and the module that defines it, imported on first use.
 _PUBLIC = {
     "EnsembleResult": "keras_dp.ensemble",
+    "LayoutWarning": "keras_dp.keras.layouts",
     "EnsembleTrainer": "keras_dp.ensemble",
     "ShardedTrainer": "keras_dp.trainer",
     "TrainState": "keras_dp.core.state",
     "fit_ensemble": "keras_dp.ensemble",
     "fit_sharded": "keras_dp.api",
-    "make_mesh": "keras_dp.sharding",
+    "make_mesh": "keras_dp.mesh",
     "memory_plan": "keras_dp.api",
     "shard_for_processes": "keras_dp.sources.shards",
 }

@@ -137,6 +137,25 @@ def is_jax_trainer(model):
     return isinstance(model, JAXTrainer)
 
 
+def slot_prefix(weight):
+    """How the name of an optimizer slot made for `weight` begins: `<weight path>_`.
+
+    `BaseOptimizer.add_variable_from_reference` names each slot
+    `f"{weight.path.replace('/', '_')}_{slot}"` ("dense_kernel_momentum").
+    """
+    return weight.path.replace("/", "_") + "_"
+
+
+def variable_layout(variable):
+    """The `TensorLayout` Keras gave `variable` when a distribution was active, or None (`_layout`)."""
+    return getattr(variable, "_layout", None)
+
+
+def layout_map(distribution):
+    """A `keras.distribution.ModelParallel`'s `LayoutMap` (`_layout_map`)."""
+    return distribution._layout_map
+
+
 def has_call(model):
     """Whether `model` defines `call()` (Keras's `Model.call` only raises)."""
     import keras

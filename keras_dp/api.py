@@ -11,9 +11,8 @@ def fit_sharded(model, x=None, y=None, *, epochs=1, batch_size=None,
                 steps_per_execution=None, optimizer=None,
                 loss=None, metrics=None, mesh=None, devices=None, seed=0,
                 checkpoint_dir=None, checkpoints_to_keep=2, state_sharding="replicated",
-                data_on_device="auto",
-                keep_last_good="auto", compilation_cache=True, profile_dir=None,
-                micro_batches=1):
+                data_on_device="auto", keep_last_good="auto", compilation_cache=True,
+                profile_dir=None, micro_batches=1, distribution=None):
     """Train `model` with synchronous data parallelism and return its History.
 
     Each global batch is split by rows over the devices, every device holds
@@ -40,6 +39,14 @@ def fit_sharded(model, x=None, y=None, *, epochs=1, batch_size=None,
             equals single steps.
         optimizer, loss, metrics: override what the model was compiled with.
         mesh, devices: where to train (default: all of JAX's devices).
+        distribution: a `keras.distribution.ModelParallel` (or
+            `DataParallel`) to train under instead: on its device mesh,
+            each variable laid out as its layout map says, each batch split
+            over its `batch_dim_name` axis and replicated over the others,
+            still exactly for any batch size. Default: the distribution
+            active now (`keras.distribution.set_distribution`, or inside
+            `distribution.scope()`), else none. See `ShardedTrainer` and
+            docs/guides/model-axis.md.
         seed: seed of the per-epoch shuffle order; the same seed, data and
             device count give bitwise identical weights on CPU.
         checkpoint_dir: save the whole training state there after every
@@ -50,9 +57,10 @@ def fit_sharded(model, x=None, y=None, *, epochs=1, batch_size=None,
             `checkpoint_dir` (orbax's `max_to_keep`; default 2: one older
             in case the newest is damaged).
         state_sharding: `"replicated"` (default), `"optimizer"` or `"full"`:
-            keep a full copy of the state on every device, or split the
-            optimizer state, or the whole state, over the devices
-            (`keras_dp.layout`); the steps computed are the same.
+            keep a full copy of the state on every device (or as the
+            `distribution` lays it out), or split the optimizer state, or
+            the whole state, over the batch axis too (`keras_dp.sharding`);
+            the steps computed are the same.
         profile_dir: write a `jax.profiler` trace of a few steps of the
             first epoch there (see `ShardedTrainer.fit`); `~` is expanded.
         data_on_device: keep array data on the devices and gather each
@@ -97,7 +105,7 @@ def fit_sharded(model, x=None, y=None, *, epochs=1, batch_size=None,
         devices=devices, seed=seed, steps_per_execution=steps_per_execution,
         state_sharding=state_sharding, data_on_device=data_on_device,
         keep_last_good=keep_last_good, compilation_cache=compilation_cache,
-        micro_batches=micro_batches,
+        micro_batches=micro_batches, distribution=distribution,
     )
     return trainer.fit(
         x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
@@ -113,7 +121,8 @@ def fit_sharded(model, x=None, y=None, *, epochs=1, batch_size=None,
 
 def memory_plan(model, x, y=None, *, batch_size=32, sample_weight=None, devices=None,
                 mesh=None, state_sharding="replicated", optimizer=None, loss=None,
-                metrics=None, data_on_device=False, micro_batches=1, capacity=None):
+                metrics=None, data_on_device=False, micro_batches=1, capacity=None,
+                distribution=None):
     """Plan the memory of training `model` on `devices` before running it.
 
     Args:
@@ -122,8 +131,8 @@ def memory_plan(model, x, y=None, *, batch_size=32, sample_weight=None, devices=
             shapes (all of it with `data_on_device`), read as `fit` reads
             them.
         batch_size: the global batch to plan for.
-        devices, mesh, state_sharding, optimizer, loss, metrics: as for
-            `ShardedTrainer`.
+        devices, mesh, state_sharding, optimizer, loss, metrics,
+            distribution: as for `ShardedTrainer`.
         data_on_device: False (the default): plan the step fed from the
             host. True or "auto" (as `ShardedTrainer`'s): `x`, `y` and
             `sample_weight` are the whole training data, and when a fit
@@ -140,9 +149,9 @@ def memory_plan(model, x, y=None, *, batch_size=32, sample_weight=None, devices=
     Returns:
         A `keras_dp.diagnostics.memory.MemoryPlan` (print it for a summary):
         per device, the bytes of weights, optimizer and metrics as laid
-        out, and the compiled step's arguments, temporaries and peak from
-        XLA's memory analysis, of the step a fit would run. On XLA:CPU that
-        is the one `keep_last_good` picks, and a fit on batches of this size
+        out (each variable's layout and bytes in `variables`), and the
+        compiled step's arguments, temporaries and peak from XLA's memory
+        analysis, of the step a fit would run. On XLA:CPU that is the one `keep_last_good` picks, and a fit on batches of this size
         finds it compiled; on accelerators it is the step that donates its
         state, whose plan a fit reads to choose.
 
@@ -153,6 +162,6 @@ def memory_plan(model, x, y=None, *, batch_size=32, sample_weight=None, devices=
     """
     trainer = ShardedTrainer(model, optimizer=optimizer, loss=loss, metrics=metrics,
                              devices=devices, mesh=mesh, state_sharding=state_sharding,
-                             micro_batches=micro_batches)
+                             micro_batches=micro_batches, distribution=distribution)
     return trainer.memory_plan(x, y, batch_size=batch_size, sample_weight=sample_weight,
                                data_on_device=data_on_device, capacity=capacity)

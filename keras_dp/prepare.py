@@ -12,10 +12,37 @@ import keras
 
 from keras_dp import _messages
 from keras_dp import options
+from keras_dp import sharding
 from keras_dp import sources
 from keras_dp.core import feed
 from keras_dp.diagnostics import memory
 from keras_dp.keras import build
+from keras_dp.keras import layouts
+
+
+def layout_of(model, *, distribution, mesh, devices, state_sharding):
+    """Where a trainer's arrays will live: its `sharding.Layout`.
+
+    Under a Keras distribution (`distribution`, or the one active now:
+    `keras_dp.keras.layouts.distribution_of`), its mesh, batch axis and
+    variable layouts (`layouts.layout_of`); else keras_dp's 1-D mesh of
+    `devices` or `mesh` (`sharding.make_mesh`).
+    """
+    sharding.check_mode(state_sharding)
+    distribution = layouts.distribution_of(distribution, mesh, devices)
+    if distribution is None:
+        return sharding.Layout(sharding.make_mesh(devices, mesh), state_sharding)
+    return layouts.layout_of(model, distribution, state_sharding)
+
+
+def check_distribution(trainer):
+    """Refuse a Keras distribution active now that `trainer` was not made with (`layouts.check_current`)."""
+    layouts.check_current(getattr(trainer.layout.bases, "distribution", None))
+
+
+def report_layout(trainer):
+    """Warn of a layout that may not do what was meant, the model built (`layouts.report`)."""
+    layouts.report(trainer.layout, trainer.model)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,61 +1,66 @@
 """Where every array lives: the mesh, its batch axis, the state's layout, a batch's rows.
 
-A `Layout` is one trainer's answer to "where": a named `jax.sharding.Mesh`,
-the name of its batch axis, and the rule that places each state variable
-(`state_sharding`). Everything else in keras_dp asks a `Layout`, so nothing
-outside this module assumes the mesh has one axis or that its batch axis is
-called `"batch"`. Axes other than the batch axis hold replicas today.
+A `Layout` is one trainer's answer to "where": a named `jax.sharding.Mesh`
+of any number of axes, the name of its batch axis, the layout Keras's
+distribution gives each variable (`bases`: `keras_dp.keras.layouts`), and
+the rule that splits the state further (`state_sharding`). Everything else
+in keras_dp asks a `Layout`, so nothing outside this module assumes the
+mesh has one axis or that its batch axis is called `"batch"`.
 
-The state rule (`variable_sharding`) has three modes:
+The state rule, written once here (`Layout.variable_sharding`): each
+variable starts from its base layout (replicated without a Keras
+distribution; a `ModelParallel` layout map's entry otherwise, kept as it
+is), and `state_sharding` decides which groups are also split over the
+batch axis:
 
-- `"replicated"` (the default): every device holds the whole state.
-- `"optimizer"` (ZeRO-1/2): optimizer slots and metric accumulators are
-  split over the batch axis; the gradients are constrained to the same
-  split, so each device updates only its slice of the weights, and the new
-  weights are all-gathered back (they stay replicated). XLA's partitioner
-  sums each split gradient as an all-reduce followed by each device's
-  slice; XLA's GPU pipeline fuses the pair into a reduce-scatter, XLA:CPU's
-  keeps it (tests/test_layout.py reads the HLO).
-- `"full"` (FSDP / ZeRO-3): the weights and non-trainable variables are
-  split too; XLA all-gathers each one inside the compiled step where a
-  layer needs it.
+- `"replicated"` (the default): nothing more; without a distribution every
+  device holds the whole state.
+- `"optimizer"` (ZeRO-1/2): optimizer slots and metric accumulators; the
+  gradients are constrained to the same split, so each device updates only
+  its slice of the weights, and the new weights are all-gathered back to
+  their base layout. XLA's partitioner sums each split gradient as an
+  all-reduce followed by each device's slice (XLA's GPU pipeline fuses the
+  pair into a reduce-scatter; tests/test_layout.py reads the HLO).
+- `"full"` (FSDP / ZeRO-3): the weights and non-trainable variables too;
+  XLA all-gathers each one inside the compiled step where a layer needs it.
 
-Which variables are split, and along which dimension: a floating-point
-variable of at least `MIN_SPLIT_SIZE` elements is split along its largest
-dimension that the batch axis divides (the last such on a tie); smaller
-variables (biases, BatchNorm parameters, scalars, seed-generator states)
-and variables with no dimension that divides stay replicated, since
-splitting them saves little and costs a collective. Nothing is padded. The
-layout is a pure function of the variables' shapes, so the host (placing
-the state) and every compiled step (constraining it) agree on it. The
-split changes where numbers live, not what is computed: every mode gives
-the same steps as `"replicated"` up to float summation order.
+A variable of a split group whose base does not use the batch axis gets it
+on its largest free dimension (one the base leaves whole) that the batch
+axis divides, the last such on a tie, if it is floating-point and has at
+least `MIN_SPLIT_SIZE` elements; a base that already uses the batch axis
+(Gemma's layout map does) stays as it is. Smaller variables (biases,
+norms, scalars, seed states) stay as their base says: splitting them saves
+little and costs a collective. Nothing is padded. The layout is a pure
+function of the variables' shapes and bases, so the host (placing the
+state) and every compiled step (constraining it) agree on it, and it
+changes where numbers live, not what is computed.
 
 A global batch of any size goes on the mesh (`DeviceBatch`): the host pads
 its rows (repeating the last row) to a multiple of the batch axis's size,
 the only split `jax.device_put` accepts, and records the real row count as
-a static part of the batch. Inside a compiled step, `real_rows` cuts the
-padding off again, so the model, its loss, BatchNorm's batch statistics and
-the metrics all see exactly the real rows, split unevenly over the devices:
-XLA's SPMD partitioner masks the missing rows out of every reduction. No
-row is dropped, none is invented, and no model needs a mask.
+a static part of the batch; the rows split over the batch axis and are
+replicated over the mesh's other axes. Inside a compiled step, `real_rows`
+cuts the padding off again, so the model, its loss, BatchNorm's batch
+statistics and the metrics all see exactly the real rows, split unevenly
+over the devices: XLA's SPMD partitioner masks the missing rows out of
+every reduction. No row is dropped, none is invented, and no model needs a
+mask.
 """
 
+import contextlib
 import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType
 from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
-from keras_dp import distributed
 from keras_dp._messages import short_list
-
-# The batch axis of the mesh keras_dp makes (`make_mesh`).
-BATCH_AXIS = "batch"
+# `make_mesh` is public as `keras_dp.make_mesh`; here too for the modules that use it.
+from keras_dp.mesh import BATCH_AXIS
+from keras_dp.mesh import make_mesh  # noqa: F401
 MODES = ("replicated", "optimizer", "full")
 # Below this many elements a variable stays replicated (16 KiB in float32).
 MIN_SPLIT_SIZE = 4096
@@ -64,84 +69,6 @@ _SPLIT_GROUPS = {
     "optimizer": ("optimizer", "metrics"),
     "full": ("trainable", "non_trainable", "optimizer", "metrics"),
 }
-
-
-def make_mesh(devices=None, mesh=None):
-    """Return the 1-D data-parallel mesh with the single axis `"batch"`.
-
-    Args:
-        devices: the devices to train on, each once; all of JAX's devices
-            when `None`.
-        mesh: a user's own mesh, a `jax.sharding.Mesh` or a
-            `keras.distribution.DeviceMesh`; it must have exactly one axis,
-            which is taken as the batch axis whatever its name (`"data"`
-            too). Mutually exclusive with `devices`.
-
-    Returns:
-        A `Mesh` with the one axis `"batch"` of type `AxisType.Auto` (Keras's
-        Dropout fails under explicit-sharding axes): a user's `Auto` mesh
-        named `"batch"` itself, else one over the same devices in the same
-        order (`jax.make_mesh` makes `Explicit` axes by default).
-
-    Raises:
-        ValueError: both arguments given, an empty device list, a device
-            listed twice, or a mesh with more than one axis.
-        RuntimeError: the `KERAS_DP_*` variables ask for several processes
-            (`keras-dp launch`), but `keras_dp.distributed.initialize()`
-            was not called (`keras_dp.distributed.check_joined`).
-    """
-    distributed.check_joined()
-    if mesh is not None:
-        if devices is not None:
-            raise ValueError(
-                "Pass either `mesh` or `devices`, not both. Received: "
-                f"mesh={mesh}, devices={devices}."
-            )
-        return _users_mesh(mesh)
-    given = devices
-    devices = jax.devices() if devices is None else list(np.asarray(devices, dtype=object).flat)
-    if not devices:
-        raise ValueError("`devices` is empty. Pass at least one JAX device.")
-    if not all(isinstance(device, jax.Device) for device in devices):
-        raise ValueError(
-            "`devices` is a list of JAX devices, not a count or ids. Received: "
-            f"devices={given!r}. Pass, for example, devices=jax.devices()[:2]."
-        )
-    twice = sorted({str(device) for device in devices if devices.count(device) > 1})
-    if twice:
-        raise ValueError(
-            "Each device may appear once: a device listed twice would hold two "
-            f"shards of every batch. Received: {', '.join(twice)} more than once "
-            f"in devices={devices}. Pass distinct devices, for example jax.devices()[:n]."
-        )
-    return Mesh(
-        np.asarray(devices), (BATCH_AXIS,), axis_types=(AxisType.Auto,)
-    )
-
-
-def _users_mesh(mesh):
-    """A user's 1-D mesh, checked, as a `jax.sharding.Mesh` with an `Auto` `"batch"` axis."""
-    if not isinstance(mesh, Mesh) and hasattr(mesh, "axis_names") and hasattr(mesh, "devices"):
-        # A keras.distribution.DeviceMesh: its devices in its shape.
-        mesh = Mesh(np.asarray(mesh.devices).reshape(tuple(mesh.shape)), tuple(mesh.axis_names))
-    if not isinstance(mesh, Mesh):
-        raise ValueError(
-            "`mesh` is a jax.sharding.Mesh or a keras.distribution.DeviceMesh. "
-            f"Received: mesh={mesh!r} of type {type(mesh).__name__}. "
-            "Pass devices=[...] instead, or build one with keras_dp.make_mesh(devices)."
-        )
-    if len(mesh.axis_names) != 1:
-        raise ValueError(
-            "keras_dp needs a 1-D mesh: its single axis splits the batch. "
-            f"Received: mesh.axis_names={mesh.axis_names}. Build one with "
-            f"keras_dp.make_mesh(devices) or jax.make_mesh((n,), ('{BATCH_AXIS}',)), "
-            "or pass devices=list(mesh.devices.flat) to train on the same devices."
-        )
-    # One axis, whatever its name (("data",), ("dp",)): it can only be the
-    # batch axis. keras_dp's shardings name it "batch", over the same devices.
-    if tuple(mesh.axis_names) != (BATCH_AXIS,) or tuple(mesh.axis_types) != (AxisType.Auto,):
-        return Mesh(mesh.devices, (BATCH_AXIS,), axis_types=(AxisType.Auto,))
-    return mesh
 
 
 def check_mode(state_sharding):
@@ -160,21 +87,29 @@ def check_mode(state_sharding):
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """Where a trainer's arrays live: `mesh`, its `batch_axis`, and the state's rule.
+    """Where a trainer's arrays live: `mesh`, its `batch_axis`, the variables' bases, the state rule.
 
     Batches split their rows over `batch_axis` and are replicated over the
-    mesh's other axes; state variables are replicated, or split over
-    `batch_axis` where `state_sharding` says (see the module doc).
+    mesh's other axes; each state variable is laid out by its base, split
+    further over `batch_axis` where `state_sharding` says (see the module
+    doc).
 
     Attributes:
         mesh: a `jax.sharding.Mesh` of any number of named axes.
         state_sharding: one of `MODES`.
         batch_axis: the name of the axis each batch's rows split over.
+        bases: where Keras's distribution puts each variable, or None
+            (every variable's base is replicated): an object whose
+            `specs(group, count)` gives the `PartitionSpec`s of the
+            group's `count` variables in order (None: all replicated),
+            and whose `scope()` is the context the steps are traced in
+            (`keras_dp.keras.layouts.VariableLayouts`).
     """
 
     mesh: Mesh
     state_sharding: str = "replicated"
     batch_axis: str = BATCH_AXIS
+    bases: object = None
 
     def __post_init__(self):
         check_mode(self.state_sharding)
@@ -218,34 +153,52 @@ class Layout:
         """For `[steps, batch, ...]` stacks: steps whole, rows split over the batch axis."""
         return NamedSharding(self.mesh, PartitionSpec(None, self.batch_axis))
 
-    def variable_sharding(self, shape, dtype, split=True):
-        """The `NamedSharding` of one variable (see the module doc).
+    def tracing(self):
+        """The context the compiled steps are traced in: the Keras distribution's scope, if any.
+
+        Keras's layers then add the layout map's constraints on their
+        outputs (keys ending in `/output`), as under Keras's own `fit`.
+        """
+        scope = getattr(self.bases, "scope", None)
+        return scope() if scope is not None else contextlib.nullcontext()
+
+    def variable_sharding(self, shape, dtype, split=True, base=None):
+        """The `NamedSharding` of one variable: the state rule (see the module doc).
 
         Args:
             shape, dtype: the variable's.
             split: whether this variable's group is split in the current mode.
+            base: its base `PartitionSpec` (None: replicated).
         """
+        spec = list(base or ()) + [None] * (len(shape) - len(base or ()))
         shards = self.batch_shards
         # jnp's issubdtype, not numpy's: numpy counts no ml_dtypes type
         # (bfloat16, float8_*) as floating, and a "bfloat16" model's weights
         # would then all stay replicated.
-        if (not split or shards == 1 or not jnp.issubdtype(dtype, jnp.floating)
-                or int(np.prod(shape, dtype=np.int64)) < MIN_SPLIT_SIZE):
+        if (split and shards > 1 and self.batch_axis not in axes_of(spec)
+                and jnp.issubdtype(dtype, jnp.floating)
+                and int(np.prod(shape, dtype=np.int64)) >= MIN_SPLIT_SIZE):
+            free = [axis for axis, (entry, size) in enumerate(zip(spec, shape))
+                    if entry is None and size % shards == 0]
+            if free:
+                spec[max(free, key=lambda axis: (shape[axis], axis))] = self.batch_axis
+        if not any(spec):  # PartitionSpec() for a replicated array
             return self.replicated
-        candidates = [axis for axis, size in enumerate(shape) if size % shards == 0]
-        if not candidates:
-            return self.replicated
-        axis = max(candidates, key=lambda axis: (shape[axis], axis))
-        spec = [None] * len(shape)
-        spec[axis] = self.batch_axis
         return NamedSharding(self.mesh, PartitionSpec(*spec))
+
+    def base_specs(self, group, count):
+        """The base `PartitionSpec`s of a state group's `count` variables (None: replicated)."""
+        specs = None if self.bases is None else self.bases.specs(group, count)
+        return [None] * count if specs is None else list(specs)
 
     def state_shardings(self, state):
         """The sharding of every array of `state` (a `TrainState`).
 
         `state`'s leaves need only `shape` and `dtype` (arrays, Keras
-        variables or `jax.ShapeDtypeStruct`s). Returns a `TrainState` of lists
-        of `NamedSharding`, in the same order; a `None` group stays `None`.
+        variables or `jax.ShapeDtypeStruct`s), in the order of the model's
+        variables (the bases are matched by position). Returns a
+        `TrainState` of lists of `NamedSharding`, in the same order; a
+        `None` group stays `None`.
         """
         return type(state)(*(
             None if values is None else self.group_shardings(values, name)
@@ -255,20 +208,50 @@ class Layout:
     def group_shardings(self, values, group):
         """The shardings of one state group's arrays (`group`: "trainable", ...)."""
         split = group in _SPLIT_GROUPS[self.state_sharding]
-        return [self.variable_sharding(v.shape, v.dtype, split) for v in values]
+        return [self.variable_sharding(v.shape, v.dtype, split, base)
+                for v, base in zip(values, self.base_specs(group, len(values)))]
 
     def gradient_shardings(self, trainable):
         """Where the gradients of `trainable` go before the optimizer update.
 
-        Split like a weight of that shape would be in any mode but
-        `"replicated"` (None then: the gradients stay replicated, one
+        Laid out as a weight of the `"full"` mode would be in any mode but
+        `"replicated"`; in `"replicated"`, as the weights' bases (None
+        when those are all replicated: the gradients stay replicated, one
         all-reduce). Constraining a gradient to a split layout leaves each
         device the sum of its slice only: a reduce-scatter where XLA's
         pipeline forms one (GPU), an all-reduce and a slice on XLA:CPU.
         """
-        if self.state_sharding == "replicated":
-            return None
-        return [self.variable_sharding(v.shape, v.dtype, True) for v in trainable]
+        split = self.state_sharding != "replicated"
+        shardings = [self.variable_sharding(v.shape, v.dtype, split, base)
+                     for v, base in zip(trainable, self.base_specs("trainable", len(trainable)))]
+        return shardings if split or splits(shardings) else None
+
+
+def axes_of(spec):
+    """The mesh axes a `PartitionSpec` (or a list of its entries) uses, in order."""
+    axes = []
+    for entry in spec:
+        axes.extend(() if entry is None else (entry,) if isinstance(entry, str) else entry)
+    return axes
+
+
+def indivisible(mesh, shape, spec):
+    """The first dimension `spec` splits unevenly on `mesh`: `(dim, axes, parts)`, or None.
+
+    JAX places only even splits: a dimension of size 5 cannot be split over
+    an axis of 2.
+    """
+    for dim, entry in enumerate(spec):
+        axes = axes_of([entry])
+        parts = int(np.prod([mesh.shape[axis] for axis in axes], dtype=np.int64))
+        if dim >= len(shape) or shape[dim] % parts:
+            return dim, axes, parts
+    return None
+
+
+def splits(shardings):
+    """Whether any of `shardings` splits its array (is not fully replicated)."""
+    return any(not sharding.is_fully_replicated for sharding in jax.tree.leaves(shardings))
 
 
 def replicated(mesh):

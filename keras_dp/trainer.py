@@ -55,19 +55,25 @@ class ShardedTrainer:
             `trainer.layout` says where every array lives on it).
         devices: the devices to train on (default: all of JAX's devices).
             Use either `mesh` or `devices`.
+        distribution: a `keras.distribution.ModelParallel` (or
+            `DataParallel`) to train under, as Keras's `fit` would: on its
+            device mesh of any number of axes, each batch split over its
+            `batch_dim_name` axis (unevenly where it must) and replicated
+            over the others, each variable laid out as its layout map says
+            (`state_sharding` splits what it leaves whole over the batch
+            axis). Default: the distribution active when the trainer is
+            made (`keras.distribution.set_distribution`, or inside
+            `distribution.scope()`), else keras_dp's 1-D mesh. Not with
+            `mesh` or `devices`. See docs/guides/model-axis.md.
         seed: seed of the per-epoch shuffle of array data.
-        steps_per_execution: steps per compiled call (default: the
-            model's `steps_per_execution` from `compile`, else 1), in
-            `fit`, its validation, `evaluate` and `predict`. K batches of
-            equal size are stacked and sent at once, and one program runs K
-            steps, each exactly a single step; a group of K that cannot be
-            stacked (a partial batch, the epoch's last fewer) runs one by
-            one. Callbacks and the progress bar are called once per K
-            batches, as in `model.fit`.
-        unroll: how many of the K steps to unroll per loop iteration of
-            the compiled scan (default: all of them on CPU, where XLA runs
-            a rolled loop of this kind slower; 1 elsewhere). True unrolls
-            all K and False none, as in `jax.lax.scan`.
+        steps_per_execution: steps per compiled call (default: the model's,
+            from `compile`, else 1), in `fit`, validation, `evaluate` and
+            `predict`: one program runs K stacked batches, each step exactly
+            a single step (a group that cannot be stacked runs one by one);
+            callbacks are called once per K batches, as in `model.fit`.
+        unroll: steps unrolled per iteration of the compiled scan, as in
+            `jax.lax.scan` (default: all K on CPU, where XLA runs a rolled
+            loop slower; 1 elsewhere).
         prefetch: how many batches (or stacks of K) a background thread
             prepares and copies to the devices ahead of the step that needs
             them; 0 prepares each in line.
@@ -89,32 +95,25 @@ class ShardedTrainer:
             data is arrays on one process and fits, with a warning when it
             does not fit; `True` or raise; `False` never.
         keep_last_good: keep the last completed step's state while the next
-            runs, so that a step failing at run time (a device error, a host
-            callback that raises) loses no completed step. It costs
-            `steps_in_flight` more states per device (the steps no longer
-            donate their input): `"auto"` (default; `None` too) when that
-            fits comfortably (`keras_dp.diagnostics.memory.keeps_fit`), `True`, or
-            `False` (donated: a failure loses the steps since the model last
-            received the state). `keeps_last_good` says what fit chose.
+            runs, so a step failing at run time loses no completed step, at
+            `steps_in_flight` more states per device (no donation): `"auto"`
+            (default; `None` too) when that fits comfortably
+            (`keras_dp.diagnostics.memory.keeps_fit`), `True`, or `False`.
         compilation_cache: JAX's persistent compilation cache, so that a
             rerun loads its compiled steps from disk: `True` (default) sets
             a per-user directory unless `KERAS_DP_COMPILATION_CACHE=0` or
             JAX has one already; a path uses that; `False` leaves JAX's
-            setting alone (see `keras_dp.diagnostics.compilation_cache`). The directory
-            in use is `compilation_cache_dir`.
-        micro_batches: run each global batch as this many slices, one after
-            another inside the compiled step, their gradients summed into one
-            update (`keras_dp.core.micro`): the same step up to float
-            summation order, its activations about 1/M. Refused for a model
-            with BatchNormalization or a `train_step` of its own.
+            setting alone (`keras_dp.diagnostics.compilation_cache`).
+        micro_batches: run each global batch as M slices in turn inside the
+            step, their gradients summed into one update (`keras_dp.core.micro`):
+            the same step up to float summation order, activations about 1/M.
+            Not with BatchNormalization or a model's own `train_step`.
 
     Attributes:
         timings: after `fit`, one dict per epoch of where its time went:
             seconds waiting for input, in compiled steps, in callbacks and
             in validation, samples and FLOPs per second, and the fraction
             of the devices' peak where known (`keras_dp.diagnostics.timing`).
-        keeps_last_good: whether the train programs keep their input state
-            (chosen by each fit, from `keep_last_good`).
         programs: the jitted programs the loops call, for one step and for
             K steps of each kind (`keras_dp.core.programs.Programs`).
         layout: where every array lives (`keras_dp.sharding.Layout`).
@@ -135,15 +134,15 @@ class ShardedTrainer:
                  devices=None, seed=0, steps_per_execution=None, unroll=None,
                  prefetch=2, steps_in_flight=None, state_sharding="replicated",
                  data_on_device="auto", keep_last_good="auto", compilation_cache=True,
-                 micro_batches=1):
+                 micro_batches=1, distribution=None):
         self.builder = build_lib.Builder(model)  # refuses what keras_dp cannot train
-        build_lib.check_keras_distribution()
+        self.layout = prepare.layout_of(model, distribution=distribution, mesh=mesh,
+                                        devices=devices, state_sharding=state_sharding)
         self.compilation_cache_dir = diagnostics.compilation_cache.enable(compilation_cache)
         build_lib.compile_model(model, optimizer, loss, metrics)
-        self.model = model
-        self.mesh = sharding.make_mesh(devices, mesh)
-        self.layout = sharding.Layout(self.mesh, sharding.check_mode(state_sharding))
+        self.model, self.mesh = model, self.layout.mesh
         self.state_sharding = self.layout.state_sharding
+        self._layout_reported = False
         self.seed = options.check_count("seed", seed, 0)
         prefetch = options.check_count("prefetch", prefetch, 0)
         self.timings = []
@@ -187,15 +186,20 @@ class ShardedTrainer:
 
         Raises:
             ValueError: the model cannot be built on `x`, or the labels do
-                not fit its output; or a Keras distribution other than
-                `DataParallel` was set since the trainer was made
-                (`keras_dp.keras.build.check_keras_distribution`; `fit`,
-                `evaluate` and `predict` build first, so they refuse it too).
+                not fit its output; a layout that does not divide its
+                variable; or a Keras distribution other than the trainer's
+                was set since the trainer was made
+                (`keras_dp.keras.layouts.check_current`; `fit`, `evaluate`
+                and `predict` build first, so they refuse it too).
         """
-        build_lib.check_keras_distribution()
-        self.builder.build(sources.unpack(batch), for_training)
+        prepare.check_distribution(self)
+        with self.layout.tracing():  # variables created in the distribution's layouts
+            self.builder.build(sources.unpack(batch), for_training)
         if for_training:  # the model built: its layers are known now
             self.builder.check_micro_batches(self.micro_batches)
+        if not self._layout_reported:
+            self._layout_reported = True
+            prepare.report_layout(self)
 
     def init_state(self):
         """Return the model's current variables as a `TrainState` on the mesh.
@@ -245,9 +249,9 @@ class ShardedTrainer:
                 placed with `shard`.
             ValueError: `state` was donated to an earlier step, the
                 batch has no labels and the model's loss needs them, or a
-                Keras distribution other than `DataParallel` is active.
+                Keras distribution other than the trainer's is active.
         """
-        build_lib.check_keras_distribution()
+        prepare.check_distribution(self)
         state_lib.check_usable(state, "trainer.train_step")
         sharding.check_device_batch(batch)
         if batch.data[1] is None:  # no labels: refused as `build` refuses them, if needed
@@ -290,7 +294,7 @@ class ShardedTrainer:
 
     def compiled_train_step(self, state, batch):
         """The train step compiled for these arguments (`.as_text()` is HLO)."""
-        build_lib.check_keras_distribution()
+        prepare.check_distribution(self)
         sharding.check_device_batch(batch, "trainer.compiled_train_step")
         return self.programs.train_step.lower(state, batch).compile()
 
@@ -438,7 +442,7 @@ class ShardedTrainer:
                 )
 
     def use_feed(self, batches, plan=None):
-        """The feed of a fit on `batches`, its train programs' donation chosen (`prepare.feed_of`)."""
+        """The feed of a fit on `batches`, its programs' donation chosen (`prepare.feed_of`)."""
         return prepare.feed_of(self, batches, plan)
 
     def evaluate(self, x=None, y=None, *, batch_size=None, verbose="auto",

@@ -141,18 +141,42 @@ def test_gpu_plan_runs_the_benchmarks_with_arguments_they_accept():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench
     import evaluate_steps
+    import model_axis
     import resnet
 
     parsers = {"bench.py": bench.parse_args, "evaluate_steps.py": evaluate_steps.parse_args,
-               "resnet.py": resnet.parse_args}
+               "resnet.py": resnet.parse_args, "model_axis.py": model_axis.parse_args}
     text = (ROOT / "benchmarks" / "gpu.sh").read_text().replace("\\\n", " ")
     commands = re.findall(r"python3 benchmarks/(\S+\.py)([^|\n]*)", text)
     assert sorted({script for script, _ in commands}) == sorted(parsers)
-    assert len(commands) == 4
+    assert len(commands) == 5
     for script, arguments in commands:
         arguments = shlex.split(arguments.split("2>&1")[0].replace('"$out/', '"/tmp/'))
         args = parsers[script](arguments)
         assert args.platform == "gpu", script
+
+
+def test_model_axis_parses_meshes_and_counts_model_flops_as_palm_does():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import model_axis
+
+    args = model_axis.parse_args(["--platform", "gpu", "--config", "1b", "--meshes", "1xN,Nx1"])
+    assert args.meshes == ["1xN", "Nx1"] and args.policy == "mixed_bfloat16"
+    assert model_axis.parse_args([]).policy == "float32"
+    assert model_axis.mesh_shape("1xN", 8) == (1, 8) and model_axis.mesh_shape("2x2", 4) == (2, 2)
+    with pytest.raises(SystemExit):
+        model_axis.mesh_shape("2x2", 8)
+    with pytest.raises(SystemExit):
+        model_axis.parse_args(["--meshes", "2by2"])
+    # Gemma-shaped 1b: 6 x 1.06e9 parameters, and the attention's
+    # 12 x 8 layers x 8 heads x 256 x 1,024 per token.
+    config = model_axis.CONFIGS["1b"]
+    assert model_axis.model_flops_per_token(config, 1_000, 1024) == 6_000 + 12 * 8 * 8 * 256 * 1024
+    rows = [{"system": "keras_dp", "mesh": "2x2", "step_s_by_round": [2.0, 4.0, 3.0]},
+            {"system": "keras", "mesh": "2x2", "step_s_by_round": [1.0, 4.0, 2.0]},
+            {"system": "keras_dp", "mesh": "4x1", "step_s_by_round": [1.0, 2.0, 1.5]}]
+    assert model_axis.ratios(rows) == {"keras_dp 4x1 / keras_dp 2x2": 0.5,
+                                       "keras_dp 2x2 / keras 2x2": 1.5}
 
 
 def run_script(name, *arguments):

@@ -48,6 +48,32 @@ def test_optimizer_trainable_variables_are_those_it_was_built_for_in_order():
         id(v) for v in model.layers[0].weights + model.layers[1].weights]
 
 
+def test_slots_are_named_after_their_weights_path():
+    model, _, _ = _compiled_mlp()
+    optimizer = keras.optimizers.Adam()
+    optimizer.build(model.trainable_variables)
+    slots = optimizer.variables[2:]  # iteration and learning rate first
+    owners = [[w for w in model.trainable_variables
+               if slot.name.startswith(_compat.slot_prefix(w))] for slot in slots]
+    assert [[id(w) for w in found] for found in owners] == [
+        [id(w)] for w in model.trainable_variables for _ in ("momentum", "velocity")]
+
+
+def test_a_variable_created_under_a_distribution_keeps_its_layout_and_the_map_is_readable():
+    mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"], jax.devices()[:4])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*kernel"] = (None, "model")
+    distribution = keras.distribution.ModelParallel(layout_map=layout_map,
+                                                    batch_dim_name="batch")
+    with distribution.scope():
+        layer = keras.layers.Dense(4)
+        layer.build((None, 3))
+    assert _compat.layout_map(distribution) is layout_map
+    assert tuple(_compat.variable_layout(layer.kernel).axes) == (None, "model")
+    assert _compat.variable_layout(layer.kernel).device_mesh is mesh
+    assert _compat.variable_layout(keras.Variable(np.zeros(3))) is None
+
+
 def test_compile_arguments_are_the_objects_given():
     model, optimizer, loss = _compiled_mlp()
     arguments = _compat.compile_arguments(model)

@@ -152,17 +152,18 @@ def test_bad_validation_labels_fail_before_the_first_step(mnist):
     assert record.ends == []
 
 
-def test_a_model_parallel_keras_distribution_is_refused_not_ignored():
+def test_a_model_parallel_keras_distribution_with_devices_is_refused_not_ignored():
     layout = keras.distribution.LayoutMap(keras.distribution.DeviceMesh((2,), ["model"],
                                                                         devices(2)))
     layout["dense.*kernel"] = (None, "model")
     keras.distribution.set_distribution(
         keras.distribution.ModelParallel(layout_map=layout, batch_dim_name=None))
     try:
-        with pytest.raises(ValueError, match="data parallelism only.*ModelParallel.*"
-                                             r"set_distribution\(None\)"):
+        with pytest.raises(ValueError, match="ModelParallel distribution is active.*`devices` "
+                                             r"was given.*set_distribution\(None\)"):
             keras_dp.ShardedTrainer(mlp(), devices=devices(2))
-        with pytest.raises(ValueError, match="ModelParallel"):
+        with pytest.raises(ValueError, match="Ensembles train with data parallelism only.*"
+                                             "ModelParallel"):
             keras_dp.fit_ensemble(mlp, np.zeros((8, 28, 28, 1)), np.zeros(8), verbose=0,
                                   devices=devices(2))
         keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices(2)))

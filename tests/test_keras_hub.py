@@ -13,7 +13,10 @@ import pytest
 import keras_dp
 from conftest import devices
 
-keras_hub = pytest.importorskip("keras_hub")
+keras_hub = pytest.importorskip(
+    "keras_hub", reason="keras_hub is not installed: it is not in the [test] extra (it would "
+    "bring full TensorFlow beside tensorflow-cpu); pip install --no-deps keras-hub==0.32.0 "
+    "regex tokenizers (docs/testing.md)")
 tf = pytest.importorskip("tensorflow")
 
 ROWS, BATCH, VOCAB, LENGTH = 26, 8, 100, 12

@@ -14,7 +14,6 @@ import keras_dp
 from conftest import batches_of, devices, mlp
 from keras_dp.diagnostics import memory
 from keras_dp import options
-from keras_dp import sources as pipeline
 
 MiB, GiB = 2**20, 2**30
 

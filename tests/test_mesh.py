@@ -120,21 +120,28 @@ def test_a_device_listed_twice_is_refused_naming_it():
     assert "cpu:1" not in str(err.value).split("Received:")[1].split("more than")[0]
 
 
-def test_a_keras_distribution_scope_is_refused_naming_the_scope():
+def test_devices_under_a_model_parallel_scope_are_refused_naming_the_scope():
+    # The distribution's mesh decides where a model split over it trains:
+    # devices given too are refused (without them, keras_dp trains under it:
+    # tests/test_model_axis.py).
     layout = keras.distribution.LayoutMap(keras.distribution.DeviceMesh((2, 2), ["batch", "model"],
                                                                         devices(4)))
     layout[".*dense.*kernel"] = (None, "model")
     distribution = keras.distribution.ModelParallel(layout_map=layout, batch_dim_name="batch")
     with distribution.scope():
         model = _tiny_sgd_model()
-        with pytest.raises(ValueError, match=r"ModelParallel.*`with distribution.scope\(\):`"
-                                             r".*outside that scope.*state_sharding='full'"):
+        with pytest.raises(ValueError, match=r"ModelParallel.*`with distribution.scope\(\):`.*"
+                                             r"`devices` was given.*Drop `devices`.*"
+                                             r"set_distribution\(None\).*state_sharding='full'"):
             keras_dp.ShardedTrainer(model, devices=devices(4))
     # Created under the scope, trained outside it: whole copies on keras_dp's
-    # mesh, the same steps as Keras's fit, and the variables keep their layout.
+    # mesh, the same steps as Keras's fit, and the variables keep their layout;
+    # a LayoutWarning says so.
     kernel = model.layers[0].kernel.value.sharding
     assert kernel.spec == jax.sharding.PartitionSpec(None, "model")
-    _assert_same_training(model, devices=devices(4))
+    with pytest.warns(keras_dp.LayoutWarning, match=r"2 of the model's variables were created "
+                                                    r"split.*distribution=\.\.\."):
+        _assert_same_training(model, devices=devices(4))
     assert model.layers[0].kernel.value.sharding == kernel
     x, _ = _tiny_data()
     assert_close_to_scale(model.predict(x, verbose=0), model(x))
@@ -163,18 +170,21 @@ def test_a_keras_distribution_set_after_the_trainer_was_made_is_refused_too():
     layout = keras.distribution.LayoutMap(keras.distribution.DeviceMesh((2, 2), ["batch", "model"],
                                                                         devices(4)))
     distribution = keras.distribution.ModelParallel(layout_map=layout, batch_dim_name="batch")
-    refused = r"data parallelism only.*Received: a ModelParallel distribution.*set_distribution\(None\)"
+    refused = (r"A ModelParallel distribution is active.*this trainer was made with no Keras "
+               r"distribution.*pass it as distribution=.*set_distribution\(None\)")
+    ensembles = r"Ensembles train with data parallelism only.*ModelParallel.*set_distribution\(None\)"
     keras.distribution.set_distribution(distribution)
     try:
-        for run in (lambda: trainer.fit(x, y, batch_size=4, verbose=0),
-                    lambda: trainer.evaluate(x, y, verbose=0),
-                    lambda: trainer.predict(x, verbose=0),
-                    lambda: built.train_step(state, batch),
-                    lambda: built.compiled_train_step(state, batch),
-                    lambda: ensemble.build((x, y)),
-                    lambda: members.train_step(stacked, replicated),
-                    lambda: members.compiled_train_step(stacked, replicated)):
-            with pytest.raises(ValueError, match=refused):
+        for run, message in (
+                (lambda: trainer.fit(x, y, batch_size=4, verbose=0), refused),
+                (lambda: trainer.evaluate(x, y, verbose=0), refused),
+                (lambda: trainer.predict(x, verbose=0), refused),
+                (lambda: built.train_step(state, batch), refused),
+                (lambda: built.compiled_train_step(state, batch), refused),
+                (lambda: ensemble.build((x, y)), ensembles),
+                (lambda: members.train_step(stacked, replicated), ensembles),
+                (lambda: members.compiled_train_step(stacked, replicated), ensembles)):
+            with pytest.raises(ValueError, match=message):
                 run()
     finally:
         keras.distribution.set_distribution(None)

@@ -15,7 +15,7 @@ NOTEBOOKS = sorted((pathlib.Path(__file__).parents[1] / "notebooks").glob("*.ipy
 
 
 def test_there_are_notebooks_and_they_are_committed_clean():
-    assert len(NOTEBOOKS) >= 7
+    assert len(NOTEBOOKS) >= 8
     for path in NOTEBOOKS:
         notebook = nbformat.read(path, as_version=4)
         for cell in notebook.cells:
@@ -40,13 +40,19 @@ def test_each_notebook_opens_with_its_install_command_and_no_notes_for_ci():
 # 2-core CPU, and each repeats what a test file checks), which keeps the
 # suite within its 10 minutes; CI checks they are committed clean.
 SLOW_NOTEBOOKS = {"01_quickstart", "02_inside_the_trainer", "03_many_steps_per_call", "04_ensembles",
-                  "05_resnet18", "06_many_hosts", "07_bring_your_own_model"}
+                  "05_resnet18", "06_many_hosts", "07_bring_your_own_model", "08_model_axis"}
+# Notebooks that need a package outside the [test] extra, and how to install it.
+NEEDS = {"08_model_axis": ("keras_hub", "keras_hub is not installed (not in the [test] extra: "
+                           "it would bring full TensorFlow beside tensorflow-cpu); "
+                           "pip install --no-deps keras-hub==0.32.0 regex tokenizers")}
 
 
 @pytest.mark.parametrize("path", [
     pytest.param(path, marks=pytest.mark.slow) if path.stem in SLOW_NOTEBOOKS else path
     for path in NOTEBOOKS], ids=[path.stem for path in NOTEBOOKS])
 def test_notebook_runs(path, tmp_path, monkeypatch):
+    if path.stem in NEEDS:
+        pytest.importorskip(NEEDS[path.stem][0], reason=NEEDS[path.stem][1])
     # The kernel inherits this environment: small data, one epoch, 4 devices.
     monkeypatch.setenv("KERAS_DP_NOTEBOOK_SAMPLES", "1024")
     monkeypatch.setenv("KERAS_DP_NOTEBOOK_EPOCHS", "1")

@@ -19,9 +19,8 @@ Three factories make every program a trainer runs (`keras_dp.core.programs`):
 for one step per call or K (`multi`: a `lax.scan` over a stack of K
 batches, each step exactly the single one); a train program donates its
 state or keeps it (`donate`), and takes host-fed batches or gathers its
-rows from data kept on the devices (`resident`). Every train step guards
-itself: a step with non-finite results changes nothing
-(`keep_if_not_finite`).
+rows from data kept on the devices (`resident`). A train step with
+non-finite results changes nothing (`keep_if_not_finite`).
 """
 
 import inspect
@@ -79,8 +78,8 @@ def make_train_program(model, layout, *, multi=False, unroll=1, donate=True, res
             program takes `(state, arrays, rows)`, `rows` a
             `keras_dp.core.feed.Rows` (`start` a scalar, or `[K]`), and
             reads `arrays` without donating them.
-        micro_batches: sum each batch's gradient over this many slices run
-            one after another (`keras_dp.core.micro`), one update per batch.
+        micro_batches: sum each batch's gradient over this many slices, run
+            in turn, for one update (`keras_dp.core.micro`).
     """
     step = sharded_train_step(model, layout, micro_batches)
     donate_argnums = 0 if donate else ()
@@ -139,12 +138,15 @@ def sharded_train_step(model, layout, micro_batches=1):
         # and a split state then gave the weights their slots' split, so the
         # forward ran column-split, summing in another order than the single
         # step (free here: the single step's arguments already lie so).
-        state = sharding.constrain(state, layout.state_shardings(state))
-        new_state, logs = step(state, sharding.real_rows(batch, layout))
-        new_state, logs = keep_if_not_finite(new_state, state, logs,
-                                             join=layout.state_sharding == "replicated")
-        return sharding.constrain(new_state, layout.state_shardings(new_state)), _replicated(
-            logs, layout)
+        shardings = layout.state_shardings(state)
+        state = sharding.constrain(state, shardings)
+        with layout.tracing():  # a Keras distribution's constraints on layer outputs
+            new_state, logs = step(state, sharding.real_rows(batch, layout))
+        split = None  # a split state is checked shard by shard, then over the mesh
+        if sharding.splits(shardings):
+            split = (layout.mesh, shardings.trainable + shardings.optimizer)
+        new_state, logs = keep_if_not_finite(new_state, state, logs, split=split)
+        return sharding.constrain(new_state, shardings), _replicated(logs, layout)
 
     return train_step
 
@@ -178,9 +180,8 @@ def model_train_step(model, constrain_grads=None, micro_batches=1, stacked=None)
     `constrain_grads`, if given, is applied to the gradients before the
     update (see `make_train_program`); a model's own `train_step` computes its
     gradients itself, so there only the new state's layout is constrained.
-    With `micro_batches` above 1, the batch's gradient is summed over that
-    many slices run one after another (`keras_dp.core.micro`; `stacked` is
-    the sharding of the slices), one update for the whole batch.
+    With `micro_batches` above 1, the gradient is summed over that many
+    slices in turn (`keras_dp.core.micro`; `stacked`: their sharding).
 
     The model's own stateless `train_step(state, data)` when it overrides
     Keras's (a GAN, a VAE: see `keras_dp._compat.custom_step`), called as
@@ -200,45 +201,23 @@ def model_train_step(model, constrain_grads=None, micro_batches=1, stacked=None)
         return custom_train_step
 
     def train_step(state, batch):
-        if micro_batches > 1:
-            return micro_train_step(state, batch)
-        x, y, sample_weight = batch
-        grad_fn = jax.value_and_grad(model.compute_loss_and_updates, has_aux=True)
-        (_, aux), grads = grad_fn(
-            state.trainable,
-            state.non_trainable,
-            state.metrics,
-            x,
-            y,
-            sample_weight,
-            training=True,
-            optimizer_variables=state.optimizer,
-        )
-        loss, y_pred, non_trainable, metrics = aux
-        if constrain_grads is not None:
-            grads = constrain_grads(grads)
-        trainable, optimizer = model.optimizer.stateless_apply(
-            state.optimizer, grads, state.trainable
-        )
-        metrics, logs = _update_metrics(
-            model, metrics, loss, x, y, y_pred, sample_weight
-        )
-        return TrainState(trainable, non_trainable, optimizer, metrics), logs
-
-    def micro_train_step(state, batch):
-        def slice_step(non_trainable, metrics, piece):
+        def slice_step(non_trainable, metrics, piece):  # a batch, or one of its slices
             x, y, sample_weight = piece
             grad_fn = jax.value_and_grad(model.compute_loss_and_updates, has_aux=True)
             (_, (loss, y_pred, non_trainable, metrics)), grads = grad_fn(
                 state.trainable, non_trainable, metrics, x, y, sample_weight,
                 training=True, optimizer_variables=state.optimizer)
-            if constrain_grads is not None:  # the running sum keeps the update's layout
+            if constrain_grads is not None:  # a slices' running sum keeps the update's layout
                 grads = constrain_grads(grads)
             metrics, logs = _update_metrics(model, metrics, loss, x, y, y_pred, sample_weight)
             return grads, non_trainable, metrics, logs
 
-        grads, non_trainable, metrics, logs = micro.summed(
-            slice_step, state, batch, micro_batches, stacked)
+        if micro_batches > 1:
+            grads, non_trainable, metrics, logs = micro.summed(
+                slice_step, state, batch, micro_batches, stacked)
+        else:
+            grads, non_trainable, metrics, logs = slice_step(state.non_trainable,
+                                                             state.metrics, batch)
         trainable, optimizer = model.optimizer.stateless_apply(
             state.optimizer, grads, state.trainable)
         return TrainState(trainable, non_trainable, optimizer, metrics), logs
@@ -305,8 +284,9 @@ def _test_step(model, layout):
     def test_step(weights, metrics, batch):
         x, y, sample_weight = sharding.real_rows(batch, layout)
         trainable, non_trainable = weights
-        logs, _, non_trainable, metrics = keras_test_step(
-            model, custom, trainable, non_trainable, metrics, x, y, sample_weight)
+        with layout.tracing():
+            logs, _, non_trainable, metrics = keras_test_step(
+                model, custom, trainable, non_trainable, metrics, x, y, sample_weight)
         non_trainable = sharding.constrain(
             non_trainable, layout.group_shardings(non_trainable, "non_trainable"))
         metrics = sharding.constrain(metrics, layout.group_shardings(metrics, "metrics"))
@@ -353,12 +333,13 @@ def _predict_step(model, layout):
     def predict_step(weights, batch):
         trainable, non_trainable = weights
         x = sharding.real_rows(batch, layout)
-        if custom:  # called as model.predict calls it
-            y_pred, non_trainable = model.predict_step((trainable, non_trainable),
-                                                       _keras_data((x,)))
-        else:
-            y_pred, non_trainable = model.stateless_call(trainable, non_trainable, x,
-                                                         **inference_kwargs(model))
+        with layout.tracing():
+            if custom:  # called as model.predict calls it
+                y_pred, non_trainable = model.predict_step((trainable, non_trainable),
+                                                           _keras_data((x,)))
+            else:
+                y_pred, non_trainable = model.stateless_call(trainable, non_trainable, x,
+                                                             **inference_kwargs(model))
         y_pred = jax.tree.map(
             lambda out: jax.lax.with_sharding_constraint(
                 sharding.restore_rows(out, batch), layout.batch),
@@ -424,7 +405,7 @@ def _update_metrics(model, metrics, loss, x, y, y_pred, sample_weight):
 # -- The guard in every train step ------------------------------------------
 
 
-def keep_if_not_finite(new_state, state, logs, join=True):
+def keep_if_not_finite(new_state, state, logs, split=None):
     """Inside a step: `(new_state, logs)`, undone where the step gave non-finite values.
 
     If the running loss `logs["loss"]` is NaN or Inf, or a new trainable or
@@ -437,11 +418,14 @@ def keep_if_not_finite(new_state, state, logs, join=True):
     later step of the epoch keeps the state too. Steps without a `loss`
     log are not checked; a `loss` of several values (a step of the
     model's own may log one per output) is finite when all of them are.
-    `join`: see `_all_finite`.
+    `split`: `(mesh, shardings)` of the new trainable and optimizer values
+    when some are split (`_all_finite_split`); None when all are
+    replicated (`_all_finite`).
     """
     if "loss" not in logs:
         return new_state, logs
-    update_finite = _all_finite(new_state.trainable + new_state.optimizer, join)
+    updated = new_state.trainable + new_state.optimizer
+    update_finite = _all_finite(updated) if split is None else _all_finite_split(updated, *split)
     finite = loss_is_finite(logs["loss"]) & update_finite
     keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
 
@@ -475,23 +459,42 @@ def _is_float(value):
     return jnp.issubdtype(jnp.result_type(value), jnp.floating)
 
 
-def _all_finite(values, join):
+def _all_finite(values):
     """Whether every float value in `values` is finite (one scalar).
 
-    With `join`, the values of each dtype are checked as one flat vector:
-    XLA fuses the join into a single reduction, where a reduction per
-    variable made the whole train step compile 4.2x slower (ResNet-18 on
-    XLA:CPU: 15.3 s against 3.6 s, and 3.4 s with no check;
-    `benchmarks/guard_compile.py`). The join is paid per step instead: on
-    CPU the copy made ResNet-18's step 17% slower than the per-variable
-    check, and it takes 8% more temporary memory. Only for values laid out alike
-    (replicated): joining split arrays would make XLA gather them.
+    The values of each dtype are checked as one flat vector: XLA fuses the
+    join into a single reduction, where a reduction per variable made the
+    whole train step compile 4.2x slower (ResNet-18 on XLA:CPU: 15.3 s
+    against 3.6 s, and 3.4 s with no check; `benchmarks/guard_compile.py`).
+    The join is paid per step instead: on CPU the copy made ResNet-18's
+    step 17% slower than the per-variable check, and it takes 8% more
+    temporary memory. For values laid out alike (replicated, or one
+    device's shards): joining split arrays would make XLA gather them.
     """
-    floats = [value for value in jax.tree.leaves(values) if _is_float(value)]
-    if join:
-        by_dtype = {}
-        for value in floats:
+    by_dtype = {}
+    for value in jax.tree.leaves(values):
+        if _is_float(value):
             by_dtype.setdefault(jnp.result_type(value), []).append(jnp.ravel(value))
-        floats = [jnp.concatenate(group) for group in by_dtype.values()]
-    checks = [jnp.all(jnp.isfinite(value)) for value in floats]
+    checks = [jnp.all(jnp.isfinite(jnp.concatenate(group))) for group in by_dtype.values()]
     return jnp.all(jnp.stack(checks)) if checks else jnp.asarray(True)
+
+
+def _all_finite_split(values, mesh, shardings):
+    """`_all_finite` of values laid out as `shardings` on `mesh`, with one collective.
+
+    Each device checks its own shards, joined per dtype, and one all-reduce
+    (the minimum over every mesh axis) joins the answers. A reduction per
+    split variable cost an all-reduce each: with a small Gemma's 45 split
+    arrays on a 2 x 2 CPU mesh, 15% of the step (CHANGELOG.md).
+    """
+    pairs = [(value, placed.spec) for value, placed in zip(values, shardings, strict=True)
+             if _is_float(value)]
+    if not pairs:
+        return jnp.asarray(True)
+
+    def local(*shards):
+        return jax.lax.pmin(_all_finite(shards).astype(jnp.int32), tuple(mesh.axis_names))
+
+    return jax.shard_map(local, mesh=mesh, in_specs=tuple(spec for _, spec in pairs),
+                         out_specs=jax.sharding.PartitionSpec())(
+        *(value for value, _ in pairs)) > 0

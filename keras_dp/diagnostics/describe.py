@@ -1,6 +1,7 @@
 """A plain-text picture of what runs where: the mesh, the state, a batch."""
 
 import jax
+import numpy as np
 
 from keras_dp import sharding
 from keras_dp.core import feed
@@ -10,7 +11,8 @@ from keras_dp.keras import build
 from keras_dp.sources import inputs
 
 
-def describe(layout, state=None, batch=None, hosts=None, steps_per_execution=1):
+def describe(layout, state=None, batch=None, hosts=None, steps_per_execution=1,
+             variables=None):
     """Describe the mesh, and how `state` and a device `batch` are placed on it.
 
     Args:
@@ -22,6 +24,9 @@ def describe(layout, state=None, batch=None, hosts=None, steps_per_execution=1):
             process index (`keras_dp.distributed.host_names`).
         steps_per_execution: K; above 1, a line says how a call's K
             batches are stacked.
+        variables: the Keras variables of `state` (a `TrainState`): on a
+            mesh of several axes, a line per variable gives its
+            `PartitionSpec` and bytes per device.
 
     Returns:
         A multi-line string: the devices (across processes, one line per
@@ -31,17 +36,18 @@ def describe(layout, state=None, batch=None, hosts=None, steps_per_execution=1):
         each device of this process holds.
     """
     devices = layout.devices
-    lines = [
-        f"Mesh: {len(devices)} device(s) along axis {layout.batch_axis!r}, "
-        f"platform {devices[0].platform}"
-    ]
+    lines = _mesh_lines(layout)
     if layout.spans_processes:
         lines[0] += f", {len({device.process_index for device in devices})} processes"
         lines.extend(_process_lines(devices, hosts))
-    else:
+    elif len(layout.mesh.axis_names) == 1:
         lines.append("  " + ", ".join(_device_name(device) for device in devices))
     if state is not None:
-        lines.extend(_state_lines(state, layout.batch_axis))
+        lines.extend(_state_lines(state))
+        if variables is not None and len(layout.mesh.axis_names) > 1:
+            lines.append("Each variable (PartitionSpec, bytes per device):")
+            lines.extend("  " + line for line in memory.variable_lines(
+                memory.variable_plans(variables, state)))
     if batch is not None:
         padded = jax.tree.leaves(batch.data)[0].shape[0]
         lines.append(
@@ -52,7 +58,7 @@ def describe(layout, state=None, batch=None, hosts=None, steps_per_execution=1):
         )
         for path, array in jax.tree_util.tree_leaves_with_path(batch.data):
             lines.append(
-                f"  {_batch_name(path):<14}{str(array.shape):<18}"
+                f"  {_batch_name(path):<14} {str(array.shape):<18}"
                 f"{str(array.dtype):<9}PartitionSpec{tuple(array.sharding.spec)}"
             )
             lines.append("    " + " | ".join(_shard_rows(array, batch)))
@@ -87,14 +93,34 @@ def _process_lines(devices, hosts):
     return lines
 
 
-def _state_lines(state, batch_axis):
+def _mesh_lines(layout):
+    """The mesh: its devices along the batch axis; with more axes, the devices of each batch shard."""
+    devices, mesh = layout.devices, layout.mesh
+    if len(mesh.axis_names) == 1:
+        return [f"Mesh: {len(devices)} device(s) along axis {layout.batch_axis!r}, "
+                f"platform {devices[0].platform}"]
+    others = [axis for axis in mesh.axis_names if axis != layout.batch_axis]
+    lines = [f"Mesh: {len(devices)} device(s), " + ", ".join(
+        f"{axis!r} {size}" for axis, size in mesh.shape.items())
+        + f", platform {devices[0].platform}; each batch is split along "
+        f"{layout.batch_axis!r} and replicated along " + ", ".join(map(repr, others))]
+    grid = np.moveaxis(mesh.devices, mesh.axis_names.index(layout.batch_axis), 0)
+    for index, shard in enumerate(grid):
+        lines.append(f"  {layout.batch_axis} {index}: "
+                     + ", ".join(_device_name(device) for device in shard.flat))
+    return lines
+
+
+def _state_lines(state):
     """One line per state group: values, bytes per device, split or replicated."""
     lines = ["Model state (bytes per device; split arrays hold 1/N of their values):"]
     for name, values in state.groups():
         size = sum(value.size for value in values)
         per_device = sum(sharding.bytes_per_device(value) for value in values)
         split = sum(not value.sharding.is_fully_replicated for value in values)
-        where = (f"{split} split over {batch_axis!r}, {len(values) - split} replicated" if split
+        axes = ", ".join(map(repr, dict.fromkeys(
+            axis for value in values for axis in sharding.axes_of(value.sharding.spec))))
+        where = (f"{split} split over {axes}, {len(values) - split} replicated" if split
                  else "all replicated: PartitionSpec()")
         lines.append(
             f"  {name:<14}{len(values):>4} arrays {size:>12,} values "
@@ -164,7 +190,8 @@ def describe_trainer(trainer, batch=None, x=None, y=None, sample_weight=None):
              if build.is_built(trainer.model) else None)
     device_batch = None if batch is None else trainer.shard(batch)
     text = describe(trainer.layout, state, device_batch, trainer.hosts.host_names(),
-                    trainer.steps_per_execution)
+                    trainer.steps_per_execution,
+                    None if state is None else TrainState.variables_of(trainer.model))
     if x is None:
         return text
     batches = trainer.batches_of(inputs.model_inputs(x, y, trainer.model), y, sample_weight,

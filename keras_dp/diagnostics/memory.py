@@ -57,6 +57,10 @@ class MemoryPlan:
         remedies: where the peak exceeds the capacity, the changes a fit
             could make, each planned: `(what, MemoryPlan)` pairs
             (`remedies_of`); empty otherwise.
+        mesh: the mesh's `(axis, size)` pairs, the batch axis's first.
+        variables: a `VariablePlan` per state variable, group by group in
+            the state's order: its path, shape, dtype, `PartitionSpec`
+            and bytes per device (their sums are the group fields).
     """
 
     state_sharding: str
@@ -74,6 +78,8 @@ class MemoryPlan:
     micro_batches: int = 1
     batch_size: int | None = None
     remedies: tuple = ()
+    mesh: tuple = ()
+    variables: tuple = ()
 
     def fits(self):
         """Whether the peak is within the capacity (True when unknown)."""
@@ -81,11 +87,13 @@ class MemoryPlan:
 
     def __str__(self):
         mib = format_bytes
+        where = (f"{self.devices} devices" if len(self.mesh) < 2 else "mesh " + ", ".join(
+            f"{axis}={size}" for axis, size in self.mesh))
         settings = f"state_sharding={self.state_sharding!r}"
         if self.micro_batches > 1:
             settings += f", micro_batches={self.micro_batches}"
         lines = [
-            f"Memory per device ({self.devices} devices, {settings}):",
+            f"Memory per device ({where}, {settings}):",
             f"  weights {mib(self.weights)}, non-trainable {mib(self.non_trainable)}, "
             f"optimizer {mib(self.optimizer)}, metrics {mib(self.metrics)}",
             ("  compiled step over the training data kept on the devices "
@@ -97,11 +105,51 @@ class MemoryPlan:
                              else f"{mib(self.capacity)}" + ("" if self.fits() else
                                                              ": does not fit")),
         ]
+        if len(self.mesh) > 1:  # a model axis: where each variable lies
+            lines.append("  each variable, as laid out:")
+            lines.extend("    " + line for line in variable_lines(self.variables))
         for what, plan in self.remedies:
             verdict = "fits" if plan.fits() else "does not fit"
             lines.append(f"  with {what}: peak {mib(plan.peak)}, temporaries "
                          f"{mib(plan.temporaries)}: {verdict}")
         return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class VariablePlan:
+    """One state variable as laid out: `group`, `path`, `shape`, `dtype`, `spec`, `bytes` per device."""
+
+    group: str
+    path: str
+    shape: tuple
+    dtype: str
+    spec: tuple
+    bytes: int
+
+
+def variable_plans(variables, state):
+    """A `VariablePlan` per variable of `variables` (a `TrainState` of Keras variables).
+
+    `state`: the matching `TrainState` of arrays or `jax.ShapeDtypeStruct`s
+    with their shardings (`TrainState.abstract_of`).
+    """
+    return tuple(
+        VariablePlan(group, variable.path, tuple(value.shape), str(value.dtype),
+                     tuple(value.sharding.spec), sharding.bytes_per_device(value))
+        for group, group_variables, values in zip(state._fields, variables, state)
+        if values is not None
+        for variable, value in zip(group_variables, values))
+
+
+def variable_lines(plans):
+    """One aligned line per `VariablePlan`: group, path, shape, dtype, spec, bytes per device."""
+    width = max((len(plan.path) for plan in plans), default=0)
+    def spec(plan):  # every dimension's entry, None where it is whole
+        entries = list(plan.spec) + [None] * (len(plan.shape) - len(plan.spec))
+        return f"PartitionSpec({', '.join(map(repr, entries))})"
+
+    return [f"{plan.group:<14}{plan.path:<{width + 2}}{str(plan.shape):<16}{plan.dtype:<9}"
+            f"{spec(plan):<36}{format_bytes(plan.bytes):>10}" for plan in plans]
 
 
 def format_bytes(nbytes):
@@ -117,7 +165,7 @@ def format_bytes(nbytes):
 
 
 def step_plan(state, step, arguments, layout, resident=False, capacity=None, micro_batches=1,
-              batch_size=None):
+              batch_size=None, variables=None):
     """The `MemoryPlan` of a compiled train `step`, from its abstract arguments.
 
     Nothing is placed: `step` (a jitted train program) is lowered and
@@ -126,7 +174,9 @@ def step_plan(state, step, arguments, layout, resident=False, capacity=None, mic
     arguments after the state: a `DeviceBatch` from `sharding.abstract_batch`,
     or the resident arrays and rows, `feed.abstract_arguments`, with
     `resident`), and XLA's memory analysis of it is read. `capacity`: the
-    bytes a device has, default what it reports (None on CPU).
+    bytes a device has, default what it reports (None on CPU). `variables`:
+    the Keras variables of `state` (a `TrainState`), for the plan's
+    `variables`.
     """
     per_group = state_bytes(state)
     resident_data = 0
@@ -143,6 +193,9 @@ def step_plan(state, step, arguments, layout, resident=False, capacity=None, mic
         temporaries=analysis.temp_size_in_bytes, peak=peak,
         capacity=device_capacity(layout.devices[0]) if capacity is None else capacity,
         resident_data=resident_data, micro_batches=micro_batches, batch_size=batch_size,
+        mesh=tuple(sorted(layout.mesh.shape.items(),
+                          key=lambda item: item[0] != layout.batch_axis)),
+        variables=() if variables is None else variable_plans(variables, state),
     )
 
 
@@ -315,7 +368,8 @@ def plan_of_step(trainer, batch, step, arguments=None, capacity=None):
     """
     state = TrainState.abstract_of(trainer.model, trainer.state_layout())
     rows = sharding.batch_rows(batch)
-    settings = dict(capacity=capacity, micro_batches=trainer.micro_batches, batch_size=rows)
+    settings = dict(capacity=capacity, micro_batches=trainer.micro_batches, batch_size=rows,
+                    variables=TrainState.variables_of(trainer.model))
     if arguments is None:
         like = sharding.abstract_batch(batch, rows, trainer.layout)
         return step_plan(state, step, (like,), trainer.layout, **settings)

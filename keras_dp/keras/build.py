@@ -467,17 +467,17 @@ def spec(array):
 
 
 def check_keras_distribution():
-    """Refuse a Keras distribution whose layout keras_dp would ignore.
+    """Refuse a Keras distribution whose layout an ensemble would ignore.
 
-    keras_dp lays out every variable itself (replicated, or split as
-    `state_sharding` says) and splits each batch over its own mesh. Under
+    An ensemble (`keras_dp.ensemble`) lays out every member's variables
+    itself, each member whole on its devices. Under
     `keras.distribution.DataParallel` that is what Keras would do too; any
     other distribution (`ModelParallel`'s sharded variables) would be
-    silently replaced by keras_dp's layout, so it is refused: when a trainer
-    is made, and again when it builds the model (first in `fit`, `evaluate`
-    and `predict`) or runs a step by hand, since a distribution set after
-    the trainer was made would lay out the variables the build creates and
-    add its own layout constraints to the step's trace.
+    silently replaced, so it is refused: when an ensemble trainer is made,
+    and again when it builds its members or runs a step by hand, since a
+    distribution set after the trainer was made would lay out the variables
+    the build creates and add its own layout constraints to the step's trace.
+    (`ShardedTrainer` trains under one: `keras_dp.keras.layouts`.)
 
     Raises:
         ValueError: a distribution other than `DataParallel` is set.
@@ -487,14 +487,12 @@ def check_keras_distribution():
     current = keras.distribution.distribution()
     if current is not None and not isinstance(current, keras.distribution.DataParallel):
         raise ValueError(
-            "keras_dp trains with data parallelism only: it lays out every "
-            "variable itself (a full copy on every device, or split over them "
-            "by state_sharding) and ignores Keras layouts. "
+            "Ensembles train with data parallelism only: each member whole on its "
+            "devices, ignoring Keras layouts. "
             f"Received: a {type(current).__name__} distribution, set with "
             "keras.distribution.set_distribution() or entered with "
-            "`with distribution.scope():`. Call keras_dp outside that scope, "
+            "`with distribution.scope():`. Call fit_ensemble outside that scope, "
             "after keras.distribution.set_distribution(None) (a model created "
-            "under it trains as well), with state_sharding='full' if its "
-            "variables must be split over the devices to fit; or train a "
-            "model-parallel layout with Keras's own model.fit."
+            "under it trains as well); or train one model under the distribution "
+            "with keras_dp.fit_sharded(..., distribution=...)."
         )
