@@ -55,7 +55,7 @@ def test_micro_batches_train_as_whole_batches(monkeypatch):
     assert sliced_history["accuracy"] == whole_history["accuracy"]
 
 
-@pytest.mark.slow  # 25 s: Keras's fit and four of keras_dp's, in float64
+@pytest.mark.slow  # 30 s: Keras's fit and five of keras_dp's (one on a model axis), float64
 def test_micro_batches_equal_keras_fit_on_one_device_in_float64():
     result = subprocess.run([sys.executable, str(SCRIPTS / "micro_float64.py")],
                             capture_output=True, text=True, timeout=280,
@@ -64,7 +64,9 @@ def test_micro_batches_equal_keras_fit_on_one_device_in_float64():
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["dtype"] == "float64" and report["keras_iterations"] == 10
-    assert set(report["runs"]) == {f"micro_batches={m}, K={k}" for m in (1, 4) for k in (1, 4)}
+    assert set(report["runs"]) == {f"micro_batches={m}, K={k}" for m in (1, 4) for k in (1, 4)} | {
+        "ModelParallel 2x2, micro_batches=4"}
+    assert report["runs"]["ModelParallel 2x2, micro_batches=4"]["kernel_spec"] == "P(None, 'model')"
     for run in report["runs"].values():
         assert run["iterations"] == 10
         assert run["max_relative"] < 1e-9, run
