@@ -16,6 +16,7 @@ inside a step.
 """
 
 import atexit
+import contextlib
 import os
 import socket
 import sys
@@ -24,6 +25,7 @@ import threading
 import jax
 
 from keras_dp import _compat
+from keras_dp import liveness
 
 COORDINATOR_ENV = "KERAS_DP_COORDINATOR"
 NUM_PROCESSES_ENV = "KERAS_DP_NUM_PROCESSES"
@@ -118,19 +120,39 @@ def initialize(coordinator_address=None, num_processes=None, process_id=None, *,
     coordinator_address = coordinator_address or os.environ.get(COORDINATOR_ENV)
     num_processes = _int_arg(num_processes, NUM_PROCESSES_ENV)
     process_id = _int_arg(process_id, PROCESS_ID_ENV)
-    heartbeat = _int_arg(heartbeat_timeout_seconds, HEARTBEAT_ENV) or DEFAULT_HEARTBEAT_TIMEOUT
+    heartbeat = _int_arg(heartbeat_timeout_seconds, HEARTBEAT_ENV) or heartbeat_timeout_setting()
+    # The coordination service in a process of its own (`keras_dp.liveness`), where
+    # this process knows it is process 0 of several; else JAX's own, in process 0.
+    service = None
+    if coordinator_address and (num_processes or 1) > 1 and process_id == 0:
+        service = liveness.serve(coordinator_address.rpartition(":")[2], num_processes,
+                                 heartbeat)
+    jax.config.update("jax_enable_recoverability", True)  # for JAX's own service
+
+    def connect():
+        with (_compat.joining_without_service() if service is not None
+              else contextlib.nullcontext()):
+            jax.distributed.initialize(
+                coordinator_address, num_processes, process_id,
+                local_device_ids=local_device_ids,
+                # JAX's own deadline aborts the process natively, with no
+                # Python exception: keras_dp's, shorter, raises first.
+                initialization_timeout=initialization_timeout + _JAX_DEADLINE_MARGIN_S,
+                heartbeat_timeout_seconds=heartbeat)
+
     _connect_within(initialization_timeout, coordinator_address, num_processes, process_id,
-                    lambda: jax.distributed.initialize(
-                        coordinator_address, num_processes, process_id,
-                        local_device_ids=local_device_ids,
-                        # JAX's own deadline aborts the process natively, with no
-                        # Python exception: keras_dp's, shorter, raises first.
-                        initialization_timeout=initialization_timeout + _JAX_DEADLINE_MARGIN_S,
-                        heartbeat_timeout_seconds=heartbeat,
-                    ))
+                    connect)
     global _heartbeat_s
     _heartbeat_s = heartbeat
+    processes, me = _compat.distributed_processes()
+    if processes > 1:
+        liveness.watch(_compat.distributed_client(), processes, me, heartbeat, service)
     atexit.register(_end_after_uncaught_error)  # runs before JAX's own shutdown
+
+
+def heartbeat_timeout_setting():
+    """The heartbeat timeout `initialize` would pass: `KERAS_DP_HEARTBEAT_TIMEOUT`, else 20 s."""
+    return _int_arg(None, HEARTBEAT_ENV) or DEFAULT_HEARTBEAT_TIMEOUT
 
 
 def heartbeat_timeout():
@@ -150,13 +172,13 @@ def _end_after_uncaught_error():
     (`keras_dp.multihost.peers`, an `EXIT_HOOKS` entry): then it ends too,
     with status 1, where JAX's shutdown would wait for it and abort.
     """
-    if not (_compat.jax_backend_started() and jax.process_count() > 1):
-        return
-    uncaught = getattr(sys, "last_value", None) is not None
-    for hook in EXIT_HOOKS:
-        hook(uncaught)
-    if uncaught:
-        end_now()
+    if _compat.jax_backend_started() and jax.process_count() > 1:
+        uncaught = getattr(sys, "last_value", None) is not None
+        for hook in EXIT_HOOKS:
+            hook(uncaught)
+        if uncaught:
+            end_now()
+    liveness.leave()  # every process at one barrier, before JAX's shutdown
 
 
 def end_now():
