@@ -278,6 +278,22 @@ def distributed_processes():
     return int(state.num_processes or 1), int(state.process_id or 0)
 
 
+def detect_cluster(coordinator_address, num_processes, process_id, local_device_ids,
+                   initialization_timeout):
+    """What `jax.distributed.initialize` detects from the cluster (SLURM, Open MPI, Kubernetes, ...).
+
+    `jax._src.clusters.ClusterEnv.auto_detect_unset_distributed_params`,
+    the call JAX makes first for the arguments left None; made here first
+    so that keras_dp knows whether this is process 0 (which starts the
+    coordination service). Returns the four values, the given ones kept.
+    """
+    from jax._src import clusters
+
+    return clusters.ClusterEnv.auto_detect_unset_distributed_params(
+        coordinator_address, num_processes, process_id, local_device_ids, None,
+        initialization_timeout)
+
+
 def key_value_timed_out(error):
     """Whether a `JaxRuntimeError` of `blocking_key_value_get` is its wait running out.
 

@@ -121,6 +121,10 @@ def initialize(coordinator_address=None, num_processes=None, process_id=None, *,
     num_processes = _int_arg(num_processes, NUM_PROCESSES_ENV)
     process_id = _int_arg(process_id, PROCESS_ID_ENV)
     heartbeat = _int_arg(heartbeat_timeout_seconds, HEARTBEAT_ENV) or heartbeat_timeout_setting()
+    if None in (coordinator_address, num_processes, process_id):  # from the cluster, as JAX would
+        coordinator_address, num_processes, process_id, local_device_ids = (
+            _compat.detect_cluster(coordinator_address, num_processes, process_id,
+                                   local_device_ids, initialization_timeout))
     # The coordination service in a process of its own (`keras_dp.liveness`), where
     # this process knows it is process 0 of several; else JAX's own, in process 0.
     service = None

@@ -30,7 +30,9 @@ and the steps trained again), and a summary.
 """
 
 import argparse
+import dataclasses
 import os
+import random
 import re
 import signal
 import sys
@@ -202,5 +204,382 @@ def _markers(sigterm_after=None):
     return Markers()
 
 
+# -- The supervisor ----------------------------------------------------------
+
+# Where a fault lands: the victim's marker (`_say`) after which the signal goes.
+FRESH_PHASES = ("compile", "step", "validation", "save")
+RESUMED_PHASES = ("restore", "resumed-step", "step", "validation", "save")
+KINDS = ("SIGTERM", "SIGKILL", "SIGTERM2")  # SIGTERM2: a second SIGTERM during the first's save
+LOST_STATUS, SIGTERM_STATUS = 75, 143
+
+
+class Run:
+    """One launch of the job: P processes, their lines as they come (with times), their ends."""
+
+    def __init__(self, processes, directory, checkpoint_dir=None, heartbeat=5,
+                 job_args=("--validation",), devices=DEVICES_PER_PROCESS):
+        import socket
+        import subprocess
+        import threading
+
+        self.processes, self.directory = processes, directory
+        os.makedirs(directory, exist_ok=True)
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        command = [sys.executable, os.path.abspath(__file__), "job", "--out", directory,
+                   *(["--checkpoint-dir", checkpoint_dir] if checkpoint_dir else []), *job_args]
+        self.lines = [[] for _ in range(processes)]  # (time, line)
+        self.started = time.monotonic()
+        self.children = []
+        for index in range(processes):
+            env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+                       XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+                       KERAS_DP_HEARTBEAT_TIMEOUT=str(heartbeat),
+                       KERAS_DP_RESUME_COMMAND="python scripts/soak.py job ... (the supervisor "
+                                               "requeues it)")
+            if processes > 1:
+                env.update(KERAS_DP_COORDINATOR=f"127.0.0.1:{port}",
+                           KERAS_DP_NUM_PROCESSES=str(processes),
+                           KERAS_DP_PROCESS_ID=str(index))
+            child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+            self.children.append(child)
+            threading.Thread(target=self._read, args=(index, child), daemon=True).start()
+        self.ended = [None] * processes  # (time, status)
+
+    def _read(self, index, child):
+        with open(os.path.join(self.directory, f"process{index}.log"), "w") as log:
+            for line in child.stdout:
+                self.lines[index].append((time.monotonic(), line.rstrip("\n")))
+                log.write(line)
+
+    def poll(self):
+        """Whether every process has ended (their times and statuses are in `ended`)."""
+        for index, child in enumerate(self.children):
+            if self.ended[index] is None and child.poll() is not None:
+                self.ended[index] = (time.monotonic(), child.returncode)
+        return all(end is not None for end in self.ended)
+
+    def markers(self, index, since=0):
+        """Process `index`'s markers from its line `since` on: `(line number, time, words)`."""
+        return [(number, at, line.split()[1:]) for number, (at, line)
+                in enumerate(self.lines[index][since:], since) if line.startswith("PHASE ")]
+
+    def wait(self, seconds):
+        """Wait until every process ended or `seconds` passed; kill what is left. Whether all ended."""
+        deadline = time.monotonic() + seconds
+        while not self.poll():
+            if time.monotonic() > deadline:
+                self.kill()
+                return False
+            time.sleep(0.05)
+        return True
+
+    def kill(self):
+        """End every process of the run and whatever it started (the coordination service)."""
+        for child in self.children:
+            try:
+                os.killpg(child.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for child in self.children:
+            child.wait()
+        self.poll()
+
+    def text(self, index):
+        return "\n".join(line for _, line in self.lines[index])
+
+
+@dataclasses.dataclass
+class Fault:
+    """One fault: what, to whom, where; then what it cost and whether the job survived it."""
+
+    kind: str  # one of KINDS
+    victim: int
+    phase: str
+    processes: int  # of the run it hit
+    next_processes: int  # of the run that requeues the job
+    landed: str = ""  # where it landed: "step 2 5", "save 1 0", ...
+    exit_s: float = None  # from the signal until every process had ended
+    restart_s: float = None  # from the requeue until its first step
+    retrained: int = None  # steps trained again after the requeue
+    verdict: str = ""  # "survived", or what went wrong
+    sent: float = None  # when the signal went (monotonic)
+    before: int = None  # global steps done when it went
+    spec: str = ""  # as a fixed plan gave it
+
+    def words(self):
+        cost = (f"all ended {self.exit_s:.1f} s after it" if self.exit_s is not None else "")
+        requeued = (f"; requeued on {self.next_processes} process"
+                    f"{'es' if self.next_processes > 1 else ''}")
+        if self.restart_s is not None:
+            cost += (f"{requeued}, first step after {self.restart_s:.1f} s, "
+                     f"{self.retrained} steps trained again")
+        elif self.retrained is not None:
+            cost += f"{requeued}, faulted again before its first step"
+        return (f"{self.kind} to process {self.victim} of {self.processes} in {self.phase} "
+                f"({self.landed}): {self.verdict}; {cost}")
+
+
+def plan_fault(rng, resumed, processes, fixed=None):
+    """A random fault for a run (or the next of `fixed`, "KIND:VICTIM:PHASE:NEXT" each)."""
+    if fixed:
+        spec = fixed.pop(0)
+        kind, victim, phase, following = spec.split(":")
+        return Fault(kind, int(victim) % processes, phase, processes, int(following), spec=spec)
+    phases = RESUMED_PHASES if resumed else FRESH_PHASES
+    following = rng.choice((1, 3)) if rng.random() < 0.3 else 2
+    return Fault(rng.choice(KINDS), rng.randrange(processes), rng.choice(phases), processes,
+                 following)
+
+
+def inject(run, fault, rng):
+    """Send `fault`'s signal at its phase; False if the run ended before the phase came."""
+    trigger = {"step": rng.randint(1, 12), "save": rng.randint(1, 2)}.get(fault.phase, 1)
+    # The first call of a run compiles: "compile" in a fresh run, "resumed-step" else.
+    wanted = {"resumed-step": ("resumed-step", "compile")}.get(fault.phase, (fault.phase,))
+    seen, since = 0, 0
+    while True:
+        for number, at, words in run.markers(fault.victim, since):
+            since = number + 1
+            if words and words[0] in wanted:
+                seen += 1
+                if seen >= trigger:
+                    fault.landed = " ".join(words)
+                    return _send(run, fault, rng)
+        if run.poll():
+            return False
+        time.sleep(0.005)
+
+
+def _send(run, fault, rng):
+    signum = signal.SIGKILL if fault.kind == "SIGKILL" else signal.SIGTERM
+    fault.sent = time.monotonic()
+    fault.before = _steps_done(run)
+    if fault.before is None:  # no step yet in this run: what it restored, if anything
+        got = restored(run)
+        fault.before = got[1] * STEPS + got[2] if got else 0
+    run.children[fault.victim].send_signal(signum)
+    if fault.kind == "SIGTERM2":  # again, to any process, once the save it asked for starts
+        while not run.poll():
+            saving = [index for index in range(run.processes)
+                      if any(at > fault.sent and words[:1] == ["save"]
+                             for _, at, words in run.markers(index))]
+            if saving:
+                second = rng.randrange(run.processes)
+                if run.children[second].poll() is None:
+                    run.children[second].send_signal(signal.SIGTERM)
+                fault.landed += f"; again to process {second} in the save"
+                break
+            time.sleep(0.005)
+    return True
+
+
+def _steps_done(run):
+    """Global steps process 0 had finished: the step it began last, less one."""
+    steps = [words for _, _, words in run.markers(0) if words[:1] == ["step"]]
+    if not steps:
+        return None
+    epoch, batch = map(int, steps[-1][1:3])
+    return epoch * STEPS + batch
+
+
+STEPS = -(-ROWS // BATCH)
+
+
+def judge(run, fault, heartbeat):
+    """Whether every process ended as `fault` should make it: the verdict, in words."""
+    ends = [end for end in run.ended]
+    statuses = [status for _, status in ends]
+    fault.exit_s = max(at for at, _ in ends) - fault.sent
+    if all(status == 0 for status in statuses):
+        return "survived (the job finished before the signal took effect)"
+    if fault.kind == "SIGKILL":
+        others = [index for index in range(run.processes) if index != fault.victim]
+        line = f"keras_dp: process {fault.victim} stopped answering"
+        for index in others:
+            if statuses[index] != LOST_STATUS or line not in run.text(index):
+                return f"FAILED: process {index} ended with {statuses[index]}, not 75 and the line"
+            late = ends[index][0] - fault.sent
+            if late > heartbeat + 2:
+                return f"FAILED: process {index} ended {late:.1f} s after the kill"
+        return "survived"
+    for index, status in enumerate(statuses):
+        if status == SIGTERM_STATUS and "SIGTERM received; saved a checkpoint" in run.text(index):
+            continue
+        if run.processes == 1 and status == -signal.SIGTERM:
+            continue  # before fit watched for SIGTERM: its default action, nothing to save
+        return f"FAILED: process {index} ended with {status} after SIGTERM"
+    return "survived"
+
+
+def newest_complete(directory):
+    """The newest checkpoint orbax committed in `directory` (named by digits), or None."""
+    try:
+        return max((int(name) for name in os.listdir(directory) if name.isdigit()), default=None)
+    except FileNotFoundError:
+        return None
+
+
+def restored(run):
+    """`(index, epoch, steps)` process 0 restored, or None."""
+    for _, _, words in run.markers(0):
+        if words[:1] == ["restored"]:
+            return tuple(map(int, words[1:4]))
+    return None
+
+
+def first_step(run):
+    """When process 0 began its first step (monotonic), or None."""
+    return next((at for _, at, words in run.markers(0) if words[:1] == ["step"]), None)
+
+
+def weights_of(directory, processes):
+    """Process 0's weights, and whether every process ended with the same ones."""
+    import numpy as np
+
+    results = [np.load(os.path.join(directory, f"process{index}.npz"))
+               for index in range(processes)]
+    arrays = [[result[name] for name in result.files if name.startswith("arr_")]
+              for result in results]
+    same = all(all((a == b).all() for a, b in zip(mine, arrays[0])) for mine in arrays[1:])
+    return arrays[0], same, results[0]["ids"]
+
+
+def check_round(runs, reference, heartbeat):
+    """The checks of a finished job (`runs`: `(Run, newest checkpoint at its launch)`): failures."""
+    import numpy as np
+
+    failures = []
+    last, _ = runs[-1]
+    weights, same, ids = weights_of(last.directory, last.processes)
+    if not same:
+        failures.append("the processes ended with different weights")
+    if not (ids == 1).all():
+        failures.append(f"the last epoch trained rows {int((ids != 1).sum())} times other than once")
+    for run, newest in runs:
+        got = restored(run)
+        trained = any(words[:1] == ["step"] for _, _, words in run.markers(0))
+        if (got[0] if got else None) != newest and (got or trained):
+            failures.append(f"a run restored {got} where the newest complete checkpoint was "
+                            f"{newest}: a partial or older one, epochs trained twice")
+        resumed = [words for _, _, words in run.markers(0) if words[:1] == ["resumed-step"]]
+        if got and resumed and tuple(map(int, resumed[0][1:3])) != got[1:]:
+            failures.append(f"a run restored {got[1:]} and trained from {resumed[0][1:3]}")
+    topologies = {run.processes for run, _ in runs if any(
+        words[:1] == ["step"] for _, _, words in run.markers(0))}
+    bitwise = topologies == {2}
+    for mine, theirs in zip(weights, reference, strict=True):
+        if bitwise and not (mine == theirs).all():
+            failures.append("the weights differ from the unbroken run's (same topology: bitwise)")
+            break
+        scale = max(float(np.abs(theirs).max()), 1e-6)
+        if float(np.abs(mine - theirs).max()) > 1e-5 * scale:
+            failures.append(f"the weights differ from the unbroken run's by "
+                            f"{float(np.abs(mine - theirs).max()) / scale:.2e} of their scale")
+            break
+    kind = "bitwise" if bitwise else f"within 1e-5 of scale (topologies {sorted(topologies)})"
+    return failures, kind
+
+
+def soak(faults, seed, heartbeat, work, fixed=None, say=print):
+    """Run the soak (see the module doc); returns `(faults, failures)`."""
+    rng = random.Random(seed)
+    fixed = list(fixed or [])
+    say(f"soak: {faults} faults, seed {seed}, heartbeat {heartbeat} s, in {work}")
+    start = time.monotonic()
+    unbroken = Run(2, os.path.join(work, "unbroken"), os.path.join(work, "unbroken", "ckpt"),
+                   heartbeat)
+    if not unbroken.wait(600) or any(status for _, status in unbroken.ended):
+        return [], [f"the unbroken run failed: {unbroken.ended}"]
+    reference, _, _ = weights_of(unbroken.directory, 2)
+    say(f"unbroken run: {unbroken.ended[0][0] - unbroken.started:.1f} s")
+    done, failures, rounds = [], [], 0
+    while len(done) < faults and not failures:
+        rounds += 1
+        failures += job_round(rng, fixed, faults, done, heartbeat, reference,
+                              os.path.join(work, f"job{rounds}"), say)
+    survived = sum(fault.verdict.startswith("survived") for fault in done)
+    say(f"soak: {len(done)} faults injected, {survived} survived, {rounds} job(s) finished, "
+        f"{time.monotonic() - start:.0f} s in all")
+    return done, failures
+
+
+def job_round(rng, fixed, faults, done, heartbeat, reference, work, say):
+    """Run one job from scratch to its end, faulting it while faults remain: its failures."""
+    checkpoints = os.path.join(work, "ckpt")
+    runs, processes, previous = [], 2, None
+    while True:
+        newest = newest_complete(checkpoints)
+        run = Run(processes, os.path.join(work, f"run{len(runs)}"), checkpoints, heartbeat)
+        runs.append((run, newest))
+        fault = None
+        if len(done) < faults:
+            fault = plan_fault(rng, newest is not None, processes, fixed)
+            if not inject(run, fault, rng):  # the run ended before the phase came
+                if fixed is not None and fault.spec:
+                    fixed.insert(0, fault.spec)  # for the next run
+                fault = None
+        ended = run.wait(600 if fault is None else heartbeat + 120)
+        if previous is not None:  # the fault that ended the run before: its requeue's cost
+            _requeue_cost(previous, run)
+            say(f"fault {len(done)}: {previous.words()}")
+            previous = None
+        if not ended:
+            return [f"a run hung: {[end for end in run.ended]}"]
+        statuses = [status for _, status in run.ended]
+        if fault is None:
+            if all(status == 0 for status in statuses):
+                failures, kind = check_round(runs, reference, heartbeat)
+                say(f"job finished after {len(runs)} runs: weights equal the unbroken "
+                    f"run's {kind}" if not failures else f"job checks FAILED: {failures}")
+                return failures
+            return [f"a run without a fault ended with {statuses}: "
+                    f"{run.text(0)[-2000:]}"]
+        fault.verdict = judge(run, fault, heartbeat)
+        done.append(fault)
+        if not fault.verdict.startswith("survived"):
+            say(f"fault {len(done)}: {fault.words()}")
+            return [fault.verdict]
+        if all(status == 0 for status in statuses):  # finished regardless
+            say(f"fault {len(done)}: {fault.words()}")
+            failures, kind = check_round(runs, reference, heartbeat)
+            return failures
+        previous, processes = fault, fault.next_processes
+
+
+def _requeue_cost(fault, run):
+    """What the run that requeued the job after `fault` took: to its first step, steps again."""
+    began = first_step(run)
+    fault.restart_s = None if began is None else began - run.started
+    got = restored(run)
+    if fault.before is not None:
+        fault.retrained = max(0, fault.before - (got[1] * STEPS + got[2] if got else 0))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--faults", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--heartbeat", type=int, default=5,
+                        help="KERAS_DP_HEARTBEAT_TIMEOUT of the job's processes (s)")
+    parser.add_argument("--plan", help="fixed faults, KIND:VICTIM:PHASE:NEXT_PROCESSES,...")
+    parser.add_argument("--workdir", help="default: a new temporary directory")
+    args = parser.parse_args(argv)
+    import tempfile
+
+    work = args.workdir or tempfile.mkdtemp(prefix="keras_dp_soak_")
+    fixed = args.plan.split(",") if args.plan else None
+    faults = len(fixed) if fixed else args.faults
+    done, failures = soak(faults, args.seed, args.heartbeat, work, fixed)
+    for failure in failures:
+        print(f"FAILED: {failure}")
+    return 1 if failures or len(done) < faults else 0
+
+
 if __name__ == "__main__" and sys.argv[1:2] == ["job"]:
     job(sys.argv[2:])
+elif __name__ == "__main__":
+    sys.exit(main())
