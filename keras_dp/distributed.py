@@ -7,12 +7,13 @@ devices as on one host's (replicated, or split as `state_sharding` says),
 each global batch is split along `"batch"`, and XLA's gradient all-reduce
 now crosses hosts.
 
-What does change is the input. Each process reads only its own share of the
-data (`process_share`) and passes it to keras_dp as it would on one host,
-with the global `batch_size` (`local_batch_size` is each process's part);
-`keras_dp.multihost.batches.MultiProcessPlacement` assembles the global batches.
-This module holds the runtime and the processes' shares; nothing here runs
-inside a step.
+What does change is the input. Each process passes the same whole arrays
+(each then takes its part of every global batch, in one global order), or
+only its own share of the data (`process_share`), with the global
+`batch_size` (`local_batch_size` is each process's part);
+`keras_dp.multihost.batches.GlobalBatches` assembles the global batches.
+This module holds the runtime and the processes' shares; what happens when a
+process is lost is `keras_dp.liveness`'s. Nothing here runs inside a step.
 """
 
 import atexit
@@ -85,18 +86,23 @@ def initialize(coordinator_address=None, num_processes=None, process_id=None, *,
     first `jax.devices()`, array or compiled call): JAX fixes its device
     list when it starts.
 
-    A process that then ends by an uncaught exception exits at once, with
-    status 1, instead of waiting in JAX's shutdown for processes that wait
-    for it: the others stop within the heartbeat timeout.
+    Process 0 starts JAX's coordination service in a process of its own,
+    and every process watches the others through it (`keras_dp.liveness`):
+    when one is lost (SIGKILL, a lost host), every other one ends within
+    the heartbeat timeout with one line naming it, the newest complete
+    checkpoint and the command to resume, and status 75. A process that
+    ends by an uncaught exception exits at once, with status 1, instead of
+    waiting in JAX's shutdown for processes that wait for it. At a clean
+    exit every process waits for the others at one barrier.
 
     Args:
         coordinator_address: `"host:port"` of process 0, reachable by all.
         num_processes: how many processes take part.
         process_id: this process's index, `0 <= process_id < num_processes`.
         heartbeat_timeout_seconds: after this many seconds without a
-            heartbeat from a peer, the runtime declares it dead and stops
-            every other process with an error, instead of letting it wait in
-            a collective for ever (default 20; JAX's own is 100).
+            heartbeat from a peer, JAX's coordination service counts it
+            dead, and every other process ends with keras_dp's line instead
+            of waiting in a collective for ever (default 20; JAX's own is 100).
         initialization_timeout: seconds to wait for every peer to connect.
         local_device_ids: the local accelerators this process uses (default:
             all it sees).
@@ -108,6 +114,8 @@ def initialize(coordinator_address=None, num_processes=None, process_id=None, *,
             this process and whether the coordinator's port answered). The
             process cannot join again and should exit.
         ValueError: a malformed environment variable.
+        RuntimeError: process 0 could not start the coordination service
+            (its port is taken).
     """
     if _compat.jax_backend_started():
         raise RuntimeError(
@@ -170,11 +178,12 @@ def _end_after_uncaught_error():
     JAX's shutdown at exit waits (up to 300 s) for every process to shut
     down, while the others wait in the next collective for this one: both
     would hang. Ended now, this process stops its heartbeats, and the
-    runtime stops the others within the heartbeat timeout. A clean exit
-    (or a caught exception) shuts down as JAX does, unless this process's
-    error left a call the others were in and one of them ended for it
-    (`keras_dp.multihost.peers`, an `EXIT_HOOKS` entry): then it ends too,
-    with status 1, where JAX's shutdown would wait for it and abort.
+    others' watchers end them within the heartbeat timeout
+    (`keras_dp.liveness`). A clean exit (or a caught exception) waits for
+    every process at one barrier and shuts down (`liveness.leave`), unless
+    this process's error left a call the others were in and one of them
+    ended for it (`keras_dp.multihost.peers`, an `EXIT_HOOKS` entry): then
+    it ends too, with status 1, where the barrier would wait for it.
     """
     if _compat.jax_backend_started() and jax.process_count() > 1:
         uncaught = getattr(sys, "last_value", None) is not None

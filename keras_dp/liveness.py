@@ -152,7 +152,8 @@ def await_verdict(error, seconds):
     Returns (to raise `error`) if `error` does not name a lost connection,
     or nothing was found in time.
     """
-    if _watch is None or not any(words in str(error) for words in _CONNECTION_LOST):
+    text = " ".join(str(each) for each in (error, error.__cause__, error.__context__) if each)
+    if _watch is None or not any(words in text for words in _CONNECTION_LOST):
         return
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:

@@ -394,6 +394,10 @@ def judge(run, fault, heartbeat):
     ends = [end for end in run.ended]
     statuses = [status for _, status in ends]
     fault.exit_s = max(at for at, _ in ends) - fault.sent
+    for index in range(run.processes):
+        for noise in ("Check failure stack trace", "Traceback (most recent call last)"):
+            if noise in run.text(index):
+                return f"FAILED: process {index} printed a {noise.split(' (')[0].lower()}"
     if all(status == 0 for status in statuses):
         return "survived (the job finished before the signal took effect)"
     if fault.kind == "SIGKILL":
@@ -504,7 +508,30 @@ def soak(faults, seed, heartbeat, work, fixed=None, say=print):
     survived = sum(fault.verdict.startswith("survived") for fault in done)
     say(f"soak: {len(done)} faults injected, {survived} survived, {rounds} job(s) finished, "
         f"{time.monotonic() - start:.0f} s in all")
+    for line in summary(done):
+        say(line)
     return done, failures
+
+
+def summary(done):
+    """What the faults cost, by kind: lines of text."""
+    lines = []
+    for kind in KINDS:
+        faults = [fault for fault in done if fault.kind == kind]
+        if not faults:
+            continue
+        ends = [fault.exit_s for fault in faults if fault.exit_s is not None]
+        starts = [fault.restart_s for fault in faults if fault.restart_s is not None]
+        again = [fault.retrained for fault in faults if fault.retrained is not None]
+        phases = sorted({fault.phase for fault in faults})
+        lines.append(
+            f"  {kind}: {len(faults)} ({', '.join(phases)}); every process ended "
+            f"{min(ends):.1f} to {max(ends):.1f} s after the signal; the requeue's first "
+            f"step after {min(starts, default=0):.1f} to {max(starts, default=0):.1f} s; "
+            f"{sum(again)} steps trained again in all ({max(again, default=0)} at most)")
+    moved = sum(fault.next_processes != fault.processes for fault in done)
+    lines.append(f"  requeued on another number of processes: {moved} times")
+    return lines
 
 
 def job_round(rng, fixed, faults, done, heartbeat, reference, work, say):

@@ -226,6 +226,7 @@ def test_the_blocks_group_into_sessions():
         "docs/guides/how-it-works.md": 2,  # the trainer by hand, then its epochs
         "docs/guides/many-hosts.md": 1,
         "docs/guides/performance.md": 1,
+        "docs/guides/preemption.md": 1,
         "docs/guides/sharded-state.md": 1,
     }
 
