@@ -133,13 +133,12 @@ def initialize(coordinator_address=None, num_processes=None, process_id=None, *,
         coordinator_address, num_processes, process_id, local_device_ids = (
             _compat.detect_cluster(coordinator_address, num_processes, process_id,
                                    local_device_ids, initialization_timeout))
-    # The coordination service in a process of its own (`keras_dp.liveness`), where
-    # this process knows it is process 0 of several; else JAX's own, in process 0.
+    # The coordination service in a process of its own (`keras_dp.liveness`), started
+    # by process 0 of several; JAX's own, in the process, for one process alone.
     service = None
     if coordinator_address and (num_processes or 1) > 1 and process_id == 0:
         service = liveness.serve(coordinator_address.rpartition(":")[2], num_processes,
                                  heartbeat)
-    jax.config.update("jax_enable_recoverability", True)  # for JAX's own service
 
     def connect():
         with (_compat.joining_without_service() if service is not None
