@@ -80,7 +80,8 @@ class _Watch:
     def __init__(self, client, processes, me, heartbeat_seconds, service):
         self.client, self.processes, self.me = client, processes, me
         self.heartbeat, self.service = heartbeat_seconds, service
-        self.stopping = threading.Event()
+        self.leaving = threading.Event()  # at the exit barrier
+        self.stopping = threading.Event()  # past it
 
     def run(self):
         everyone = range(self.processes)
@@ -88,11 +89,13 @@ class _Watch:
             try:
                 live = _compat.live_processes(self.client, everyone)
             except Exception:  # noqa: BLE001 - the service is gone, or this process is leaving
-                if self.stopping.is_set() or _compat.distributed_client() is None:
+                if (self.stopping.wait(2 if self.leaving.is_set() else 0)
+                        or _compat.distributed_client() is None):
                     return  # leaving, or the program shut JAX's client down itself
                 end(None, self.me, self.heartbeat)
             lost = sorted(set(everyone) - live - {self.me})
-            if lost and not self.stopping.is_set():
+            # At the exit barrier, a peer past it may shut down first: wait to be past it too.
+            if lost and not self.stopping.wait(2 if self.leaving.is_set() else 0):
                 end(lost, self.me, self.heartbeat)
             time.sleep(_POLL_S)
 
@@ -117,20 +120,21 @@ def leave():
     """At a clean exit: stop watching, wait for every process, shut down, let the service end.
 
     Every process passes a barrier before any shuts its client down, so no
-    process loses the service while another still uses it. A process that
-    never arrives (it died, or never ends) is the watcher's business until
-    then, and the barrier gives up after `EXIT_BARRIER_S`. Then JAX's client
-    is shut down here (`jax.distributed.shutdown`), which ends the watcher's
-    pending call: a call that ended during the interpreter's finalization
-    would abort the process ("FATAL: exception not rethrown").
+    process loses the service while another still uses it. The watcher
+    watches on until then: a process that dies before it arrives ends this
+    one with its line (the barrier would wait `EXIT_BARRIER_S` for it). Then
+    JAX's client is shut down here (`jax.distributed.shutdown`), which ends
+    the watcher's pending call: a call that ended during the interpreter's
+    finalization would abort the process ("FATAL: exception not rethrown").
     """
-    if _watch is None or _watch.stopping.is_set():
+    if _watch is None or _watch.leaving.is_set():
         return
-    _watch.stopping.set()
+    _watch.leaving.set()
     try:
         _compat.wait_at_barrier(_watch.client, "keras_dp/exit", EXIT_BARRIER_S)
-    except Exception:  # noqa: BLE001 - a peer gone or late: this process exits anyway
+    except Exception:  # noqa: BLE001 - late past EXIT_BARRIER_S: this process exits anyway
         pass
+    _watch.stopping.set()
     import jax
 
     jax.distributed.shutdown()
