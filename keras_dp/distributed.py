@@ -7,15 +7,17 @@ devices as on one host's (replicated, or split as `state_sharding` says),
 each global batch is split along `"batch"`, and XLA's gradient all-reduce
 now crosses hosts.
 
-What does change is the input. Each process reads only its own share of the
-data (`process_share`) and passes it to keras_dp as it would on one host,
-with the global `batch_size` (`local_batch_size` is each process's part);
-`keras_dp.multihost.batches.MultiProcessPlacement` assembles the global batches.
-This module holds the runtime and the processes' shares; nothing here runs
-inside a step.
+What does change is the input. Each process passes the same whole arrays
+(each then takes its part of every global batch, in one global order), or
+only its own share of the data (`process_share`), with the global
+`batch_size` (`local_batch_size` is each process's part);
+`keras_dp.multihost.batches.GlobalBatches` assembles the global batches.
+This module holds the runtime and the processes' shares; what happens when a
+process is lost is `keras_dp.liveness`'s. Nothing here runs inside a step.
 """
 
 import atexit
+import contextlib
 import os
 import socket
 import sys
@@ -24,6 +26,7 @@ import threading
 import jax
 
 from keras_dp import _compat
+from keras_dp import liveness
 
 COORDINATOR_ENV = "KERAS_DP_COORDINATOR"
 NUM_PROCESSES_ENV = "KERAS_DP_NUM_PROCESSES"
@@ -83,18 +86,23 @@ def initialize(coordinator_address=None, num_processes=None, process_id=None, *,
     first `jax.devices()`, array or compiled call): JAX fixes its device
     list when it starts.
 
-    A process that then ends by an uncaught exception exits at once, with
-    status 1, instead of waiting in JAX's shutdown for processes that wait
-    for it: the others stop within the heartbeat timeout.
+    Process 0 starts JAX's coordination service in a process of its own,
+    and every process watches the others through it (`keras_dp.liveness`):
+    when one is lost (SIGKILL, a lost host), every other one ends within
+    the heartbeat timeout with one line naming it, the newest complete
+    checkpoint and the command to resume, and status 75. A process that
+    ends by an uncaught exception exits at once, with status 1, instead of
+    waiting in JAX's shutdown for processes that wait for it. At a clean
+    exit every process waits for the others at one barrier.
 
     Args:
         coordinator_address: `"host:port"` of process 0, reachable by all.
         num_processes: how many processes take part.
         process_id: this process's index, `0 <= process_id < num_processes`.
         heartbeat_timeout_seconds: after this many seconds without a
-            heartbeat from a peer, the runtime declares it dead and stops
-            every other process with an error, instead of letting it wait in
-            a collective for ever (default 20; JAX's own is 100).
+            heartbeat from a peer, JAX's coordination service counts it
+            dead, and every other process ends with keras_dp's line instead
+            of waiting in a collective for ever (default 20; JAX's own is 100).
         initialization_timeout: seconds to wait for every peer to connect.
         local_device_ids: the local accelerators this process uses (default:
             all it sees).
@@ -106,6 +114,8 @@ def initialize(coordinator_address=None, num_processes=None, process_id=None, *,
             this process and whether the coordinator's port answered). The
             process cannot join again and should exit.
         ValueError: a malformed environment variable.
+        RuntimeError: process 0 could not start the coordination service
+            (its port is taken).
     """
     if _compat.jax_backend_started():
         raise RuntimeError(
@@ -118,19 +128,42 @@ def initialize(coordinator_address=None, num_processes=None, process_id=None, *,
     coordinator_address = coordinator_address or os.environ.get(COORDINATOR_ENV)
     num_processes = _int_arg(num_processes, NUM_PROCESSES_ENV)
     process_id = _int_arg(process_id, PROCESS_ID_ENV)
-    heartbeat = _int_arg(heartbeat_timeout_seconds, HEARTBEAT_ENV) or DEFAULT_HEARTBEAT_TIMEOUT
+    heartbeat = _int_arg(heartbeat_timeout_seconds, HEARTBEAT_ENV) or heartbeat_timeout_setting()
+    if None in (coordinator_address, num_processes, process_id):  # from the cluster, as JAX would
+        coordinator_address, num_processes, process_id, local_device_ids = (
+            _compat.detect_cluster(coordinator_address, num_processes, process_id,
+                                   local_device_ids, initialization_timeout))
+    # The coordination service in a process of its own (`keras_dp.liveness`), started
+    # by process 0 of several; JAX's own, in the process, for one process alone.
+    service = None
+    if coordinator_address and (num_processes or 1) > 1 and process_id == 0:
+        service = liveness.serve(coordinator_address.rpartition(":")[2], num_processes,
+                                 heartbeat)
+
+    def connect():
+        with (_compat.joining_without_service() if service is not None
+              else contextlib.nullcontext()):
+            jax.distributed.initialize(
+                coordinator_address, num_processes, process_id,
+                local_device_ids=local_device_ids,
+                # JAX's own deadline aborts the process natively, with no
+                # Python exception: keras_dp's, shorter, raises first.
+                initialization_timeout=initialization_timeout + _JAX_DEADLINE_MARGIN_S,
+                heartbeat_timeout_seconds=heartbeat)
+
     _connect_within(initialization_timeout, coordinator_address, num_processes, process_id,
-                    lambda: jax.distributed.initialize(
-                        coordinator_address, num_processes, process_id,
-                        local_device_ids=local_device_ids,
-                        # JAX's own deadline aborts the process natively, with no
-                        # Python exception: keras_dp's, shorter, raises first.
-                        initialization_timeout=initialization_timeout + _JAX_DEADLINE_MARGIN_S,
-                        heartbeat_timeout_seconds=heartbeat,
-                    ))
+                    connect)
     global _heartbeat_s
     _heartbeat_s = heartbeat
+    processes, me = _compat.distributed_processes()
+    if processes > 1:
+        liveness.watch(_compat.distributed_client(), processes, me, heartbeat, service)
     atexit.register(_end_after_uncaught_error)  # runs before JAX's own shutdown
+
+
+def heartbeat_timeout_setting():
+    """The heartbeat timeout `initialize` would pass: `KERAS_DP_HEARTBEAT_TIMEOUT`, else 20 s."""
+    return _int_arg(None, HEARTBEAT_ENV) or DEFAULT_HEARTBEAT_TIMEOUT
 
 
 def heartbeat_timeout():
@@ -144,19 +177,20 @@ def _end_after_uncaught_error():
     JAX's shutdown at exit waits (up to 300 s) for every process to shut
     down, while the others wait in the next collective for this one: both
     would hang. Ended now, this process stops its heartbeats, and the
-    runtime stops the others within the heartbeat timeout. A clean exit
-    (or a caught exception) shuts down as JAX does, unless this process's
-    error left a call the others were in and one of them ended for it
-    (`keras_dp.multihost.peers`, an `EXIT_HOOKS` entry): then it ends too,
-    with status 1, where JAX's shutdown would wait for it and abort.
+    others' watchers end them within the heartbeat timeout
+    (`keras_dp.liveness`). A clean exit (or a caught exception) waits for
+    every process at one barrier and shuts down (`liveness.leave`), unless
+    this process's error left a call the others were in and one of them
+    ended for it (`keras_dp.multihost.peers`, an `EXIT_HOOKS` entry): then
+    it ends too, with status 1, where the barrier would wait for it.
     """
-    if not (_compat.jax_backend_started() and jax.process_count() > 1):
-        return
-    uncaught = getattr(sys, "last_value", None) is not None
-    for hook in EXIT_HOOKS:
-        hook(uncaught)
-    if uncaught:
-        end_now()
+    if _compat.jax_backend_started() and jax.process_count() > 1:
+        uncaught = getattr(sys, "last_value", None) is not None
+        for hook in EXIT_HOOKS:
+            hook(uncaught)
+        if uncaught:
+            end_now()
+    liveness.leave()  # every process at one barrier, before JAX's shutdown
 
 
 def end_now():

@@ -250,7 +250,10 @@ def test_a_mid_epoch_checkpoint_of_another_process_count_is_refused_naming_both(
         "that epoch would train on other rows than the interrupted run's (some twice, "
         "some never). Resume on 2 processes to finish that epoch (from its end, a run "
         "can go on with any number), or resume from the checkpoint kept before it "
-        "(none is kept here), or pass a new checkpoint_dir to start afresh.")
+        "(none is kept here), or pass a new checkpoint_dir to start afresh. To resume "
+        "inside an epoch on any number of processes, pass the same whole arrays on every "
+        "process (keras_dp takes each process's part of every global batch), or read Grain "
+        "through grain.experimental.ElasticIterator (see the docs: guides/preemption).")
     # Saved at an epoch's end, it resumes on any number: the next epoch starts afresh.
     other = tmp_path / "at an epoch's end"
     save_as_if_by(other, 2, checkpoint_lib.Position(1, 0), data)

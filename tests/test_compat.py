@@ -358,3 +358,81 @@ def test_is_jax_trainer_knows_keras_models_and_layers_with_the_trainer_mixed_in(
     for name in ("compile", "compute_loss_and_updates", "stateless_call", "train_step",
                  "test_step", "predict_step", "jax_state_sync", "reset_metrics"):
         assert callable(getattr(Mixed(), name)), name
+
+
+def test_the_coordination_service_runs_apart_and_says_who_is_alive(tmp_path):
+    # keras_dp.liveness starts JAX's coordination service in a process of
+    # its own (SERVICE_PROGRAM, jaxlib's get_distributed_runtime_service,
+    # recoverable), joins without starting one in process 0 (jax's
+    # State.initialize calls `_jax.get_distributed_runtime_service` there),
+    # and asks the client which processes are alive (get_live_nodes) and
+    # waits at a barrier (wait_at_barrier) at exit.
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    script = f"""
+import jax
+from keras_dp import _compat, liveness
+service = liveness.serve({port}, 1, 5)
+with _compat.joining_without_service():
+    jax.distributed.initialize("127.0.0.1:{port}", num_processes=1, process_id=0)
+from jax._src import distributed
+print("stand-in:", type(distributed.global_state.service).__name__)
+print("processes:", _compat.distributed_processes())
+client = _compat.distributed_client()
+print("alive:", sorted(_compat.live_processes(client, range(1))))
+_compat.wait_at_barrier(client, "keras_dp/test", 5)
+print("barrier passed")
+jax.distributed.shutdown()
+service.stdin.write(b"done"); service.stdin.close()
+print("service ended:", service.wait(timeout=30))
+"""
+    env = {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, env=dict(env, JAX_PLATFORMS="cpu", PYTHONPATH=root))
+    assert done.stdout.split("\n")[:5] == [
+        "stand-in: _NoService", "processes: (1, 0)", "alive: [0]", "barrier passed",
+        "service ended: 0"], done.stdout + done.stderr[-2000:]
+
+
+def test_a_missed_heartbeat_callback_cannot_be_set_from_python():
+    # Why keras_dp watches instead (keras_dp.liveness): jaxlib's client takes
+    # a `missed_heartbeat_callback`, but calls it with an absl::Status, which
+    # it cannot hand to Python (std::bad_cast, then the process aborts). If a
+    # release documents a Python-callable status, this test tells.
+    from jax._src.lib import _jax
+
+    doc = _jax.get_distributed_runtime_client.__doc__
+    assert "missed_heartbeat_callback: collections.abc.Callable | None" in doc
+    assert "recoverable: bool | None" in _jax.get_distributed_runtime_service.__doc__
+
+
+def test_grain_elastic_hooks_read_a_fresh_pass_its_batch_and_its_dataset():
+    grain = pytest.importorskip("grain")
+    dataset = grain.MapDataset.source(np.arange(20))
+    elastic = grain.experimental.ElasticIterator(dataset, 8, grain.sharding.NoSharding())
+    assert _compat.grain_elastic(elastic) and not _compat.grain_elastic(dataset)
+    assert _compat.grain_elastic_batch_size(elastic) == 8
+    assert _compat.grain_elastic_dataset(elastic) is dataset
+    passes = [[batch.tolist() for batch in _compat.grain_elastic_pass(elastic)]
+              for _ in range(2)]
+    assert passes[0] == passes[1] == [list(range(8)), list(range(8, 16))]  # drops 4
+    iterator = _compat.grain_elastic_pass(elastic)
+    next(iterator)
+    assert iterator.get_state() == {"global_next_index": 8}  # global: the same on every host
+
+
+def test_detect_cluster_reads_slurms_variables_as_jax_does(monkeypatch):
+    # keras_dp detects the cluster before JAX does, to know whether this is
+    # process 0 (which starts the coordination service apart).
+    for name, value in [("SLURM_JOB_ID", "4096"), ("SLURM_STEP_NODELIST", "node[007-009]"),
+                        ("SLURM_NTASKS", "3"), ("SLURM_PROCID", "2"), ("SLURM_LOCALID", "0")]:
+        monkeypatch.setenv(name, value)
+    address, processes, index, _ = _compat.detect_cluster(None, None, None, None, 10)
+    assert (address, processes, index) == ("node007:61440", 3, 2)
+    assert _compat.detect_cluster("h:1", 2, 0, None, 10)[:3] == ("h:1", 2, 0)

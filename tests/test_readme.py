@@ -228,6 +228,7 @@ def test_the_blocks_group_into_sessions():
         "docs/guides/memory.md": 3,  # the plan, micro-batches, remat: one session
         "docs/guides/model-axis.md": 1,
         "docs/guides/performance.md": 1,
+        "docs/guides/preemption.md": 1,
         "docs/guides/sharded-state.md": 1,
     }
 

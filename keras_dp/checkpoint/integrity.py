@@ -245,7 +245,7 @@ def _mib(nbytes):
 
 
 def newest_intact(manager, template, restore_args):
-    """The tree of the newest intact checkpoint of an orbax `manager`; None if it has none.
+    """`(tree, index)` of the newest intact checkpoint of an orbax `manager`; `(None, None)` if none.
 
     A checkpoint that cannot be read, or whose values differ from the
     checksums written with them (a damaged or truncated file), is skipped
@@ -268,13 +268,13 @@ def newest_intact(manager, template, restore_args):
                 f"Every checkpoint in {directory} is damaged, so there is "
                 "nothing to resume from: " + "; ".join(damaged) + ". Restore the "
                 "directory from a copy, or pass a new checkpoint_dir to start afresh.")
-        return None
+        return None, None
     if damaged:
         _messages.warn(
             "keras_dp: skipped damaged checkpoints (" + "; ".join(damaged)
             + f"); resuming from the older intact one, {index}.",
             RuntimeWarning)
-    return tree
+    return tree, index
 
 
 def read_verified(manager, index, template, restore_args):
@@ -302,6 +302,11 @@ def read_verified(manager, index, template, restore_args):
     for key in (PLAN, OPTIMIZER, TOPOLOGY):  # an older keras_dp's: nothing to check
         if key in template and key not in saved:
             template = {name: value for name, value in template.items() if name != key}
+    for key in (PLAN, TOPOLOGY):  # read the entries it has: an older one has fewer
+        if key in template and set(saved[key]) != set(template[key]):
+            template = dict(template, **{key: {
+                name: np.zeros(saved[key][name].shape, np.dtype(saved[key][name].dtype))
+                for name in saved[key]}})
     if INPUT in template and len(getattr(saved.get(INPUT), "shape", ())) == 2:
         # One row per saving process; `checkpoint.Checkpoints` checks the count.
         template = dict(template, **{INPUT: np.zeros(saved[INPUT].shape,

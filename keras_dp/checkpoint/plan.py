@@ -1,10 +1,13 @@
 """What a checkpoint must match to resume mid-epoch: the plan of rows and the topology.
 
 The rows each step of an epoch takes follow from the plan (`plan_of`: the
-batch size, the rows, the shuffle, the steps per epoch) and, across
-processes, from how the rows are shared (`topology_of`). A checkpoint
-records both, and a position inside an epoch resumes only where they are
-the same (`keras_dp.checkpoint.store.Checkpoints.restore`).
+batch size, the rows, the shuffle, the steps per epoch) and, where each
+process reads a share of its own, from how the rows are shared
+(`topology_of`). A checkpoint records both, and a position inside an epoch
+resumes only where the plan is the same and the rows of its steps are too
+(`keras_dp.checkpoint.store.Checkpoints.restore`): on any number of
+processes and devices where the order is global (`ORDERS`: the same arrays
+on every process, or Grain's `ElasticIterator`), else on as many processes.
 """
 
 import jax
@@ -15,21 +18,31 @@ from keras_dp.sharding import batch_rows
 from keras_dp.sources import grain as grain_source
 
 SHUFFLE_CODES = {False: 0, True: 1, "batch": 2}
+# A source's `global_order` as a checkpoint stores it: 0, each process's own
+# order (shares, a dataset sharded per process); else a global order, which
+# is a function of the seed, the epoch and the step alone, the same for any
+# number of processes: arrays read as one process reads them, or a Grain
+# `ElasticIterator`, whose position counts global rows.
+ORDERS = {None: 0, "arrays": 1, "grain elastic": 2}
 
 
 def plan_of(batches, shuffle, shares=False):
     """What decides which rows each step of an epoch takes, as ints (-1: unknown).
 
     `batch_size` (rows per step; for a dataset, its first batch's rows,
-    without a Grain position), and, for array data, `rows` and `shuffle`;
-    `steps` per epoch wherever known. Where the data is each process's
-    share (`shares`: across processes) only `shuffle`: the others differ
+    without a Grain position; a Grain `ElasticIterator`'s global batch), and,
+    for array data, `rows` and `shuffle`; `steps` per epoch wherever known.
+    Where the data is each process's share (`shares`: across processes,
+    unless the source's order is global) only `shuffle`: the others differ
     between processes with uneven shares, while the checkpoint holds one plan.
     """
     arrays = batches.arrays is not None
+    shares = shares and batches.global_order is None
     steps = batches.steps if not shares else None
     if arrays and not shares:
         batch_size = batches.batch_size
+    elif batches.global_batch_size is not None:  # a Grain ElasticIterator's
+        batch_size = batches.global_batch_size
     elif arrays or shares or batches.resumable is not None:
         batch_size = -1
     else:  # read already, by `fit`'s build
@@ -43,19 +56,21 @@ def plan_of(batches, shuffle, shares=False):
 
 
 def topology_of(mesh, batches):
-    """The processes, `mesh`'s devices and the rows per step of a fit, as ints (-1: unknown).
+    """The processes, `mesh`'s devices, the rows per step and the order of a fit, as ints (-1: unknown).
 
     `local_batch` is process 0's rows per step: the batch size for array data
-    (global / processes), a dataset's first batch otherwise.
+    (global / processes), a dataset's first batch otherwise. `order`: the
+    source's `global_order` as `ORDERS` codes it.
     """
+    processes = jax.process_count()
     if batches.arrays is not None:
-        local = batches.batch_size
+        local = batches.batch_size // (processes if batches.part else 1)
     elif batches.resumable is not None:  # a Grain position: not read yet
         local = -1
     else:
         local = batch_rows(batches.peek())
-    return {"processes": jax.process_count(), "devices": int(mesh.devices.size),
-            "local_batch": local}
+    return {"processes": processes, "devices": int(mesh.devices.size),
+            "local_batch": local, "order": ORDERS[batches.global_order]}
 
 
 def topology_words(topology, processes=None):
@@ -88,14 +103,18 @@ def plan_tree(plan):
 
 
 def check_topology(tree, position, topology, directory, older_words):
-    """Refuse a position within an epoch saved by another number of processes.
+    """Refuse a position within an epoch whose rows this fit's steps would not take.
 
-    Across processes each reads its own share of the data, so the rows
-    that an epoch's first steps took depend on how many processes split
-    it (and how each shuffled its share); a Grain position is each
-    process's own. At an epoch's end without a Grain position the next
-    epoch starts afresh on any number of processes and devices. Devices
-    alone do not change which rows a step takes.
+    Where the order is global (`ORDERS`), the rows of an epoch's steps are
+    a function of the seed, the epoch and the step alone: a position inside
+    an epoch resumes on any number of processes and devices, with the same
+    kind of source. Where each process reads a share of its own (and
+    shuffles it with an order of its own), the rows of the epoch's first
+    steps depend on how many processes split it, and a Grain position is
+    each process's own: such a position resumes only on as many processes,
+    with the same kind of order. At an epoch's end without a Grain position
+    the next epoch starts afresh on any number of processes and devices.
+    Devices alone never change which rows a step takes.
     """
     if topology is None or position.stopped:  # a stopped run trains nothing
         return
@@ -104,9 +123,31 @@ def check_topology(tree, position, topology, directory, older_words):
     if guard.INPUT in tree:  # one row per process, also before the topology was saved
         saved.setdefault("processes", len(tree[guard.INPUT]))
     processes = saved.get("processes", topology["processes"])
-    if processes == topology["processes"] or not (position.steps or held):
+    if not (position.steps or held):
         return
+    order = saved.get("order", _order_before(tree, processes, held))
+    if order == topology["order"] and (order or processes == topology["processes"]):
+        return
+    raise ValueError(_refusal(saved, processes, order, topology, position, held, directory,
+                              older_words))
+
+
+def _order_before(tree, processes, held):
+    """The order of a checkpoint from before orders were saved: global for one process's arrays."""
+    arrays = int(tree.get(guard.PLAN, {}).get("rows", -1)) != -1
+    return ORDERS["arrays"] if processes == 1 and arrays and not held else 0
+
+
+def _refusal(saved, processes, order, topology, position, held, directory, older_words):
+    """Why a position inside an epoch is refused (`check_topology`), with the fix."""
     where = position.at() if position.steps else f"{position.at()} of a Grain stream"
+    if order != topology["order"] and processes == topology["processes"]:
+        return (
+            f"The checkpoint in {directory} stopped {where}, and its training rows were "
+            f"{_ORDER_WORDS[order]}, where this fit's are {_ORDER_WORDS[topology['order']]}: "
+            "the rest of that epoch would train on other rows than the interrupted run's. "
+            "Pass the data as that run did to finish the epoch, or pass a new "
+            "checkpoint_dir to start afresh.")
     if position.steps:
         fix = (f"Resume on {processes} processes to finish that epoch (from its end, "
                "a run can go on with any number), or resume from the checkpoint kept "
@@ -115,13 +156,23 @@ def check_topology(tree, position, topology, directory, older_words):
     else:
         fix = (f"Resume on {processes} processes, or pass a new checkpoint_dir to "
                "start afresh.")
-    raise ValueError(
+    return (
         f"The checkpoint in {directory} stopped {where}, written by "
         f"{topology_words(saved, processes)}, and this fit runs on "
         f"{topology_words(topology)}: each process's share of the data "
         f"{'and its Grain position ' if held else ''}would not be the one it "
         "left, so the rest of that epoch would train on other rows than the "
-        f"interrupted run's (some twice, some never). {fix}")
+        f"interrupted run's (some twice, some never). {fix} To resume inside an epoch "
+        "on any number of processes, pass the same whole arrays on every process "
+        "(keras_dp takes each process's part of every global batch), or read Grain "
+        "through grain.experimental.ElasticIterator (see the docs: guides/preemption).")
+
+
+_ORDER_WORDS = {
+    0: "each process's share, in an order of its own (or a dataset)",
+    1: "the same whole arrays on every process, in one global order",
+    2: "a Grain ElasticIterator's, in one global order",
+}
 
 
 def check_plan(tree, position, plan, directory):

@@ -42,6 +42,7 @@ import os
 import jax
 import numpy as np
 
+from keras_dp import liveness
 from keras_dp import options
 from keras_dp.checkpoint import integrity as guard
 from keras_dp.checkpoint import plan as plan_lib
@@ -128,6 +129,7 @@ class Checkpoints:
                 with _orbax_errors_held():
                     self._manager.save(index, args=self._ocp.args.StandardSave(tree), force=True)
                     self._manager.wait_until_finished()
+                liveness.note_checkpoint(self.directory, index, position.at())
             except Exception as error:  # noqa: BLE001 - one clear error, not orbax's chain
                 failed = (f"Saving the checkpoint {_of(position)} in {self.directory} failed "
                           f"({guard.short(error)}). The model holds the weights it trained; "
@@ -243,7 +245,8 @@ class Checkpoints:
         template = _template(abstract, self.source, self.plan, self.topology)
         if self.optimizer is not None:
             template[guard.OPTIMIZER] = guard.optimizer_tree(self.optimizer)
-        tree = guard.newest_intact(self._manager, template, self._ocp.args.StandardRestore)
+        tree, index = guard.newest_intact(self._manager, template,
+                                          self._ocp.args.StandardRestore)
         if tree is None:
             return None, None
         guard.check_optimizer(tree, self.optimizer, self.directory)
@@ -255,6 +258,7 @@ class Checkpoints:
         self._check_plan(tree, position)
         if self.source is not None:
             self.source.restore(position, tree[guard.INPUT])
+        liveness.note_checkpoint(self.directory, index, position.at())
         return TrainState(**tree["state"]), position
 
     def _check_seed(self, tree, seed):

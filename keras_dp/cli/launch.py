@@ -12,6 +12,7 @@ launcher waits for them all.
 """
 
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -22,6 +23,7 @@ import time
 
 from keras_dp.cli import defaults
 from keras_dp import distributed
+from keras_dp import liveness
 from keras_dp.checkpoint import preemption
 
 # Commands of keras-dp itself; anything else after `--` runs as a program.
@@ -89,8 +91,8 @@ def launch(command, processes, cpu_devices=None, port=None, grace_seconds=5.0):
                   file=sys.stderr, flush=True)
             status = SIGINT_STATUS
         finally:
-            if not terminated.is_set():
-                _stop(children, grace_seconds)  # a child failed: stop the rest now
+            if not terminated.is_set():  # a child failed: stop the rest
+                _stop(children, grace_seconds, _settle_seconds(children))
             for stream in streams:
                 stream.join(timeout=grace_seconds)
     return status
@@ -135,6 +137,8 @@ def child_environment(index, processes, address, cpu_devices=None):
     env[distributed.COORDINATOR_ENV] = address
     env[distributed.NUM_PROCESSES_ENV] = str(processes)
     env[distributed.PROCESS_ID_ENV] = str(index)
+    # What the processes say to run again when one of them is lost: this launch.
+    env.setdefault(liveness.RESUME_COMMAND_ENV, shlex.join(sys.orig_argv))
     env["PYTHONUNBUFFERED"] = "1"  # lines arrive as they are printed
     if cpu_devices is not None:
         defaults.cpu_device_environment(cpu_devices, env)
@@ -165,8 +169,23 @@ def _wait(children, terminated):
         time.sleep(0.1)
 
 
-def _stop(children, grace_seconds):
-    """Terminate the children still running; kill those that do not exit."""
+def _settle_seconds(children):
+    """How long the others may take to end by themselves after a child failed.
+
+    A child killed by a signal (SIGKILL, an out-of-memory kill) said
+    nothing: the others learn of it within the heartbeat timeout and end
+    with keras_dp's line naming it (`keras_dp.liveness`), which a SIGTERM
+    from here would preempt. A child that exited with a status said why.
+    """
+    killed = any((child.poll() or 0) < 0 for child in children)
+    return distributed.heartbeat_timeout_setting() + 10 if killed else 0
+
+
+def _stop(children, grace_seconds, settle_seconds=0):
+    """Terminate the children still running after `settle_seconds`; kill those that do not exit."""
+    deadline = time.monotonic() + settle_seconds
+    while time.monotonic() < deadline and any(child.poll() is None for child in children):
+        time.sleep(0.1)
     running = [child for child in children if child.poll() is None]
     for child in running:
         child.terminate()

@@ -16,6 +16,7 @@ trainer.evaluate(...)`) waits `timeout()` seconds at most and raises
 """
 
 import contextlib
+import dataclasses
 import math
 import os
 import warnings
@@ -34,10 +35,13 @@ from keras_dp.multihost import channel as exchange_lib
 # An error's text travels as its bytes; this much of it is enough to say what.
 _MESSAGE_BYTES = 400
 _FAILED, _READY = 1, 0
-# Not settings but fingerprints of the training data, which should differ
-# between processes: equal on every process, they are warned of. Arrays are
-# sampled whole; other data (a tf.data.Dataset, Grain, an iterable) by the
-# first batch, which fit has read already to build the model.
+# Not settings but fingerprints of the training data. Arrays equal on every
+# process are the whole data, read as one process reads it (each process its
+# part of every global batch: `ArrayBatches.read_part`); a dataset whose first
+# batch is equal on every process is warned of (each process reads its data as
+# its own share). Arrays are sampled whole; other data (a tf.data.Dataset,
+# Grain, an iterable) by the first batch, which fit has read already to build
+# the model.
 _SAME_ROWS = "the training rows"
 _SAME_FIRST_BATCH = "the first training batch"
 # How many rows, evenly spaced, the fingerprint reads (all, if fewer).
@@ -75,24 +79,43 @@ def settings(trainer, batches, *, batch_size, epochs, initial_epoch, shuffle, va
         *_model(trainer.model.variables),
         ("the optimizer", f"{type(optimizer).__name__} {sorted(config.items())!r}"),
         ("the optimizer's variables (shapes, dtypes)", _shapes(optimizer.variables)),
-        _fingerprint(batches),
+        _fingerprint(batches, trainer.hosts.order),
     ]
 
 
-def _fingerprint(batches):
-    """`(name, CRC-32)` of the training data's rows (see `_SAME_ROWS`).
+@dataclasses.dataclass(frozen=True)
+class Fingerprint:
+    """A fingerprint of the training data (its CRC-32), and what to do where it is equal on every process."""
 
-    Arrays: their row count and up to 64 evenly spaced rows. Other data:
-    its first batch's row count and up to 64 of its rows. Reading a sample
-    keeps it cheap for data of any size; rows equal on every process are
-    then very likely the whole data passed to each (for other data: read
-    in the same order, so an unseeded shuffle escapes it).
+    code: int
+    on_every_process: object  # called on every process, when the codes are all equal
+
+
+def _fingerprint(batches, order):
+    """`(name, Fingerprint)` of the training data's rows (see `_SAME_ROWS`).
+
+    Arrays: their row count and up to 64 evenly spaced rows; until the
+    round says they are the same on every process, they are this process's
+    share (`global_order` None); if they are, each process reads its part
+    (`order`: the processes in the mesh's order of their blocks). Other
+    data: its first batch's row count and up to 64 of its rows, warned of
+    where equal. Reading a sample keeps it cheap for data of any size; rows
+    equal on every process are then very likely the whole data passed to
+    each (for other data: read in the same order, so an unseeded shuffle
+    escapes it).
     """
     arrays = getattr(batches, "arrays", None)
     if arrays is not None:
-        return _SAME_ROWS, _rows_fingerprint(arrays, batches.num_samples)
+        batches.global_order = None
+
+        def read_part():
+            batches.read_part(order.index(jax.process_index()), len(order))
+
+        return _SAME_ROWS, Fingerprint(_rows_fingerprint(arrays, batches.num_samples), read_part)
     first = batches.peek()
-    return _SAME_FIRST_BATCH, _rows_fingerprint(first, sharding.batch_rows(first))
+    return _SAME_FIRST_BATCH, Fingerprint(
+        _rows_fingerprint(first, sharding.batch_rows(first)),
+        lambda: jax.process_index() == 0 and _messages.warn(_same_first_batch(order)))
 
 
 def _rows_fingerprint(tree, rows):
@@ -273,6 +296,8 @@ _NO_LONGER = ("This process can no longer work with the others: let the error en
 
 
 def _code(value):
+    if isinstance(value, Fingerprint):
+        return value.code
     if value is None:
         return -1
     if isinstance(value, (bool, int)):
@@ -292,23 +317,15 @@ def _check(gathered, found, call):
         ) from None
     for index, (name, mine) in enumerate(found):
         values = [values[1 + index] for values in gathered]
-        if name in (_SAME_ROWS, _SAME_FIRST_BATCH):
-            if len(set(values)) == 1 and jax.process_index() == 0:
-                _messages.warn(_same_rows(name, len(values)))
+        if isinstance(mine, Fingerprint):
+            if len(set(values)) == 1:
+                mine.on_every_process()
         elif len(set(values)) > 1:
             raise Disagreement(_differs(call, name, mine, values)) from None
 
 
-def _same_rows(name, processes):
-    if name == _SAME_ROWS:
-        return (
-            f"Every process passed fit the same training arrays (the same row count, and "
-            f"the rows sampled from them are equal on all {processes} processes). Across "
-            "processes, each process's arrays are its own share of the data, so each row "
-            f"is trained {processes} times per epoch, in every global batch as many times. "
-            "Pass each process its own rows: x, y = keras_dp.distributed.process_share(x, y) "
-            "(the docs: guides/many-hosts). If the shares are meant to be equal, ignore this warning."
-        )
+def _same_first_batch(order):
+    processes = len(order)
     return (
         f"The first training batch is the same on all {processes} processes. Across "
         "processes, a dataset or iterable is read as it is, as each process's own share "

@@ -29,6 +29,7 @@ import time
 import jax
 
 from keras_dp import distributed as distributed_lib
+from keras_dp import liveness
 from keras_dp.multihost import agreement
 from keras_dp.multihost import channel as exchange_lib
 
@@ -91,6 +92,8 @@ def watch(hosts, call="fit"):
     try:
         yield
     except BaseException as error:
+        # A step whose peer died: the watcher ends this process naming it.
+        liveness.await_verdict(error, distributed_lib.heartbeat_timeout() + 5)
         if not isinstance(error, _EVERY_PROCESS):
             failed.post(f"{jax.process_index()}|{type(error).__name__}: {error}"[:_REASON_CHARS])
             _posted.append((ended, gone, time.monotonic()))

@@ -21,6 +21,17 @@ the batches already trained on. Under `steps_per_epoch` the epochs draw from
 one continuing stream, and `StreamPosition` names its states by the stream's
 `(epoch, steps)`, an epoch's end included, so the stream restarts there.
 
+A `grain.experimental.ElasticIterator` is Grain's own answer to a job that
+comes back on another number of hosts: it shards a global `MapDataset`
+itself (process p of P takes elements `p, p + P, ...` of each global batch
+of rows, `global_batch_size / P` of them) and its state counts global rows
+(`{"global_next_index": n}`), the same on every process. So its position
+resumes on any number of processes: each takes the saved state (every row
+of the saved array is the same) and continues with its own share of the
+next global batch. keras_dp reads a fresh `ElasticIterator` per epoch
+(`iter()` of one returns the same iterator every time). Like Grain, it
+drops the last global batch if it is partial.
+
 `grain` is imported only when such a source is passed.
 """
 
@@ -58,11 +69,20 @@ class GrainEpochs:
         self._restored = None  # (epoch, steps, state) read from a checkpoint
         self.recording = False
         self.last = None  # while recording: the state after the newest batch read
+        self.elastic = _compat.grain_elastic(dataset)  # a position the same on every process
+        self.global_batch_size = (_compat.grain_elastic_batch_size(dataset) if self.elastic
+                                  else None)
         self.endless = _endless(dataset)
 
     def __iter__(self):
         """A fresh pass from the first element."""
-        return self._read(iter(self._dataset), 0)
+        return self._read(self._fresh(), 0)
+
+    def _fresh(self):
+        """A new iterator of the dataset, at its first element."""
+        if self.elastic:
+            return _compat.grain_elastic_pass(self._dataset)
+        return iter(self._dataset)
 
     def resume(self, epoch, skip):
         """Epoch `epoch`'s batches from batch `skip` on.
@@ -73,7 +93,7 @@ class GrainEpochs:
         """
         state = self.restored(epoch, skip)
         if state is not None:
-            iterator = iter(self._dataset)
+            iterator = self._fresh()
             iterator.set_state(state)
             self._restored = None
             return self._read(iterator, skip)
@@ -131,10 +151,13 @@ class GrainEpochs:
         """Continue epoch `position.epoch` after `position.steps` steps from `saved` (see `saved`).
 
         `saved` has a row per process of the run that wrote it. Another
-        process count is read only when every row is empty (an epoch's end:
-        a fresh pass); `keras_dp.checkpoint.store` refuses the rest before this.
+        process count is read when every row is empty (an epoch's end: a
+        fresh pass), or for an `ElasticIterator`, whose rows are all the
+        same; `keras_dp.checkpoint.store` refuses the rest before this.
         """
         saved = np.asarray(saved)
+        if self.elastic and len(saved) and (saved == saved[0]).all():
+            saved = np.repeat(saved[:1], jax.process_count(), axis=0)
         if len(saved) != jax.process_count():
             if holds_positions(saved):
                 raise ValueError(
@@ -189,6 +212,8 @@ def _endless(dataset):
         if _compat.grain_loader_epochs(dataset) is None:
             return "a grain.DataLoader whose sampler has num_epochs=None"
         return None
+    if _compat.grain_elastic(dataset):
+        dataset = _compat.grain_elastic_dataset(dataset)
     if _repeats_forever(dataset):
         return "a Grain dataset that repeats forever (repeat() without num_epochs)"
     return None

@@ -128,6 +128,16 @@ class IterableBatches(Source):
         return itertools.islice(self._read(iterator, epoch, 0), skip, None)
 
     @property
+    def global_order(self):
+        """`"grain elastic"` for a Grain `ElasticIterator`, whose position is global; else None."""
+        return "grain elastic" if getattr(self._source, "elastic", False) else None
+
+    @property
+    def global_batch_size(self):
+        """A Grain `ElasticIterator`'s global batch size; else None."""
+        return getattr(self._source, "global_batch_size", None)
+
+    @property
     def resumable(self):
         """The source whose position a checkpoint saves (a Grain one), or None."""
         return self._source if isinstance(self._source, grain_source.GrainEpochs) else None

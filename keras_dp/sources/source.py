@@ -31,6 +31,12 @@ class Source:
         labels_checked: whether `check_labels` has run.
         epoch_hooks: a PyDataset's hooks, where whoever counts the epochs
             of a fixed number of steps must call them; else None.
+        global_order: what makes the rows of an epoch's steps a function of
+            the seed, the epoch and the step alone, whatever the number of
+            processes (`"arrays"`: arrays read as one process reads them;
+            `"grain elastic"`: a Grain `ElasticIterator`); None where each
+            process reads a share in an order of its own, or a dataset.
+        global_batch_size: a Grain `ElasticIterator`'s global batch; else None.
     """
 
     steps = None
@@ -44,6 +50,8 @@ class Source:
     batch_size = None
     labels_checked = False
     epoch_hooks = None
+    global_order = None
+    global_batch_size = None
 
     def epoch(self, epoch, skip=0):
         """Yield epoch `epoch`'s host batches, from its batch `skip` on."""

@@ -21,6 +21,16 @@ class FixedSteps(Source):
         """Whether `check_labels` has run (on the underlying data)."""
         return self._batches.labels_checked
 
+    @property
+    def global_order(self):
+        """The underlying data's (see `Source.global_order`)."""
+        return self._batches.global_order
+
+    @property
+    def global_batch_size(self):
+        """The underlying data's (see `Source.global_batch_size`)."""
+        return self._batches.global_batch_size
+
     def check_labels(self, check, what):
         """Check the underlying data's labels (see its `check_labels`)."""
         self._batches.check_labels(check, what)

@@ -111,7 +111,7 @@ if sys.argv[1] == "caught":
 if sys.argv[1] == "same_rows":
     # The whole data passed on every process (no process_share, no shard),
     # then each process's own rows, as arrays and as a list of batches:
-    # prints how many same-data warnings each fit gave.
+    # prints how many same-data warnings each fit gave, and its steps.
     import warnings
 
     whole = np.random.default_rng(7).normal(size=(16, 3)).astype("float32")
@@ -120,12 +120,14 @@ if sys.argv[1] == "same_rows":
         listed = [(x[i:i + 4], y[i:i + 4]) for i in range(0, len(x), 4)]
         for kind, arguments in [("arrays", dict(x=x, y=y, batch_size=8)),
                                 ("batches", dict(x=listed))]:
+            model = make_model()
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                keras_dp.fit_sharded(make_model(), epochs=1, verbose=0, **arguments)
+                keras_dp.fit_sharded(model, epochs=1, verbose=0, **arguments)
             same = [w for w in caught if "the same training arrays" in str(w.message)
                     or "first training batch is the same" in str(w.message)]
-            print(f"WARNED {name} {kind} {len(same)}", flush=True)
+            steps = int(model.optimizer.iterations.numpy())
+            print(f"WARNED {name} {kind} {len(same)} STEPS {steps}", flush=True)
     sys.exit(0)
 if sys.argv[1] == "read_on_0":
     # With the state split across processes, a callback reads the model
