@@ -92,6 +92,9 @@ def test_dense_built_loaded_set_and_restored_in_shards(tmp_path, monkeypatch):
             else:  # measured: 512 KiB, up's kernel's old and new shards
                 assert tracker.peak - tracker.before <= bound + SCALARS_SLACK
             assert_loaded(model, values, keras_model)
+    # The plan's figure: the model as it lies plus one shard, what the loads measured.
+    plan = keras_dp.memory_plan(model, *data, batch_size=8, distribution=distribution)
+    assert plan.loading == shard + largest_shard == 3_710_160
 
     checkpoints = store.Checkpoints(os.path.join(tmp_path, "checkpoints"), lock=False)
     checkpoints.save(trainer.init_state(), Position(1, 0), trainer.seed)
