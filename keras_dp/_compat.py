@@ -359,15 +359,16 @@ def sharded_birth():
     splits the result, unless `should_shard_at_init` says the variable is
     large (4 bytes an element times the mesh's devices >= 250 MiB), when
     it runs the initializer jitted with the layout as its output sharding;
-    and `assign` turns a value from the host (a numpy array, an h5py
-    dataset of a `.weights.h5` file) into a `jax.Array` whole on the
+    and `assign` turns a value from the host (a numpy array; Keras reads
+    each array of a `.weights.h5` file whole) into a `jax.Array` whole on the
     default device (`_convert_to_tensor`, `jnp.asarray`), which
     `_direct_assign` then splits. Inside this context,
     `should_shard_at_init` is true for every layout that splits its
     variable, so Keras's own jitted creation makes each device's part on
     that device; and a host value assigned to a split variable is read
-    slice by slice into its layout (`jax.make_array_from_callback`, an h5py
-    dataset reading only each slice). A variable left whole by its layout,
+    slice by slice into its layout (`jax.make_array_from_callback`; an
+    array-like with `shape` and slicing, such as an h5py dataset, is sliced
+    as it is). A variable left whole by its layout,
     one without a layout, an initializer drawing from a
     `keras.random.SeedGenerator` (which jit cannot advance), and a value
     already on a device keep Keras's paths. Values are Keras's: assigned

@@ -376,9 +376,10 @@ def sharded_birth():
     as its output sharding, so each device makes only its part (Keras does
     this itself only above 250 MiB); and a value from the host assigned to
     it (`model.load_weights` of a `.weights.h5`, `set_weights`,
-    `variable.assign` of a numpy array) is read slice by slice straight
-    into its layout (`jax.make_array_from_callback`; an h5py dataset reads
-    only each slice). Device 0 then holds, at most, its shard of the
+    `variable.assign` of a numpy array) is copied slice by slice straight
+    into its layout (`jax.make_array_from_callback`; the host still holds
+    the whole value, as Keras reads each array of a `.weights.h5` whole).
+    Device 0 then holds, at most, its shard of the
     weights plus one variable's shard (the old and new values of the
     variable being assigned); without it, Keras makes each such variable
     whole on the default device first. Replicated variables, those without

@@ -5,7 +5,7 @@
 `Device0` (also imported by tests/test_sharded_birth.py) wraps, while it
 watches, the points where a Keras variable gets a value: the value
 converted (`JaxVariable._convert_to_tensor`, where `assign` turns a numpy
-array or an h5py dataset into a `jax.Array`), laid out
+array from the host into a `jax.Array`), laid out
 (`JaxVariable._direct_assign`, before and after: the value given and the
 value kept are both alive there), and created from its initializer
 (`JaxVariable._initialize_with_initializer`). At each it sums, over
