@@ -34,6 +34,7 @@ _PUBLIC = {
     "make_mesh": "keras_dp.mesh",
     "memory_plan": "keras_dp.api",
     "shard_for_processes": "keras_dp.sources.shards",
+    "sharded_birth": "keras_dp.keras.layouts",
 }
 _MODULES = ("datasets", "distributed", "models")
 

@@ -4,6 +4,7 @@ One test per hook: when a Keras or JAX release renames or changes one, the
 test of that hook fails here, by name, instead of a run failing deep inside.
 """
 
+import inspect
 import os
 
 import jax
@@ -436,3 +437,47 @@ def test_detect_cluster_reads_slurms_variables_as_jax_does(monkeypatch):
     address, processes, index, _ = _compat.detect_cluster(None, None, None, None, 10)
     assert (address, processes, index) == ("node007:61440", 3, 2)
     assert _compat.detect_cluster("h:1", 2, 0, None, 10)[:3] == ("h:1", 2, 0)
+
+
+def test_sharded_birth_hooks_still_exist_and_split_at_creation():
+    """`sharded_birth` patches Keras's `should_shard_at_init` and two `JaxVariable` methods.
+
+    Keras's `_initialize_with_initializer` must still ask the module's
+    `should_shard_at_init(layout, shape)` and then jit the initializer with
+    the layout as output sharding; `assign` must still convert host values
+    with `_convert_to_tensor(value, dtype=...)`; a variable must still keep
+    its layout in `_layout` and its shape in `_shape`.
+    """
+    from keras.src.backend.jax import core
+
+    assert list(inspect.signature(core.should_shard_at_init).parameters) == ["init_layout", "shape"]
+    assert "should_shard_at_init(" in inspect.getsource(
+        core.JaxVariable._initialize_with_initializer)
+    assert list(inspect.signature(core.JaxVariable._convert_to_tensor).parameters) == [
+        "self", "value", "dtype"]
+    mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"], jax.devices()[:4])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["w"] = ("batch", "model")
+    distribution = keras.distribution.ModelParallel(layout_map=layout_map)
+    created = []
+    original = jax.jit
+
+    def jit(function, **kwargs):  # Keras's sharded creation: one jit, the layout as output
+        created.append(kwargs.get("out_shardings"))
+        return original(function, **kwargs)
+
+    with distribution.scope(), _compat.sharded_birth():
+        jax.jit = jit
+        try:
+            variable = keras.Variable(keras.initializers.GlorotUniform(seed=1), shape=(8, 4),
+                                      name="w")
+        finally:
+            jax.jit = original
+        assert variable._shape == (8, 4) and variable._layout is not None
+        assert created and tuple(created[0].spec) == ("batch", "model")
+        whole = np.arange(32, dtype="float32").reshape(8, 4)
+        assert isinstance(_compat.keras._split_sharding(variable), jax.sharding.NamedSharding)
+        variable.assign(whole)
+    assert tuple(variable.value.sharding.spec) == ("batch", "model")
+    np.testing.assert_array_equal(np.asarray(variable.value), whole)
+    assert not getattr(core.JaxVariable._convert_to_tensor, "_sharded_birth", False)

@@ -225,7 +225,7 @@ def test_the_blocks_group_into_sessions():
         "docs/guides/grain.md": 1,
         "docs/guides/how-it-works.md": 2,  # the trainer by hand, then its epochs
         "docs/guides/many-hosts.md": 1,
-        "docs/guides/memory.md": 3,  # the plan, micro-batches, remat: one session
+        "docs/guides/memory.md": 4,  # the plan, micro-batches, remat, sharded birth: one session
         "docs/guides/model-axis.md": 1,
         "docs/guides/performance.md": 1,
         "docs/guides/preemption.md": 1,

@@ -47,6 +47,7 @@ from keras_dp._compat.keras import (  # noqa: F401
     metric_names,
     optimizer_trainable_variables,
     set_random_seed,
+    sharded_birth,
     settle_monitor,
     shadow_state_sync,
     shut_down_callback_pool,

@@ -1,7 +1,10 @@
 """Keras's private hooks: its trainer, layers, callbacks, distribution and variables."""
 
+import contextlib
 import inspect
 
+import jax
+import numpy as np
 from keras.src import backend as _keras_backend
 
 
@@ -277,3 +280,93 @@ def loss_function(loss):
     classification loss.
     """
     return getattr(loss, "fn", loss)
+
+
+@contextlib.contextmanager
+def sharded_birth():
+    """While active, each Keras variable whose layout splits it gets its value part by part.
+
+    Keras's JAX variables (`keras.src.backend.jax.core.JaxVariable`) take
+    the layout of the distribution active when they are created, and two
+    of their paths put the whole value on the default device first:
+    `_initialize_with_initializer` runs the initializer whole and then
+    splits the result, unless `should_shard_at_init` says the variable is
+    large (4 bytes an element times the mesh's devices >= 250 MiB), when
+    it runs the initializer jitted with the layout as its output sharding;
+    and `assign` turns a value from the host (a numpy array; Keras reads
+    each array of a `.weights.h5` file whole) into a `jax.Array` whole on the
+    default device (`_convert_to_tensor`, `jnp.asarray`), which
+    `_direct_assign` then splits. Inside this context,
+    `should_shard_at_init` is true for every layout that splits its
+    variable, so Keras's own jitted creation makes each device's part on
+    that device; and a host value assigned to a split variable is read
+    slice by slice into its layout (`jax.make_array_from_callback`; an
+    array-like with `shape` and slicing, such as an h5py dataset, is sliced
+    as it is). A variable left whole by its layout,
+    one without a layout, an initializer drawing from a
+    `keras.random.SeedGenerator` (which jit cannot advance), and a value
+    already on a device keep Keras's paths. Values are Keras's: assigned
+    ones bitwise; created ones bitwise for Keras's initializers, but
+    `RandomNormal` within an ulp, XLA fusing its `mean + stddev * normal`
+    in one program (as for Keras's own large variables). Entered again
+    while active, it does nothing; the patches are undone when the
+    outermost context exits.
+    """
+    from keras.src.backend.jax import core
+    from keras.src.random import SeedGenerator
+
+    variable_class = core.JaxVariable
+    if getattr(variable_class._convert_to_tensor, "_sharded_birth", False):
+        yield  # already active (keras_dp's build inside the user's context)
+        return
+    should_shard = core.should_shard_at_init
+    initialize, convert = (variable_class._initialize_with_initializer,
+                           variable_class._convert_to_tensor)
+
+    def every_split(layout, shape):
+        return not layout.is_fully_replicated or should_shard(layout, shape)
+
+    def create(variable, initializer):
+        if not isinstance(getattr(initializer, "seed", None), SeedGenerator):
+            return initialize(variable, initializer)
+        core.should_shard_at_init = should_shard  # Keras's rule for this one
+        try:
+            return initialize(variable, initializer)
+        finally:
+            core.should_shard_at_init = every_split
+
+    def by_slices(variable, value, dtype=None):
+        target = _split_sharding(variable)
+        if (target is None or dtype is None or isinstance(value, (jax.Array, core.KerasVariable))
+                or tuple(np.shape(value)) != tuple(variable.shape)):
+            return convert(variable, value, dtype=dtype)
+        source = value if hasattr(value, "__getitem__") and hasattr(value, "shape") else (
+            np.asarray(value))
+        dtype = jax.numpy.dtype(dtype)
+        return jax.make_array_from_callback(
+            tuple(variable.shape), target,
+            lambda index: np.asarray(source[index]).astype(dtype, copy=False))
+
+    by_slices._sharded_birth = True
+    core.should_shard_at_init = every_split
+    variable_class._initialize_with_initializer, variable_class._convert_to_tensor = (
+        create, by_slices)
+    try:
+        yield
+    finally:
+        core.should_shard_at_init = should_shard
+        variable_class._initialize_with_initializer, variable_class._convert_to_tensor = (
+            initialize, convert)
+
+
+def _split_sharding(variable):
+    """The `jax.sharding.Sharding` a variable's layout splits it by, or None (`_layout`, `_shape`)."""
+    from keras.src.distribution import TensorLayout
+
+    layout = variable._layout
+    if isinstance(layout, TensorLayout):
+        layout = layout.backend_layout
+    if (not isinstance(layout, jax.sharding.Sharding) or variable._shape is None
+            or layout.is_fully_replicated):
+        return None
+    return layout

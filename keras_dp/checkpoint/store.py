@@ -186,12 +186,13 @@ class Checkpoints:
         """Load the newest intact checkpoint into `model`; return its `Position` or None.
 
         The arrays are read straight onto the devices of the model's
-        variables (each process reads them whole), then assigned.
-        See `restore_state` for what is checked and raised.
+        variables, each device reading its shard, and assigned as read, with
+        no copy: a device holds at most its shards of the old state and the
+        new. See `restore_state` for what is checked and raised.
         """
         state, position = self.restore_state(abstract_state(model), seed)
         if state is not None:
-            write_back(state, model)
+            write_back(state, model, owned=True)
         self.restored = position
         return position
 

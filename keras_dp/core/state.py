@@ -91,7 +91,7 @@ class TrainState(NamedTuple):
         return (self.trainable, self.non_trainable)
 
 
-def write_back(state, model, variables=None):
+def write_back(state, model, variables=None, owned=False):
     """Assign `state` to the Keras model's variables (`variables`, a `TrainState` of lists).
 
     Afterwards the model holds the trained values as ordinary Keras
@@ -102,14 +102,17 @@ def write_back(state, model, variables=None):
     through the hosts), into new buffers, so donating `state` later leaves
     the model intact. `variables` (default: `TrainState.variables_of(model)`
     now) are the variables `state` was read from, when a layer's
-    `trainable` may have moved one between groups since.
+    `trainable` may have moved one between groups since. `owned`: the
+    arrays are already laid out as the variables and held by nothing else
+    (fresh from a checkpoint), so each is assigned as it is, with no copy:
+    device 0 then never holds more than the old state and the new.
     """
     for group, values in zip(variables or TrainState.variables_of(model), state):
         if values is None:  # a group the caller does not write
             continue
         pairs = list(zip(group, values, strict=True))
-        copies = local_copies([value for _, value in pairs],
-                                       [variable.value for variable, _ in pairs])
+        copies = [value for _, value in pairs] if owned else local_copies(
+            [value for _, value in pairs], [variable.value for variable, _ in pairs])
         for (variable, _), copy in zip(pairs, copies):
             variable.assign(copy)
 

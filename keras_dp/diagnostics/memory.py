@@ -61,6 +61,13 @@ class MemoryPlan:
         variables: a `VariablePlan` per state variable, group by group in
             the state's order: its path, shape, dtype, `PartitionSpec`
             and bytes per device (their sums are the group fields).
+        loading: the most a device holds while weights are loaded into the
+            model as it lies (`model.load_weights`, `set_weights` under
+            `keras_dp.sharded_birth()`): its variables' bytes per device,
+            each as its own layout splits it, plus the largest one's (the
+            old and new values of the variable being assigned). Computed
+            from the layouts; `tests/test_sharded_birth.py` measures it
+            on device 0. None where the plan has no model (a remedy's).
     """
 
     state_sharding: str
@@ -80,6 +87,7 @@ class MemoryPlan:
     remedies: tuple = ()
     mesh: tuple = ()
     variables: tuple = ()
+    loading: int | None = None
 
     def fits(self):
         """Whether the peak is within the capacity (True when unknown)."""
@@ -105,6 +113,9 @@ class MemoryPlan:
                              else f"{mib(self.capacity)}" + ("" if self.fits() else
                                                              ": does not fit")),
         ]
+        if self.loading is not None:
+            lines.append(f"  loading weights shard by shard (keras_dp.sharded_birth): "
+                         f"{mib(self.loading)}")
         if len(self.mesh) > 1:  # a model axis: where each variable lies
             lines.append("  each variable, as laid out:")
             lines.extend("    " + line for line in variable_lines(self.variables))
@@ -196,7 +207,15 @@ def step_plan(state, step, arguments, layout, resident=False, capacity=None, mic
         mesh=tuple(sorted(layout.mesh.shape.items(),
                           key=lambda item: item[0] != layout.batch_axis)),
         variables=() if variables is None else variable_plans(variables, state),
+        loading=None if variables is None else loading_bytes(variables),
     )
+
+
+def loading_bytes(variables):
+    """Bytes per device of Keras `variables` (a `TrainState`) as they lie, plus the largest one's."""
+    sizes = [sharding.bytes_per_device(variable.value)
+             for group in variables for variable in group]
+    return sum(sizes) + max(sizes, default=0)
 
 
 def state_bytes(state):

@@ -109,7 +109,8 @@ class Builder:
                       for seen, objects in self._checked)
         if checked and is_built(self.model, for_training, self._unused_loss):
             return
-        build(self.model, batch, for_training, data)
+        with _compat.sharded_birth():  # a split variable never whole on one device
+            build(self.model, batch, for_training, data)
         self._checked.append((key, parts))
         if for_training and parts[0] is not None and not parts[0].built:
             # Keras's build ran the model's compute_loss: one that never calls

@@ -359,3 +359,38 @@ def _auto_axes(mesh):
     if tuple(mesh.axis_types) == auto:
         return mesh
     return Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
+
+
+def sharded_birth():
+    """A context in which a split Keras variable is never whole on one device.
+
+    Use it with a Keras distribution's scope where your model's weights
+    are created, loaded or set::
+
+        with distribution.scope(), keras_dp.sharded_birth():
+            model = make_model()              # each split variable made in parts
+            model.load_weights("model.weights.h5")   # read slice by slice
+
+    Within it, a variable whose layout (a `ModelParallel` layout map entry)
+    splits it is created by Keras's own jitted initializer with that layout
+    as its output sharding, so each device makes only its part (Keras does
+    this itself only above 250 MiB); and a value from the host assigned to
+    it (`model.load_weights` of a `.weights.h5`, `set_weights`,
+    `variable.assign` of a numpy array) is copied slice by slice straight
+    into its layout (`jax.make_array_from_callback`; the host still holds
+    the whole value, as Keras reads each array of a `.weights.h5` whole).
+    Device 0 then holds, at most, its shard of the
+    weights plus one variable's shard (the old and new values of the
+    variable being assigned); without it, Keras makes each such variable
+    whole on the default device first. Replicated variables, those without
+    a layout, initializers drawing from a `keras.random.SeedGenerator`
+    and values already on the devices take Keras's own paths.
+
+    Values are Keras's: assigned values bitwise; created ones bitwise for
+    Keras's initializers (Glorot, He, LeCun, truncated normal, uniform,
+    orthogonal, zeros, ones) except `RandomNormal`, within an ulp (XLA
+    fuses its `mean + stddev * normal` in one program, as it does for
+    Keras's own large variables). keras_dp's build (`fit_sharded`,
+    `ShardedTrainer.build`) runs inside it already. Nesting is harmless.
+    """
+    return _compat.sharded_birth()
