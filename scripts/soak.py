@@ -33,7 +33,6 @@ import argparse
 import dataclasses
 import os
 import random
-import re
 import signal
 import sys
 import time

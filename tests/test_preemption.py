@@ -6,7 +6,6 @@ D simulated CPU devices joined over loopback, like tests/test_distributed.py,
 under hard time limits that kill every process they started.
 """
 
-import os
 import pathlib
 import re
 import subprocess

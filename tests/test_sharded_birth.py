@@ -18,7 +18,6 @@ import os
 import pathlib
 
 import jax
-import keras
 import numpy as np
 import pytest
 
