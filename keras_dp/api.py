@@ -13,15 +13,24 @@ def fit_sharded(model, x=None, y=None, *, epochs=1, batch_size=None,
                 checkpoint_dir=None, checkpoints_to_keep=2, state_sharding="replicated",
                 data_on_device="auto", keep_last_good="auto", compilation_cache=True,
                 profile_dir=None, micro_batches=1, distribution=None):
-    """Train `model` with synchronous data parallelism and return its History.
+    """Train `model` on every device, synchronously, and return its History.
 
-    Each global batch is split by rows over the devices, every device holds
-    the whole model, and gradients are averaged across devices inside each
+    Each global batch is split by rows over the devices (over the batch
+    axis of a `distribution`'s mesh), every device holds the whole model
+    (or, under a `distribution`, its part of each variable the layout map
+    splits), and gradients are averaged across devices inside each
     compiled step, so the result equals training on one device with the
     same batches (up to float summation order), whatever the batch size:
     a batch that does not divide by the device count is split unevenly,
     never dropped or padded into the result. When the call returns,
     normally or by an exception, the model holds the trained weights.
+
+    `epochs`, `batch_size`, `validation_split`, `validation_data`,
+    `callbacks`, `verbose`, `shuffle`, `class_weight`, `initial_epoch`,
+    `steps_per_epoch`, `validation_steps`, `validation_batch_size` and
+    `validation_freq` mean what they mean in `model.fit` (see
+    `ShardedTrainer.fit`); `batch_size` and `validation_batch_size` are
+    global batches, of any size.
 
     Args:
         model: a `keras.Model` (or a layer with Keras's JAX trainer mixed
@@ -29,11 +38,6 @@ def fit_sharded(model, x=None, y=None, *, epochs=1, batch_size=None,
         x: arrays (with `y`), a `(x, y[, sample_weight])` tuple, a
             `tf.data.Dataset` of batches, or a re-iterable of batches.
         y, sample_weight: arrays, with array `x` only.
-        epochs, batch_size, validation_split, validation_data, callbacks,
-            verbose, shuffle, class_weight, initial_epoch, steps_per_epoch,
-            validation_steps, validation_batch_size, validation_freq: as in
-            `model.fit` (see `ShardedTrainer.fit`); `batch_size` and
-            `validation_batch_size` are global batches, of any size.
         steps_per_execution: steps per compiled call in training and
             validation (default: the model's, from `compile`); the result
             equals single steps.
