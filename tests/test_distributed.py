@@ -554,6 +554,7 @@ def test_an_error_caught_on_one_process_only_ends_every_process_with_its_reason(
     print(f"both ended {elapsed:.1f} s after the start")
 
 
+@pytest.mark.slow  # 12 s; test_an_error_caught_on_one_process_only_ends_every_process_with_its_reason runs in CI
 def test_a_read_of_the_split_state_on_process_0_alone_is_named_on_every_process(tmp_path):
     # `if is_primary(): self.model.get_weights()` mid-epoch, with the state
     # split across processes: process 0's gather met process 1's next step,
@@ -580,6 +581,7 @@ def test_a_read_of_the_split_state_on_process_0_alone_is_named_on_every_process(
     assert "fatal errors" not in logs[0] + logs[1]
 
 
+@pytest.mark.slow  # 7 s; an error on one process alone runs in CI (test_an_error_caught_on_one_process_only...)
 def test_an_error_on_one_process_as_the_fit_opens_its_checkpoints_ends_every_process(
         tmp_path):
     # Opening the checkpoints (the lock, the write check, the restore) runs

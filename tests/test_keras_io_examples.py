@@ -70,6 +70,7 @@ def pairs(rows=50):
     return left, right, rng.integers(0, 2, rows).astype("float32")
 
 
+@pytest.mark.slow  # 7 s; tuples of inputs are read as model.fit reads them in test_models_and_inputs.py
 def test_a_tuple_of_inputs_predicts_as_model_predict_reads_it():
     # keras.io's Siamese model takes two images; `fit((left, right), y)`
     # trained, but `predict((left, right))`, which Keras reads as the model's

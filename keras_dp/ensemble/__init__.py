@@ -114,7 +114,7 @@ def fit_ensemble(build_model, x=None, y=None, *, members=None, batch_size=None,
     import keras_dp  # first: it selects Keras's JAX backend before Keras loads
 
     (x_train, y_train), (x_test, y_test) = keras_dp.datasets.load_mnist()
-    x_train, y_train = x_train[:2048, ..., None], y_train[:2048]
+    x_train, y_train = x_train[:512, ..., None], y_train[:512]
     x_test = x_test[:512, ..., None]
 
     def build_model():
