@@ -399,7 +399,7 @@ def _two_in_two_out_small(inputs):
     return model
 
 
-@pytest.mark.parametrize("inputs", [tuple, dict])
+@pytest.mark.parametrize("inputs", [pytest.param(tuple, marks=pytest.mark.slow), dict])  # tuple: 5 s
 def test_validation_data_of_several_inputs_and_outputs_is_x_and_y_as_model_fit_reads_it(inputs):
     # [(a, b), (y1, y2)] was read as a list of 2 batches, x=a and y=b, and
     # the fit failed building ("expects 2 named input(s) ... received 1");

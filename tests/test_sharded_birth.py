@@ -13,6 +13,7 @@ so the bound tells the two apart.
 """
 
 import contextlib
+import gc
 import importlib.util
 import os
 import pathlib
@@ -30,6 +31,18 @@ SPEC = importlib.util.spec_from_file_location(
     "sharded_birth_script", pathlib.Path(__file__).parent / "scripts" / "sharded_birth.py")
 script = importlib.util.module_from_spec(SPEC)
 SPEC.loader.exec_module(script)
+
+@pytest.fixture(autouse=True)
+def _earlier_objects_frozen():
+    # Device0 collects garbage around each phase, so that arrays already
+    # dead are not counted. After the rest of the suite Python tracks
+    # about 1.5 million objects, and each full collection took a second
+    # (15 s a test); frozen once, the collections walk only this test's.
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()
+
 
 # Measured: building the dense model's layers, optimizer and metrics peaked
 # 48 bytes above device 0's shard of them (the scalars); a checkpoint
