@@ -295,7 +295,7 @@ def two_output_model(outputs):
     return keras.Model(inputs, [a, b] if outputs == "list" else {"a": a, "b": b})
 
 
-@pytest.mark.parametrize("outputs", ["list", "dict"])
+@pytest.mark.parametrize("outputs", [pytest.param("list", marks=pytest.mark.slow), "dict"])  # list: 4 s
 def test_one_flat_list_of_metrics_for_two_outputs_is_refused_with_the_fix(outputs):
     # Keras 2 applied a list of metrics to every output; Keras 3 reads a list
     # as one entry per output, and with 3 for 2 outputs its fit fails inside
