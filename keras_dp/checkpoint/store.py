@@ -389,7 +389,7 @@ def open_for_fit(checkpoint_dir, model, seed, initial_epoch,
         )
     # orbax's save and restore take part in every process alike; the lock
     # is process 0's, for all of them.
-    checkpoints = Checkpoints(checkpoint_dir, lock=_process_index() == 0,
+    checkpoints = Checkpoints(checkpoint_dir, lock=jax.process_index() == 0,
                               source=source, plan=plan, max_to_keep=max_to_keep,
                               topology=topology)
     checkpoints.optimizer = guard.optimizer_name(model.optimizer)
@@ -408,10 +408,6 @@ def open_for_fit(checkpoint_dir, model, seed, initial_epoch,
 def _of(position):
     """`position.at()` after "the checkpoint": "of the end of epoch 2", "after 5 steps ..."."""
     return f"of the end of epoch {position.epoch}" if position.steps == 0 else position.at()
-
-
-def _process_index():
-    return jax.process_index()
 
 
 def _manager_class(ocp):
