@@ -147,16 +147,7 @@ class Checkpoints:
 
     def _tree(self, state, position, seed):
         """What `save` writes: the state, the position and what resuming checks, with checksums."""
-        tree = {
-            "state": dict(state._asdict()),
-            "position": _position_tree(position.epoch, position.steps, seed),
-        }
-        if self.source is not None:  # where the input stands, per process
-            tree[guard.INPUT] = self.source.saved(position)
-        if self.plan is not None:
-            tree[guard.PLAN] = plan_lib.plan_tree(self.plan)
-        if self.topology is not None:
-            tree[guard.TOPOLOGY] = plan_lib.plan_tree(self.topology)
+        tree = self._template(state, position, seed)
         if position.stopped:
             tree[guard.STOPPED] = {"stopped": np.asarray(1, np.int64)}
         if self.optimizer is not None:
@@ -164,6 +155,23 @@ class Checkpoints:
         if self.variables is not None:
             tree[guard.VARIABLES] = guard.variables_tree(self.variables)
         tree[guard.SUMS] = guard.bitsums(tree)
+        return tree
+
+    def _template(self, state, position=None, seed=0):
+        """A checkpoint's tree without checksums: `state` at `position`, and where the run stands.
+
+        With no `position`, what a restore reads into: `state` is an
+        `abstract_state`, and the input's position its `template`.
+        """
+        at = (0, 0) if position is None else (position.epoch, position.steps)
+        tree = {"state": dict(state._asdict()), "position": _position_tree(*at, seed)}
+        if self.source is not None:  # where the input stands, per process
+            tree[guard.INPUT] = (self.source.template() if position is None
+                                 else self.source.saved(position))
+        if self.plan is not None:
+            tree[guard.PLAN] = plan_lib.plan_tree(self.plan)
+        if self.topology is not None:
+            tree[guard.TOPOLOGY] = plan_lib.plan_tree(self.topology)
         return tree
 
     def save_live(self, live, trainer, position):
@@ -175,8 +183,7 @@ class Checkpoints:
 
     def check_room(self, model):
         """Raise `OSError` if the directory's filesystem cannot take the checkpoints to come."""
-        leaves = guard.leaves(_template(abstract_state(model), self.source, self.plan,
-                                        self.topology))
+        leaves = guard.leaves(self._template(abstract_state(model)))
         nbytes = sum(leaf.size * np.dtype(leaf.dtype).itemsize for _, leaf in leaves)
         kept = len(self._manager.all_steps())
         guard.check_room(self.directory, nbytes + 8 * len(leaves),
@@ -243,7 +250,7 @@ class Checkpoints:
                 not be the ones it left.
             DamagedCheckpointError: every checkpoint in the directory is damaged.
         """
-        template = _template(abstract, self.source, self.plan, self.topology)
+        template = self._template(abstract)
         if self.optimizer is not None:
             template[guard.OPTIMIZER] = guard.optimizer_tree(self.optimizer)
         tree, index = guard.newest_intact(self._manager, template,
@@ -255,8 +262,8 @@ class Checkpoints:
         self._check_seed(tree, seed)
         position = Position(int(tree["position"]["epoch"]), int(tree["position"]["steps"]),
                             stopped=guard.STOPPED in tree)
-        self._check_topology(tree, position)
-        self._check_plan(tree, position)
+        plan_lib.check_topology(tree, position, self.topology, self.directory, self._older_words)
+        plan_lib.check_plan(tree, position, self.plan, self.directory)
         if self.source is not None:
             self.source.restore(position, tree[guard.INPUT])
         liveness.note_checkpoint(self.directory, index, position.at())
@@ -272,14 +279,6 @@ class Checkpoints:
                 f"seed={saved_seed} to resume it, or a new checkpoint_dir."
             )
 
-    def _check_topology(self, tree, position):
-        """Refuse a position within an epoch saved by another number of processes.
-
-        See `plan.check_topology`.
-        """
-        plan_lib.check_topology(tree, position, self.topology, self.directory,
-                                self._older_words)
-
     def _older_words(self):
         """How to resume from the checkpoint before the newest one, if one is kept."""
         steps = sorted(self._manager.all_steps())
@@ -289,10 +288,6 @@ class Checkpoints:
         return (f" (delete {newest}, which was written mid-epoch, and rerun: "
                 f"{os.path.join(self.directory, str(steps[-2]))} is then resumed, the end "
                 "of the epoch before if the run was stopped once in that epoch)")
-
-    def _check_plan(self, tree, position):
-        """Refuse a mid-epoch `position` saved under another plan (`plan.check_plan`)."""
-        plan_lib.check_plan(tree, position, self.plan, self.directory)
 
     def close(self):
         """Release the checkpoint manager (its threads and file handles) and the lock.
@@ -439,18 +434,6 @@ def abstract_state(model, shardings=None):
         shardings = TrainState(*([v.value.sharding for v in group]
                                  for group in TrainState.variables_of(model)))
     return TrainState.abstract_of(model, shardings)
-
-
-def _template(abstract, source=None, plan=None, topology=None):
-    """A checkpoint's tree (without checksums) for an `abstract_state` (and `source`, `plan`, `topology`)."""
-    tree = {"state": dict(abstract._asdict()), "position": _position_tree(0, 0, 0)}
-    if source is not None:
-        tree[guard.INPUT] = source.template()
-    if plan is not None:
-        tree[guard.PLAN] = plan_lib.plan_tree(plan)
-    if topology is not None:
-        tree[guard.TOPOLOGY] = plan_lib.plan_tree(topology)
-    return tree
 
 
 def _position_tree(epoch, steps, seed):
