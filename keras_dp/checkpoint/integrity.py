@@ -220,15 +220,15 @@ def check_variables(tree, signatures, directory):
         "it, or pass a new checkpoint_dir to start afresh.")
 
 
-def check_room(directory, checkpoint_bytes, checkpoints_to_add, free_bytes=None):
+def check_room(directory, checkpoint_bytes, checkpoints_to_add):
     """Raise `OSError` (ENOSPC) if `directory` lacks room for the checkpoints to come.
 
     `checkpoints_to_add` checkpoints of `checkpoint_bytes` each (plus a
     little metadata) must fit in the free space of the filesystem holding
-    `directory`, read with `shutil.disk_usage` unless `free_bytes` is given.
+    `directory`, read with `shutil.disk_usage`.
     """
     need = checkpoints_to_add * (checkpoint_bytes + _OVERHEAD_BYTES)
-    free = shutil.disk_usage(directory).free if free_bytes is None else free_bytes
+    free = shutil.disk_usage(directory).free
     if free < need:
         raise OSError(
             errno.ENOSPC,
@@ -302,17 +302,15 @@ def read_verified(manager, index, template, restore_args):
     for key in (PLAN, OPTIMIZER, TOPOLOGY):  # an older keras_dp's: nothing to check
         if key in template and key not in saved:
             template = {name: value for name, value in template.items() if name != key}
-    for key in (PLAN, TOPOLOGY):  # read the entries it has: an older one has fewer
-        if key in template and set(saved[key]) != set(template[key]):
-            template = dict(template, **{key: {
-                name: np.zeros(saved[key][name].shape, np.dtype(saved[key][name].dtype))
-                for name in saved[key]}})
     if INPUT in template and len(getattr(saved.get(INPUT), "shape", ())) == 2:
         # One row per saving process; `checkpoint.Checkpoints` checks the count.
         template = dict(template, **{INPUT: np.zeros(saved[INPUT].shape,
                                                       np.dtype(saved[INPUT].dtype))})
-    for key in (PLAN, STOPPED, OPTIMIZER, VARIABLES, TOPOLOGY):  # a reader that checks none: read it along
-        if key in saved and key not in template:
+    for key in (PLAN, STOPPED, OPTIMIZER, VARIABLES, TOPOLOGY):
+        # Read along an entry that a reader checks none of, and the entries of a plan
+        # or topology that it has: an older keras_dp's has fewer.
+        if key in saved and (key not in template or (
+                key in (PLAN, TOPOLOGY) and set(saved[key]) != set(template[key]))):
             template = dict(template, **{key: {
                 name: np.zeros(saved[key][name].shape, np.dtype(saved[key][name].dtype))
                 for name in saved[key]}})
