@@ -310,29 +310,22 @@ def _orbax_errors_held():
     before the save raises it; `Checkpoints.save` then raises one `OSError`
     naming the checkpoint and the cause, so the traceback only buries it.
     """
-    held = _HeldErrors()
+    records = []
+
+    def held(record):  # a logging filter: keeps orbax's error records aside
+        if record.levelno >= logging.ERROR and "orbax" in record.pathname:
+            records.append(record)
+            return False
+        return True
+
     logger = logging.getLogger("absl")
     logger.addFilter(held)
     try:
         yield
     finally:
         logger.removeFilter(held)
-    for record in held.records:  # the save succeeded: nothing explains them
+    for record in records:  # the save succeeded: nothing explains them
         logger.handle(record)
-
-
-class _HeldErrors(logging.Filter):
-    """Keeps orbax's error records aside (`_orbax_errors_held`)."""
-
-    def __init__(self):
-        super().__init__()
-        self.records = []
-
-    def filter(self, record):
-        if record.levelno >= logging.ERROR and "orbax" in record.pathname:
-            self.records.append(record)
-            return False
-        return True
 
 
 @contextlib.contextmanager

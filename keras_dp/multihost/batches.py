@@ -173,11 +173,10 @@ def to_global(batches, layout, blocks, template):
                       else jax.tree.map(lambda array: array[:1], template), size)
              for batch in batches]
     if len(local) == 1:
-        local, placed = local[0], layout.batch
+        local, placed, axis = local[0], layout.batch, 0
     else:
         local = jax.tree.map(lambda *arrays: np.stack(arrays), *local)
-        placed = layout.stacked_batch
-    axis = 1 if len(batches) > 1 else 0  # the rows' axis: after the stack's
+        placed, axis = layout.stacked_batch, 1  # the rows' axis: after the stack's
     global_data = jax.tree.map(
         lambda array: jax.make_array_from_process_local_data(
             placed, array,
