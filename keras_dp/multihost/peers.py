@@ -45,11 +45,6 @@ def grace():
     return distributed_lib.heartbeat_timeout() / 2
 
 
-def posted():
-    """Whether this process posted a failure that other processes may be waiting on."""
-    return bool(_posted)
-
-
 def ended_for_this_process():
     """Whether a process ended because this one's error left a call it was in.
 
@@ -148,7 +143,7 @@ def _at_exit(uncaught):
     coordination service, whose end stops the others at once with JAX's
     own error: it first waits for them to end with keras_dp's message.
     """
-    if uncaught and not (posted() and distributed_lib.is_primary()):
+    if uncaught and not (_posted and distributed_lib.is_primary()):
         distributed_lib.end_now()
     if ended_for_this_process():
         if not uncaught:
