@@ -18,7 +18,6 @@ trainer.evaluate(...)`) waits `timeout()` seconds at most and raises
 import contextlib
 import dataclasses
 import math
-import os
 import warnings
 import zlib
 
@@ -72,7 +71,7 @@ def settings(trainer, batches, *, batch_size, epochs, initial_epoch, shuffle, va
         ("validation_data given", validation is not None),
         ("validation_batch_size", validation_batch_size),
         ("validation_steps", validation_steps), ("validation_freq", repr(validation_freq)),
-        ("checkpoint_dir", str(None if checkpoint_dir is None else os.fspath(checkpoint_dir))),
+        ("checkpoint_dir", str(checkpoint_dir)),  # absolute already (`options.check_dir`)
         ("checkpoints_to_keep", checkpoints_to_keep),
         ("state_sharding", trainer.state_sharding),
         ("kind of training data", type(batches).__name__),
