@@ -275,10 +275,9 @@ class EnsembleTrainer:
             keras_peeks=build_lib.keras_reads_a_batch_to_build(self.members[0]))
         # As model.evaluate: the members keep what the test steps left, given
         # to them before on_test_end, so what a callback changes there stays.
-        keep = lambda non_trainable, metrics: members_lib.write_back_members(  # noqa: E731
-            TrainState(None, non_trainable, None, metrics), self.members)
         with callbacks_lib.released_on_error(callbacks):  # on_test_end may not come
-            scores = ensemble_inference.evaluate(self, self._weights, batches, callbacks, keep)
+            scores = ensemble_inference.evaluate(self, self._weights, batches, callbacks,
+                                                 self._keep)
         if return_dict:
             return scores
         return callbacks_lib.in_evaluate_order(scores, self.members[0])
@@ -314,7 +313,7 @@ class EnsembleTrainer:
         with callbacks_lib.released_on_error(callbacks):  # on_predict_end may not come
             probabilities, non_trainable = ensemble_inference.predict(
                 self, self._weights, batches, callbacks)
-        self._keep_non_trainable(non_trainable)
+        self._keep(non_trainable)
         return probabilities
 
     def predict(self, x, *, batch_size=None, verbose="auto", steps=None, callbacks=None):
@@ -422,9 +421,9 @@ class EnsembleTrainer:
             for index in range(1, len(self.members))
         ]
 
-    def _keep_non_trainable(self, non_trainable):
-        """Write the stacked non-trainable values into the members, as Keras's predict keeps them."""
-        members_lib.write_back_members(TrainState(None, non_trainable, None, None), self.members)
+    def _keep(self, non_trainable, metrics=None):
+        """Write the stacked non-trainable values (and metrics) into the members, as Keras does."""
+        members_lib.write_back_members(TrainState(None, non_trainable, None, metrics), self.members)
 
 
 def _check_placed(batch):
