@@ -362,18 +362,15 @@ class EnsembleTrainer:
         otherwise every device holds them whole (`[(K,) rows, ...]`).
         """
         per_member = len(sources) > 1
-        if per_member:
-            items = zip(*(source.epoch(epoch) for source in sources))
-        else:
-            items = (pipeline.unpack(batch) for batch in sources[0].epoch(epoch))
+        items = zip(*(source.epoch(epoch) for source in sources))
         for group in feed.group_steps(items, self.steps_per_execution):
-            if per_member:  # group: K tuples of M batches
-                by_member = [_stack(list(batches)) if len(group) > 1 else batches[0]
-                             for batches in zip(*group)]
-                yield len(group), self.stack(by_member), True
+            # group: K tuples of a batch per source; by source, its K stacked (or the one).
+            by_source = [_stack(list(batches)) if len(group) > 1 else batches[0]
+                         for batches in zip(*group)]
+            if per_member:
+                yield len(group), self.stack(by_source), True
             else:
-                batch = _stack(group) if len(group) > 1 else group[0]
-                yield len(group), self.replicate(batch), False
+                yield len(group), self.replicate(by_source[0]), False
 
     def _weights(self):
         """The models' current `(trainable, non_trainable)`, stacked on the mesh."""
