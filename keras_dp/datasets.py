@@ -45,7 +45,8 @@ def load_mnist(path=None):
             "Using %s. Set KERAS_DP_DATA_DIR to a directory with mnist.npz "
             "for the full 60,000 training images.", source,
         )
-    return _read(file)
+    with np.load(file, allow_pickle=False) as data:
+        return (data["x_train"], data["y_train"]), (data["x_test"], data["y_test"])
 
 
 def find_mnist(path=None):
@@ -96,8 +97,3 @@ def _download(origin=MNIST_ORIGIN, file_hash=MNIST_SHA256):
     finally:
         if interactive:
             keras.config.enable_interactive_logging()
-
-
-def _read(file):
-    with np.load(file, allow_pickle=False) as data:
-        return (data["x_train"], data["y_train"]), (data["x_test"], data["y_test"])

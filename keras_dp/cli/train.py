@@ -5,10 +5,18 @@ import collections
 import pathlib
 import sys
 
+import jax
 import keras
 
+import keras_dp
+from keras_dp import _compat
+from keras_dp import datasets
+from keras_dp import distributed
 from keras_dp.cli.defaults import DEFAULT_EPOCHS
 from keras_dp.cli.defaults import DEFAULT_EPOCHS_ON_THE_SUBSET
+from keras_dp.cli.plots import plot_history
+from keras_dp.diagnostics import compilation_cache
+from keras_dp.diagnostics import timing
 
 Mnist = collections.namedtuple("Mnist", "train test source bundled")
 
@@ -19,25 +27,14 @@ def train(args):
     Returns:
         The `keras.callbacks.History` and the final `{"val_loss", "val_accuracy"}`.
     """
-    import jax
-
-    import keras_dp
-    import keras_dp.diagnostics.compilation_cache
-    from keras_dp import _compat
-    from keras_dp import distributed
-
     # Before the model exists, so a rerun loads its initializers' programs
     # from the cache too (`benchmarks/compile_cache.py`).
-    vars(args).setdefault("files", {})  # what was written, which main reports on Ctrl-C
-    keras_dp.diagnostics.compilation_cache.enable(min_compile_time_s=0)
+    compilation_cache.enable(min_compile_time_s=0)
     _compat.set_random_seed(args.seed)  # Keras's, without importing TensorFlow
     data = load_data(args.data_dir, args.train_samples)
     epochs = epochs_for(args, data)
     print = builtins.print if distributed.is_primary() else _silent  # noqa: A001
-    model = keras_dp.models.compile_classifier(
-        keras_dp.models.MODELS[args.model](), learning_rate=args.learning_rate,
-        decay_steps=-(-len(data.train[0]) // args.batch_size) * epochs,
-    )
+    model = compiled_model(args, data, epochs)
     data_on_device = {"auto": "auto", "true": True, "false": False}[args.data_on_device]
     trainer = keras_dp.ShardedTrainer(model, seed=args.seed, data_on_device=data_on_device,
                                       state_sharding=args.state_sharding)
@@ -85,14 +82,20 @@ def load_data(data_dir, train_samples):
     host-to-device copies small, and the model's Rescaling layer turns
     them into floats.
     """
-    from keras_dp import datasets
-
     path, source = datasets.find_mnist(data_dir)
     (x_train, y_train), (x_test, y_test) = datasets.load_mnist(path)
     if train_samples is not None:
         x_train, y_train = x_train[:train_samples], y_train[:train_samples]
     bundled = path == datasets.BUNDLED_MNIST
     return Mnist((x_train[..., None], y_train), (x_test[..., None], y_test), source, bundled)
+
+
+def compiled_model(args, data, epochs):
+    """A new `--model`, compiled with Adam at `--learning-rate` decaying to 0 over the run."""
+    return keras_dp.models.compile_classifier(
+        keras_dp.models.MODELS[args.model](), learning_rate=args.learning_rate,
+        decay_steps=-(-len(data.train[0]) // args.batch_size) * epochs,
+    )
 
 
 def epochs_for(args, data):
@@ -125,10 +128,6 @@ def describe_run(args, data, epochs, trainer):
 
 def _process_share(data, args, trainer, print):  # noqa: A002
     """This process's training and test rows, and its rows of each global batch."""
-    import jax
-
-    from keras_dp import distributed
-
     if not trainer.multiprocess:
         return data.train, data.test, args.batch_size
     # Each process trains and tests on its contiguous share.
@@ -154,8 +153,6 @@ def _plot_title(args, data, trainer):
 
 
 def _save(args, model, history, title, timings):
-    from keras_dp.cli.plots import plot_history
-
     output = pathlib.Path(args.output_dir)
     model_path = pathlib.Path(args.model_path or output / f"{args.model}.keras")
     plot_path = pathlib.Path(args.plot_path or output / "training_curves.png")
@@ -180,10 +177,6 @@ def train_ensemble(args):
     Returns:
         The history and the test scores (`EnsembleTrainer.evaluate`'s dict).
     """
-    import jax
-
-    import keras_dp
-
     vars(args).setdefault("files", {})
     data = load_data(args.data_dir, args.train_samples)
     (x_train, y_train), (x_test, y_test) = data.train, data.test
@@ -191,10 +184,7 @@ def train_ensemble(args):
     epochs = epochs_for(args, data)
 
     def build_model():  # each member's rate decays as one model's does (--learning-rate)
-        return keras_dp.models.compile_classifier(
-            keras_dp.models.MODELS[args.model](), learning_rate=args.learning_rate,
-            decay_steps=-(-len(x_train) // args.batch_size) * epochs,
-        )
+        return compiled_model(args, data, epochs)
 
     trainer = keras_dp.EnsembleTrainer(build_model, args.ensemble, seed=args.seed)
     print(f"keras_dp {keras_dp.__version__} | jax {jax.__version__} | keras {keras.__version__}")
@@ -259,8 +249,6 @@ class EpochReport(keras.callbacks.ProgbarLogger):
         self._report()
 
     def _report(self):
-        from keras_dp.diagnostics import timing
-
         timings = self._trainer.timings
         while self._reported < min(len(self._logs), len(timings)):
             epoch, logs = self._logs[self._reported]

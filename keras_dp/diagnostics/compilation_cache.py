@@ -34,9 +34,8 @@ ENV = "KERAS_DP_COMPILATION_CACHE"
 OFF = frozenset({"0", "false", "off", "no"})
 
 
-def default_dir(environ=None):
+def default_dir(environ):
     """The per-user cache directory: `$XDG_CACHE_HOME/keras_dp/jax`, else `~/.cache/keras_dp/jax`."""
-    environ = os.environ if environ is None else environ
     base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "keras_dp", "jax")
 

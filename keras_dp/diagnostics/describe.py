@@ -139,13 +139,12 @@ def _batch_name(path):
 
 def _shard_rows(array, batch):
     """Each local device's real rows, in mesh order, and the padding it holds."""
-    shards = sorted(array.addressable_shards,
-                    key=lambda s: (s.index[0] if s.index else slice(None)).indices(
-                        array.shape[0])[0])
+    def span(shard):  # the padded rows it holds: (start, stop)
+        return (shard.index[0] if shard.index else slice(None)).indices(array.shape[0])[:2]
+
     rows = []
-    for shard in shards:
-        index = shard.index[0] if shard.index else slice(None)
-        start, stop, _ = index.indices(array.shape[0])
+    for shard in sorted(array.addressable_shards, key=lambda shard: span(shard)[0]):
+        start, stop = span(shard)
         real = _real_span(start, stop, batch, array.shape[0])
         pad = stop - start - (0 if real is None else real[1] - real[0])
         text = ("no rows" if real is None else f"row {real[0]}" if real[1] - real[0] == 1

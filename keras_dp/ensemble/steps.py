@@ -50,7 +50,11 @@ def make_train_step(model, mesh, per_member_batches=False, steps=1):
         count of each member's steps whose loss was finite; all split over
         the member axis.
     """
-    member_step = _guarded(steps_lib.model_train_step(model))
+    step = steps_lib.model_train_step(model)
+
+    def member_step(state, batch):
+        new_state, logs = step(state, batch)
+        return steps_lib.keep_if_not_finite(new_state, state, logs)
 
     def member_steps(state, batch):
         if steps == 1:
@@ -61,14 +65,6 @@ def make_train_step(model, mesh, per_member_batches=False, steps=1):
         return state, last, _finite_count(logs, steps)
 
     return jax.jit(_on_each_device(member_steps, mesh, per_member_batches), donate_argnums=0)
-
-
-def _guarded(step):
-    def guarded(state, batch):
-        new_state, logs = step(state, batch)
-        return steps_lib.keep_if_not_finite(new_state, state, logs)
-
-    return guarded
 
 
 def _finite_count(logs, steps):

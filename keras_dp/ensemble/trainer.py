@@ -275,10 +275,9 @@ class EnsembleTrainer:
             keras_peeks=build_lib.keras_reads_a_batch_to_build(self.members[0]))
         # As model.evaluate: the members keep what the test steps left, given
         # to them before on_test_end, so what a callback changes there stays.
-        keep = lambda non_trainable, metrics: members_lib.write_back_members(  # noqa: E731
-            TrainState(None, non_trainable, None, metrics), self.members)
         with callbacks_lib.released_on_error(callbacks):  # on_test_end may not come
-            scores = ensemble_inference.evaluate(self, self._weights, batches, callbacks, keep)
+            scores = ensemble_inference.evaluate(self, self._weights, batches, callbacks,
+                                                 self._keep)
         if return_dict:
             return scores
         return callbacks_lib.in_evaluate_order(scores, self.members[0])
@@ -314,7 +313,7 @@ class EnsembleTrainer:
         with callbacks_lib.released_on_error(callbacks):  # on_predict_end may not come
             probabilities, non_trainable = ensemble_inference.predict(
                 self, self._weights, batches, callbacks)
-        self._keep_non_trainable(non_trainable)
+        self._keep(non_trainable)
         return probabilities
 
     def predict(self, x, *, batch_size=None, verbose="auto", steps=None, callbacks=None):
@@ -363,18 +362,15 @@ class EnsembleTrainer:
         otherwise every device holds them whole (`[(K,) rows, ...]`).
         """
         per_member = len(sources) > 1
-        if per_member:
-            items = zip(*(source.epoch(epoch) for source in sources))
-        else:
-            items = (pipeline.unpack(batch) for batch in sources[0].epoch(epoch))
+        items = zip(*(source.epoch(epoch) for source in sources))
         for group in feed.group_steps(items, self.steps_per_execution):
-            if per_member:  # group: K tuples of M batches
-                by_member = [_stack(list(batches)) if len(group) > 1 else batches[0]
-                             for batches in zip(*group)]
-                yield len(group), self.stack(by_member), True
+            # group: K tuples of a batch per source; by source, its K stacked (or the one).
+            by_source = [_stack(list(batches)) if len(group) > 1 else batches[0]
+                         for batches in zip(*group)]
+            if per_member:
+                yield len(group), self.stack(by_source), True
             else:
-                batch = _stack(group) if len(group) > 1 else group[0]
-                yield len(group), self.replicate(batch), False
+                yield len(group), self.replicate(by_source[0]), False
 
     def _weights(self):
         """The models' current `(trainable, non_trainable)`, stacked on the mesh."""
@@ -422,9 +418,9 @@ class EnsembleTrainer:
             for index in range(1, len(self.members))
         ]
 
-    def _keep_non_trainable(self, non_trainable):
-        """Write the stacked non-trainable values into the members, as Keras's predict keeps them."""
-        members_lib.write_back_members(TrainState(None, non_trainable, None, None), self.members)
+    def _keep(self, non_trainable, metrics=None):
+        """Write the stacked non-trainable values (and metrics) into the members, as Keras does."""
+        members_lib.write_back_members(TrainState(None, non_trainable, None, metrics), self.members)
 
 
 def _check_placed(batch):
