@@ -137,21 +137,25 @@ def inference_data(trainer, x, y, sample_weight, *, batch_size, steps, call):
     Read as `model.evaluate` and `model.predict` read it
     (`sources.model_inputs`, `sources.predict_inputs`), cut to `steps`;
     evaluating needs a compiled model and builds its loss and metrics too,
-    predicting builds the layers only.
+    predicting builds the layers only. All in the hosts' `preparing` round
+    of `call`, with the settings every process must share.
     """
     training = call == "evaluate"
-    steps = keras_limits(steps=steps)
-    if training:
-        trainer.builder.require_compiled("evaluate")
-        x = sources.model_inputs(x, y, trainer.model)
-    else:
-        x = sources.predict_inputs(x, trainer.model)
-    batches = trainer.batches_of(
-        x, y, sample_weight, batch_size, False, steps=steps, keras_resets=training,
-        keras_peeks=build.keras_reads_a_batch_to_build(trainer.model, for_training=training))
-    sources.check_ends(batches, "x", "steps")
-    with sources.naming_list_reading(x, y):
-        trainer.build(batches.peek(), for_training=training)
+    with trainer.hosts.preparing(call) as settings:
+        limited = keras_limits(steps=steps)
+        if training:
+            trainer.builder.require_compiled("evaluate")
+            x = sources.model_inputs(x, y, trainer.model)
+        else:
+            x = sources.predict_inputs(x, trainer.model)
+        batches = trainer.batches_of(
+            x, y, sample_weight, batch_size, False, steps=limited, keras_resets=training,
+            keras_peeks=build.keras_reads_a_batch_to_build(trainer.model, for_training=training))
+        sources.check_ends(batches, "x", "steps")
+        with sources.naming_list_reading(x, y):
+            trainer.build(batches.peek(), for_training=training)
+        settings += trainer.hosts.inference_settings(trainer, batches, batch_size=batch_size,
+                                                     steps=steps)
     return batches
 
 

@@ -457,11 +457,8 @@ class ShardedTrainer:
             order of `model.metrics_names`, or with `return_dict` a dict
             by name in sorted order (as Keras's logs are).
         """
-        with self.hosts.preparing("evaluate") as settings:
-            batches = prepare.inference_data(self, x, y, sample_weight, batch_size=batch_size,
-                                             steps=steps, call="evaluate")
-            settings += self.hosts.inference_settings(self, batches, batch_size=batch_size,
-                                                      steps=steps)
+        batches = prepare.inference_data(self, x, y, sample_weight, batch_size=batch_size,
+                                         steps=steps, call="evaluate")
         return evaluate_lib.evaluate_call(self, batches, callbacks, verbose, return_dict)
 
     def predict(self, x, *, batch_size=None, verbose="auto", steps=None, callbacks=None):
@@ -476,11 +473,8 @@ class ShardedTrainer:
             Numpy arrays with the structure of the model's outputs and
             exactly one row per input row.
         """
-        with self.hosts.preparing("predict") as settings:
-            batches = prepare.inference_data(self, x, None, None, batch_size=batch_size,
-                                             steps=steps, call="predict")
-            settings += self.hosts.inference_settings(self, batches, batch_size=batch_size,
-                                                      steps=steps)
+        batches = prepare.inference_data(self, x, None, None, batch_size=batch_size,
+                                         steps=steps, call="predict")
         return evaluate_lib.predict_call(self, batches, callbacks, verbose)
 
     def batches_of(self, x, y, sample_weight, batch_size, shuffle, class_weight=None,
