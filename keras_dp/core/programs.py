@@ -71,8 +71,7 @@ class Programs:
             make(model, layout, multi=multi, unroll=unroll)
             for make in (steps_lib.make_test_program, steps_lib.make_predict_program)
             for multi in (False, True))
-        self.donates = None
-        self.use(donate)
+        self.use(donate)  # sets `donates`
 
     def use(self, donate):
         """Train with the programs that donate their state (`donate`), or keep it."""
