@@ -113,7 +113,7 @@ def predict(trainer, weights, batches, callbacks):
             if cadence.begins(index):
                 callbacks.on_predict_batch_begin(index)
                 group = len(outputs)
-            output, non_trainable = trainer.programs.predict(steps)(
+            output, non_trainable = trainer.programs.program("predict", steps)(
                 (trainable, non_trainable), x_device)
             rows = hosts.local_rows if steps == 1 else hosts.stacked_local_rows
             outputs.append(jax.tree.map(lambda out: rows(out, x_device), output))  # noqa: B023
