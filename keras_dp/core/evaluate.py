@@ -46,9 +46,7 @@ def evaluate(trainer, weights, batches, callbacks, before_end, programs=None):
         The final logs as python floats, in Keras's order.
     """
     if programs is None:  # its own: what it compiles ahead ends with it
-        programs = programs_lib.EvalPrograms(
-            trainer.programs, batches, layout=trainer.layout,
-            steps_per_execution=trainer.steps_per_execution, ahead=trainer.hosts.compiles_ahead)
+        programs = programs_lib.EvalPrograms(trainer, batches)
         with contextlib.closing(programs):
             return evaluate(trainer, weights, batches, callbacks, before_end, programs)
     labels_lib.check_data(trainer.model, (batches, "the data"))

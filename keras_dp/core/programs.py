@@ -229,19 +229,19 @@ class EvalPrograms:
     epoch for its validation (`CompilingFeed`), else after the first call.
 
     Args:
-        programs: the trainer's `Programs` (its test programs).
+        trainer: the `ShardedTrainer` whose test programs (`programs`) run,
+            on its `layout`, `steps_per_execution` steps per call; its hosts
+            say whether to compile the plan ahead (not across processes).
         batches: the evaluation's `Source`, for the plan (`eval_plan`).
-        layout: the `keras_dp.sharding.Layout`.
-        steps_per_execution: the trainer's K.
-        ahead: whether to compile the plan ahead (not across processes).
     """
 
     ahead = True  # False: each program compiles at its first call (`jax.jit`'s own way)
 
-    def __init__(self, programs, batches, *, layout, steps_per_execution, ahead=True):
-        self._programs, self._layout, self._template = programs, layout, batches.peek()
-        self._plan = None if not ahead or not self.ahead else eval_plan(
-            batches, steps_per_execution)
+    def __init__(self, trainer, batches):
+        self._programs, self._layout = trainer.programs, trainer.layout
+        self._template = batches.peek()
+        self._plan = None if not trainer.hosts.compiles_ahead or not self.ahead else eval_plan(
+            batches, trainer.steps_per_execution)
         self.programs = {}  # call key -> Compiled, a Future of one, or None (jax.jit's)
 
     def close(self):
