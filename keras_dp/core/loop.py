@@ -383,8 +383,9 @@ def validate(run, val):
 def end_at(run, position):
     """Save a checkpoint at `position` (with a checkpoint_dir); exit with 143 if SIGTERM asked to.
 
-    At an epoch's end, and at the step boundary where SIGTERM was found
-    (`requested` stays true once read so: no second sync point).
+    At an epoch's end, and at the step boundary where SIGTERM was found:
+    `requested`, once true, stays true, so reading it again there makes
+    no new sync point across processes.
     """
     if run.checkpoints is not None:
         run.checkpoints.save_live(run.live, run.trainer, position)
