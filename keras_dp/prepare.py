@@ -6,8 +6,6 @@ across processes, inside the hosts' `preparing` round, so that every
 process learns of any process's mistake (`keras_dp.multihost.agreement`).
 """
 
-import dataclasses
-
 import keras
 
 from keras_dp import _messages
@@ -45,15 +43,6 @@ def report_layout(trainer):
     layouts.report(trainer.layout, trainer.model)
 
 
-@dataclasses.dataclass(frozen=True)
-class FitData:
-    """A fit's training source, its validation source (or None), and the step's memory plan."""
-
-    batches: object
-    validation: object
-    plan: object
-
-
 def keras_limits(epochs=None, **steps):
     """`epochs` and each of `steps` capped by Keras's debugging limits, where they are set.
 
@@ -83,7 +72,10 @@ def keras_limits(epochs=None, **steps):
 def fit_data(trainer, x, y, sample_weight, *, batch_size, shuffle, class_weight,
               validation_split, validation_data, validation_batch_size,
               validation_steps, validation_freq, steps_per_epoch, epochs, initial_epoch):
-    """A fit's sources, checked, and `trainer`'s model built from them: a `FitData`.
+    """A fit's sources, checked, and `trainer`'s model built from them: `(batches, val, plan)`.
+
+    The training source, the validation source (or None), and the memory
+    plan of the train step (None off accelerators).
 
     In the order `model.fit` meets them: the training data (split off
     its validation rows), the model built on its first batch, the
@@ -128,7 +120,7 @@ def fit_data(trainer, x, y, sample_weight, *, batch_size, shuffle, class_weight,
         sources.check_one_pass(val, validations, "validation_data",
                                f"epochs={epochs}, validation_freq={validation_freq!r}")
     trainer.builder.check_labels((batches, "the training data"), (val, "the validation data"))
-    return FitData(batches, val, plan)
+    return batches, val, plan
 
 
 def inference_data(trainer, x, y, sample_weight, *, batch_size, steps, call):
@@ -137,21 +129,25 @@ def inference_data(trainer, x, y, sample_weight, *, batch_size, steps, call):
     Read as `model.evaluate` and `model.predict` read it
     (`sources.model_inputs`, `sources.predict_inputs`), cut to `steps`;
     evaluating needs a compiled model and builds its loss and metrics too,
-    predicting builds the layers only.
+    predicting builds the layers only. All in the hosts' `preparing` round
+    of `call`, with the settings every process must share.
     """
     training = call == "evaluate"
-    steps = keras_limits(steps=steps)
-    if training:
-        trainer.builder.require_compiled("evaluate")
-        x = sources.model_inputs(x, y, trainer.model)
-    else:
-        x = sources.predict_inputs(x, trainer.model)
-    batches = trainer.batches_of(
-        x, y, sample_weight, batch_size, False, steps=steps, keras_resets=training,
-        keras_peeks=build.keras_reads_a_batch_to_build(trainer.model, for_training=training))
-    sources.check_ends(batches, "x", "steps")
-    with sources.naming_list_reading(x, y):
-        trainer.build(batches.peek(), for_training=training)
+    with trainer.hosts.preparing(call) as settings:
+        limited = keras_limits(steps=steps)
+        if training:
+            trainer.builder.require_compiled("evaluate")
+            x = sources.model_inputs(x, y, trainer.model)
+        else:
+            x = sources.predict_inputs(x, trainer.model)
+        batches = trainer.batches_of(
+            x, y, sample_weight, batch_size, False, steps=limited, keras_resets=training,
+            keras_peeks=build.keras_reads_a_batch_to_build(trainer.model, for_training=training))
+        sources.check_ends(batches, "x", "steps")
+        with sources.naming_list_reading(x, y):
+            trainer.build(batches.peek(), for_training=training)
+        settings += trainer.hosts.inference_settings(trainer, batches, batch_size=batch_size,
+                                                     steps=steps)
     return batches
 
 

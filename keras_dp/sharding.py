@@ -131,7 +131,7 @@ class Layout:
     @property
     def on_cpu(self):
         """Whether the mesh's devices are XLA:CPU's (simulated or not), not accelerators."""
-        return on_cpu(self.mesh)
+        return self.mesh.devices.flat[0].platform == "cpu"
 
     @property
     def spans_processes(self):
@@ -262,11 +262,6 @@ def replicated(mesh):
 def spans_processes(mesh):
     """Whether `mesh` has devices of more than one process."""
     return len({device.process_index for device in mesh.devices.flat}) > 1
-
-
-def on_cpu(mesh):
-    """Whether the mesh's devices are XLA:CPU's (simulated or not), not accelerators."""
-    return mesh.devices.flat[0].platform == "cpu"
 
 
 def constrain(tree, shardings):

@@ -414,30 +414,30 @@ class ShardedTrainer:
                         initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
                         validation_batch_size=validation_batch_size,
                         validation_steps=validation_steps, validation_freq=validation_freq)
-            data = prepare.fit_data(self, x, y, sample_weight, class_weight=class_weight,
-                                    validation_split=validation_split,
-                                    validation_data=validation_data, **plan)
+            batches, val, step_plan = prepare.fit_data(
+                self, x, y, sample_weight, class_weight=class_weight,
+                validation_split=validation_split, validation_data=validation_data, **plan)
             settings += self.hosts.fit_settings(
-                self, data.batches, validation=data.validation, checkpoint_dir=checkpoint_dir,
+                self, batches, validation=val, checkpoint_dir=checkpoint_dir,
                 checkpoints_to_keep=checkpoints_to_keep, **plan)
         # An error on one process stops all, opening the checkpoints included
         # (only process 0 takes the directory's lock, say).
         with self.hosts.watch():
             checkpoints, resume = checkpoint.open_for_fit(
                 checkpoint_dir, self.model, self.seed, initial_epoch, steps_per_epoch,
-                source=data.batches.resumable,
-                plan=checkpoint.plan_lib.plan_of(data.batches, shuffle,
+                source=batches.resumable,
+                plan=checkpoint.plan_lib.plan_of(batches, shuffle,
                                                  shares=not self.hosts.whole_data),
                 max_to_keep=checkpoints_to_keep,
-                topology=checkpoint.plan_lib.topology_of(self.mesh, data.batches))
+                topology=checkpoint.plan_lib.topology_of(self.mesh, batches))
             with checkpoint.closing(checkpoints):  # its lock goes, whatever fails
                 note = checkpoints and checkpoints.resume_note(epochs)
                 if note and verbose != 0 and self.hosts.primary:
                     print(note, flush=True)
                 return loop.fit(
-                    self, data.batches, data.validation, callbacks, verbose=verbose,
+                    self, batches, val, callbacks, verbose=verbose,
                     epochs=epochs, resume=resume, validation_freq=validation_freq,
-                    checkpoints=checkpoints, plan=data.plan, profile_dir=profile_dir,
+                    checkpoints=checkpoints, plan=step_plan, profile_dir=profile_dir,
                     peak_flops_per_s=diagnostics.timing.peak_flops_per_s(self.mesh, self.model),
                 )
 
@@ -457,11 +457,8 @@ class ShardedTrainer:
             order of `model.metrics_names`, or with `return_dict` a dict
             by name in sorted order (as Keras's logs are).
         """
-        with self.hosts.preparing("evaluate") as settings:
-            batches = prepare.inference_data(self, x, y, sample_weight, batch_size=batch_size,
-                                             steps=steps, call="evaluate")
-            settings += self.hosts.inference_settings(self, batches, batch_size=batch_size,
-                                                      steps=steps)
+        batches = prepare.inference_data(self, x, y, sample_weight, batch_size=batch_size,
+                                         steps=steps, call="evaluate")
         return evaluate_lib.evaluate_call(self, batches, callbacks, verbose, return_dict)
 
     def predict(self, x, *, batch_size=None, verbose="auto", steps=None, callbacks=None):
@@ -476,11 +473,8 @@ class ShardedTrainer:
             Numpy arrays with the structure of the model's outputs and
             exactly one row per input row.
         """
-        with self.hosts.preparing("predict") as settings:
-            batches = prepare.inference_data(self, x, None, None, batch_size=batch_size,
-                                             steps=steps, call="predict")
-            settings += self.hosts.inference_settings(self, batches, batch_size=batch_size,
-                                                      steps=steps)
+        batches = prepare.inference_data(self, x, None, None, batch_size=batch_size,
+                                         steps=steps, call="predict")
         return evaluate_lib.predict_call(self, batches, callbacks, verbose)
 
     def batches_of(self, x, y, sample_weight, batch_size, shuffle, class_weight=None,

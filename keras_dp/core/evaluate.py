@@ -25,10 +25,10 @@ from keras_dp.keras import callbacks as callbacks_lib
 
 
 def evaluate(trainer, weights, batches, callbacks, before_end, programs=None):
-    """Score `batches` with `weights` (`(trainable, non_trainable)`, or a function giving them).
+    """Score `batches` with `weights()`, a function giving `(trainable, non_trainable)`.
 
-    A function is called after `on_test_begin`, as Keras's evaluate reads
-    the model only then: a callback may change it there
+    It is called after `on_test_begin`, as Keras's evaluate reads the
+    model only then: a callback may change it there
     (`keras.callbacks.SwapEMAWeights` swaps the moving averages in).
 
     Runs `steps_per_execution` test steps per compiled call over stacked
@@ -46,9 +46,7 @@ def evaluate(trainer, weights, batches, callbacks, before_end, programs=None):
         The final logs as python floats, in Keras's order.
     """
     if programs is None:  # its own: what it compiles ahead ends with it
-        programs = programs_lib.EvalPrograms(
-            trainer.programs, batches, layout=trainer.layout,
-            steps_per_execution=trainer.steps_per_execution, ahead=trainer.hosts.compiles_ahead)
+        programs = programs_lib.EvalPrograms(trainer, batches)
         with contextlib.closing(programs):
             return evaluate(trainer, weights, batches, callbacks, before_end, programs)
     labels_lib.check_data(trainer.model, (batches, "the data"))
@@ -57,7 +55,7 @@ def evaluate(trainer, weights, batches, callbacks, before_end, programs=None):
     logs, index = None, 0
     trainer.model.stop_evaluating = False  # as Keras's evaluate clears it
     callbacks.on_test_begin()
-    trainable, non_trainable = weights() if callable(weights) else weights
+    trainable, non_trainable = weights()
     placed = trainer.hosts.steps(batches.epoch(0), trainer.steps_per_execution, batches.peek(),
                                  batches.planned_rows())
     cadence = Cadence(trainer.steps_per_execution)
@@ -93,7 +91,7 @@ def predict(trainer, weights, batches, callbacks):
     `model.predict`. Each call's outputs are
     copied to the host before the next is dispatched. The non-trainable
     values are carried from call to call, as `model.predict` carries them
-    (a `SeedGenerator` advances each batch). `weights` may be a function,
+    (a `SeedGenerator` advances each batch). `weights` is a function,
     called after `on_predict_begin` (see `evaluate`).
 
     Returns:
@@ -103,8 +101,7 @@ def predict(trainer, weights, batches, callbacks):
     hosts, outputs, index = trainer.hosts, [], 0
     trainer.model.stop_predicting = False  # as Keras's predict clears it
     callbacks.on_predict_begin()
-    weights = weights() if callable(weights) else weights
-    trainable, non_trainable = weights
+    trainable, non_trainable = weights()
     inputs = (batch[0] for batch in batches.epoch(0))
     placed = hosts.steps(inputs, trainer.steps_per_execution, batches.peek()[0],
                          batches.planned_rows())
@@ -114,7 +111,7 @@ def predict(trainer, weights, batches, callbacks):
             if cadence.begins(index):
                 callbacks.on_predict_batch_begin(index)
                 group = len(outputs)
-            output, non_trainable = trainer.programs.predict(steps)(
+            output, non_trainable = trainer.programs.program("predict", steps)(
                 (trainable, non_trainable), x_device)
             rows = hosts.local_rows if steps == 1 else hosts.stacked_local_rows
             outputs.append(jax.tree.map(lambda out: rows(out, x_device), output))  # noqa: B023

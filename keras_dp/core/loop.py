@@ -5,7 +5,7 @@
 placed on the devices, or rows gathered from data kept there; one compiled
 call per step or per K steps, callbacks around each), `validate`
 (`keras_dp.core.evaluate.evaluate` with the live weights), and the epoch's
-end (`end_epoch`: a checkpoint, a preemption exit). The state of the epoch
+end (`end_at`: a checkpoint, a preemption exit). The state of the epoch
 in progress is held by a `keras_dp.core.live.LiveModel`, so that a
 callback, an exception or an interrupt always finds the Keras model
 current. Each epoch's time is split by part as it goes (`EpochTimer`).
@@ -142,7 +142,7 @@ def run_epochs(trainer, batches, val, callbacks, *, epochs, resume, validation_f
                 epoch_logs = run_epoch(run, epoch, skip, val if validate_now else None)
                 stop = stops_after(run, epoch, epochs)
                 stopped = Position(epoch + 1, 0, stopped=True) if stop else None
-                end_epoch(run, epoch, stop)
+                end_at(run, Position(epoch + 1, 0, stopped=stop))
                 if stop:
                     break
         if run.live.lost is not None:  # never silently: a state left unwritten
@@ -202,9 +202,7 @@ def _validation_programs(trainer, val, epochs, validation_freq):
     """The `programs.EvalPrograms` of `val` if one of `epochs` validates, else None."""
     if val is None or not options.validations(epochs, validation_freq):
         return None
-    return programs_lib.EvalPrograms(trainer.programs, val, layout=trainer.layout,
-                                     steps_per_execution=trainer.steps_per_execution,
-                                     ahead=trainer.hosts.compiles_ahead)
+    return programs_lib.EvalPrograms(trainer, val)
 
 
 def stops_after(run, epoch, epochs):
@@ -305,7 +303,7 @@ def train_batches(run, epoch, skip):
             if cadence.begins(index):
                 if run.preemption is not None and run.preemption.requested:
                     throttle.drain()
-                    save_and_exit(run, Position(epoch, index))
+                    end_at(run, Position(epoch, index))
                 run.callbacks.on_train_batch_begin(index)
                 timer.lap("callbacks_s")
             logs = train_call(run, steps, device_batch, throttle, (epoch, index))
@@ -382,25 +380,18 @@ def validate(run, val):
     return {f"val_{name}": value for name, value in logs.items()}
 
 
-def end_epoch(run, epoch, stop=False):
-    """Save a checkpoint of the finished epoch (marked `stop`ped); exit if SIGTERM asked to."""
-    position = Position(epoch + 1, 0, stopped=stop)
+def end_at(run, position):
+    """Save a checkpoint at `position` (with a checkpoint_dir); exit with 143 if SIGTERM asked to.
+
+    At an epoch's end, and at the step boundary where SIGTERM was found:
+    `requested`, once true, stays true, so reading it again there makes
+    no new sync point across processes.
+    """
     if run.checkpoints is not None:
         run.checkpoints.save_live(run.live, run.trainer, position)
     if run.preemption is not None and run.preemption.requested:
-        _exit(run, position)
-
-
-def save_and_exit(run, position):
-    """Write the state at `position` (with a checkpoint_dir); exit with 143."""
-    if run.checkpoints is not None:
-        run.checkpoints.save_live(run.live, run.trainer, position)
-    _exit(run, position)
-
-
-def _exit(run, position):
-    directory = None if run.checkpoints is None else run.checkpoints.directory
-    run.preemption.exit(directory, position)
+        directory = None if run.checkpoints is None else run.checkpoints.directory
+        run.preemption.exit(directory, position)
 
 
 # The parts of an epoch's time (`EpochTimer`), beside `other_s`.

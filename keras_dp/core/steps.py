@@ -94,8 +94,7 @@ def make_train_program(model, layout, *, multi=False, unroll=1, donate=True, res
         def train_steps(state, arrays, rows):
             return scan_train_steps(gathered(arrays, rows), state, rows.start, unroll, layout)
     else:
-        def train_step(state, batch):
-            return step(state, batch)
+        train_step = step
 
         def train_steps(state, batches):
             return scan_train_steps(step, state, batches, unroll, layout)
@@ -426,7 +425,7 @@ def keep_if_not_finite(new_state, state, logs, split=None):
         return new_state, logs
     updated = new_state.trainable + new_state.optimizer
     update_finite = _all_finite(updated) if split is None else _all_finite_split(updated, *split)
-    finite = loss_is_finite(logs["loss"]) & update_finite
+    finite = jnp.all(jnp.isfinite(logs["loss"])) & update_finite  # every value of the loss
     keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
 
     def void(value):
@@ -438,11 +437,6 @@ def keep_if_not_finite(new_state, state, logs, split=None):
         optimizer=jax.tree.map(keep, new_state.optimizer, state.optimizer),
         metrics=jax.tree.map(void, new_state.metrics),
     ), jax.tree.map(void, logs)
-
-
-def loss_is_finite(loss):
-    """Inside a step: whether every value of the logged `loss` is finite (one boolean)."""
-    return jnp.all(jnp.isfinite(loss))
 
 
 def finite_steps(losses, steps):
