@@ -84,7 +84,6 @@ class StepsPerEpoch(FixedSteps):
         self.epochs = epochs  # the fit's `epochs`: the index after its last epoch, if known
         self.steps = options.check_count("steps_per_epoch", steps, 1)
         self.per_epoch = -(-self.steps // steps_per_execution) * steps_per_execution
-        self.exhausted = False
         self._batches = batches
         batches.hooks_outside()  # a PyDataset's hooks around each epoch here (`_marked`)
         self._stream = None  # started by the first `epoch`
