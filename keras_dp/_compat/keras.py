@@ -250,11 +250,11 @@ def set_random_seed(seed):
     import random
     import sys
 
-    if "tensorflow" in sys.modules:
+    # Keras's own function where TensorFlow is imported; for a seed that is
+    # not an int, it raises Keras's own message (ValueError).
+    if "tensorflow" in sys.modules or not isinstance(seed, int):
         keras.utils.set_random_seed(seed)
         return
-    if not isinstance(seed, int):
-        keras.utils.set_random_seed(seed)  # Keras's own message for a bad seed
     from keras.src.backend.common import global_state
     from keras.src.random import seed_generator
     from keras.src.utils import rng_utils
