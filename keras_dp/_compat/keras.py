@@ -4,6 +4,7 @@ import contextlib
 import inspect
 
 import jax
+import keras
 import numpy as np
 from keras.src import backend as _keras_backend
 
@@ -154,8 +155,6 @@ def layout_map(distribution):
 
 def has_call(model):
     """Whether `model` defines `call()` (Keras's `Model.call` only raises)."""
-    import keras
-
     return type(model).call is not keras.Model.call
 
 
@@ -166,8 +165,6 @@ def input_structure(model):
     `[[a, b], c]` (or a dict, a tuple), which `model.fit` matches its `x`
     against. A Sequential or subclassed model has none: None.
     """
-    import keras
-
     if isinstance(model, keras.Sequential):
         return None
     return getattr(model, "_inputs_struct", None)
@@ -253,14 +250,11 @@ def set_random_seed(seed):
     import random
     import sys
 
-    import keras
-    import numpy as np
-
-    if "tensorflow" in sys.modules:
+    # Keras's own function where TensorFlow is imported; for a seed that is
+    # not an int, it raises Keras's own message (ValueError).
+    if "tensorflow" in sys.modules or not isinstance(seed, int):
         keras.utils.set_random_seed(seed)
         return
-    if not isinstance(seed, int):
-        keras.utils.set_random_seed(seed)  # Keras's own message for a bad seed
     from keras.src.backend.common import global_state
     from keras.src.random import seed_generator
     from keras.src.utils import rng_utils

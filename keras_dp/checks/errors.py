@@ -5,7 +5,7 @@ Keras's layers or JAX's tracer, with dozens of frames of their code. These
 helpers find the user's own frame in it and, for the failures keras_dp
 knows, raise a `ValueError` that names what the user wrote, where, and what
 to do instead, without the chain of internals: a tensor read in Python
-(`untraceable_error`), a layer that cannot be compiled (`jit_failure`),
+(`raise_untraceable`), a layer that cannot be compiled (`jit_failure`),
 a batch of other shapes than the first (`shape_change`).
 """
 
@@ -32,8 +32,11 @@ def error_chain(error):
 LIBRARIES = ("keras.", "keras_dp.", "jax.", "jaxlib.", "numpy.", "optree.")
 
 
-def untraceable_error(error, what):
-    """A `ValueError` for a JAX trace error in user code, naming where; else None.
+def raise_untraceable(error, what):
+    """Raise a `ValueError` for a JAX trace error in user code, naming where; else return.
+
+    The `ValueError` replaces `error` (raised `from None`, without the chain
+    of internals); without one, the caller goes on to handle `error`.
 
     A loss, metric or layer that reads a tensor's value in Python (numpy on
     a tensor, `float()`, an `if` on a value) fails JAX's trace with a
@@ -48,20 +51,20 @@ def untraceable_error(error, what):
     chain = error_chain(error)
     reported = [link for link in chain if isinstance(link, jax.errors.JAXTypeError)]
     if not reported:
-        return None
+        return
     # Innermost last: Keras re-raises a layer's error with its own frames cut.
     frames = user_frames(error)
     if not frames:  # Keras's or JAX's own code: not this mistake
-        return None
+        return
     where = (f"{frames[-1].f_code.co_qualname}, line {frames[-1].f_lineno} of "
              f"{frames[-1].f_code.co_filename}")
-    return ValueError(
+    raise ValueError(
         f"{what} cannot be compiled: user code ({where}) reads a tensor's value in "
         "Python (numpy on a tensor, float() or int(), or an `if` on a value), "
         "which JAX cannot trace. keras_dp compiles its steps, as Keras's model.fit "
         "on JAX does even with run_eagerly=True (it fails on this too). Write it "
         "with keras.ops: keras.ops.mean for np.mean, keras.ops.where for a branch "
-        f"on values. JAX reported: {first_line(reported[-1])}")
+        f"on values. JAX reported: {first_line(reported[-1])}") from None
 
 
 def call_failure(error, model, peek, steps, device_batch, at):

@@ -192,24 +192,22 @@ def build(model, batch, for_training=True, data="the data"):
         y_pred = _trace(model, x, data=data)
         if for_training:
             check_no_metric_updates_in_call(model, x)
-        if for_training and not all(layer.built for layer in _compat.all_layers(model)):
-            _trace(model, x, training=True, data=data)  # layers called only in training mode
-        if for_training:
+            if not all(layer.built for layer in _compat.all_layers(model)):
+                _trace(model, x, training=True, data=data)  # layers called only in training mode
             model_checks.check_metrics_per_output(model, y_pred)
-        if for_training and y is not None and _compat.compiled_loss(model) is not None:
-            loss = check_labels(model, x, y, y_pred, sample_weight)  # predict ignores y, as Keras
-            if not _compat.custom_step(model, "train_step"):
-                check_scalar_loss(model, loss)
+            if y is not None and _compat.compiled_loss(model) is not None:
+                # Labels only for training or evaluation: predict ignores y, as Keras.
+                loss = check_labels(model, x, y, y_pred, sample_weight)
+                if not _compat.custom_step(model, "train_step"):
+                    check_scalar_loss(model, loss)
     else:
         _mark_built(model)
     if for_training:
         try:
             _compat.symbolic_build(model, batch)
         except Exception as error:
-            untraceable = explain.untraceable_error(error, "The model's compiled loss or metrics")
-            if untraceable is None:
-                raise
-            raise untraceable from None
+            explain.raise_untraceable(error, "The model's compiled loss or metrics")
+            raise
 
 
 def check_no_metric_updates_in_call(model, x):
@@ -262,9 +260,7 @@ def _trace(model, x, training=False, data="the data"):
     try:
         return _compat.compute_output_spec(model, x, training=training)
     except Exception as error:
-        untraceable = explain.untraceable_error(error, "The model")
-        if untraceable is not None:
-            raise untraceable from None
+        explain.raise_untraceable(error, "The model")
         mode = " in training mode (training=True)" if training else ""
         shapes = jax.tree.map(lambda s: tuple(s.shape), x)
         user = explain.user_frames(error)
@@ -356,9 +352,7 @@ def check_labels(model, x, y, y_pred, sample_weight):
     try:
         return loss_spec(sample_weight)
     except Exception as error:
-        untraceable = explain.untraceable_error(error, f"The loss, {_loss_name(model.loss)},")
-        if untraceable is not None:
-            raise untraceable from None
+        explain.raise_untraceable(error, f"The loss, {_loss_name(model.loss)},")
         shapes = lambda tree: jax.tree.map(lambda s: tuple(s.shape), tree)  # noqa: E731
         if sample_weight is not None and _fits(loss_spec, None):
             fix = _weights_fix(model, loss_spec, y, y_pred, sample_weight)
@@ -483,8 +477,6 @@ def check_keras_distribution():
     Raises:
         ValueError: a distribution other than `DataParallel` is set.
     """
-    import keras  # noqa: PLC0415  (keras_dp sets the backend before Keras loads)
-
     current = keras.distribution.distribution()
     if current is not None and not isinstance(current, keras.distribution.DataParallel):
         raise ValueError(

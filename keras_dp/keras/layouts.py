@@ -38,6 +38,8 @@ from keras_dp._messages import warn
 NAMED = 5
 _HOW_STRICT = ("Make this an error with "
                "warnings.simplefilter('error', keras_dp.LayoutWarning).")
+# The model's state groups, in the order of `TrainState` (`_state_group`).
+_GROUPS = ("trainable", "non_trainable", "optimizer", "metrics")
 
 
 class LayoutWarning(UserWarning):
@@ -276,7 +278,7 @@ class VariableLayouts:
             return
         self._reported = True
         shardings = {group: layout.group_shardings(_state_group(self.model, group), group)
-                     for group in ("trainable", "non_trainable", "optimizer", "metrics")}
+                     for group in _GROUPS}
         unmatched = self._unmatched_keys()
         if unmatched:
             paths = [variable.path for variable in self.model.weights]
@@ -300,9 +302,7 @@ class VariableLayouts:
     def _unmatched_keys(self):
         """The layout map's keys that no variable path and no layer output path resolves to."""
         layout_map = _compat.layout_map(self.distribution)
-        paths = [variable.path for group in ("trainable", "non_trainable", "optimizer",
-                                             "metrics")
-                 for variable in _state_group(self.model, group)]
+        paths = [variable.path for group in _GROUPS for variable in _state_group(self.model, group)]
         paths += [f"{layer.path}/output" for layer in _compat.all_layers(self.model)]
         used = set()
         for path in paths:

@@ -35,8 +35,8 @@ class ArrayBatches(Source):
         self.batch_size = 32 if batch_size is None else options.check_count("batch_size", batch_size, 1)
         if class_weight is not None:
             arrays = apply_class_weight(arrays, class_weight)
-        self._arrays, self._shuffle, self._seed = arrays, shuffle, seed
-        self.labels_checked = False
+        # `(x, y, sample_weight)` as numpy arrays, class weights applied.
+        self.arrays, self._shuffle, self._seed = arrays, shuffle, seed
         self.part = None  # (index, count): this process's part of each global batch
         # The global order of one process; None: each process's share, in an order of its own.
         self.global_order = "arrays"
@@ -57,7 +57,7 @@ class ArrayBatches(Source):
     def check_labels(self, check, what):
         """Run `check(y, where)` (`keras_dp.checks.labels`; None: nothing) on all labels, once."""
         if check is not None and not self.labels_checked:
-            check(self._arrays[1], what)
+            check(self.arrays[1], what)
         self.labels_checked = True
 
     @property
@@ -69,13 +69,8 @@ class ArrayBatches(Source):
         """The first batch, without consuming anything (its first row, where this part is empty)."""
         first = next(iter(self.epoch(0)), None)
         if first is None:  # a part of no rows: a template of the right structure
-            first = jax.tree.map(lambda array: array[:1], self._arrays)
+            first = jax.tree.map(lambda array: array[:1], self.arrays)
         return first
-
-    @property
-    def arrays(self):
-        """`(x, y, sample_weight)` as numpy arrays, class weights applied."""
-        return self._arrays
 
     def order(self, epoch):
         """The row ids in epoch `epoch`'s order: a permutation, or `None` unshuffled.
@@ -106,7 +101,7 @@ class ArrayBatches(Source):
         for start, stop in self._spans(skip):
             if stop > start:
                 rows = slice(start, stop) if order is None else order[start:stop]
-                yield jax.tree.map(lambda array: array[rows], self._arrays)
+                yield jax.tree.map(lambda array: array[rows], self.arrays)
 
     def planned_rows(self, skip=0):
         """Each batch's row count in an epoch, after its first `skip`: full batches, then the rest.

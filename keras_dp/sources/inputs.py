@@ -150,7 +150,7 @@ def _rows_of(x, structure):
     return rows.pop()
 
 
-def validation_tuple(validation_data, model=None):
+def validation_tuple(validation_data, model):
     """`validation_data` as `model.fit` reads it: a list `[x, y[, sample_weight]]` is the tuple.
 
     Beside an array, a tuple is several inputs (`[(left, right), y]`), as in
@@ -172,15 +172,14 @@ def validation_tuple(validation_data, model=None):
 
 def _has_input_structure(data, model):
     """Whether `data[0]` has `model`'s input structure, and all of `data`'s arrays one row count."""
-    structure = None if model is None else _compat.input_structure(model)
+    structure = _compat.input_structure(model)
     if structure is None:
         return False
     rows = _rows_of(data[0], structure)
     return rows is not None and _rows(data) == rows
 
 
-def validation_source(validation_data, batch_size=None, validation_batch_size=None,
-                      model=None):
+def validation_source(validation_data, batch_size, validation_batch_size, model):
     """`(data, batch_size)` for `fit`'s validation, as `model.fit` reads them.
 
     The data as `validation_tuple` reads it for `model`; for arrays, the

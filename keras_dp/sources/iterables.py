@@ -226,12 +226,10 @@ def _endless(source):
     infinite cardinality (`repeat()`), a PyDataset without a length, a
     Grain pipeline with an endless `repeat()` or sampler.
     """
-    if isinstance(source, TFEpochs):
+    if isinstance(source, (TFEpochs, grain_source.GrainEpochs)):
         return source.endless
     if isinstance(source, PyDatasetEpochs) and source.num_batches is None:
         return "a keras.utils.PyDataset whose num_batches is None"
-    if isinstance(source, grain_source.GrainEpochs):
-        return source.endless
     return None
 
 

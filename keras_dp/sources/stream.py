@@ -35,10 +35,6 @@ class FixedSteps(Source):
         """Check the underlying data's labels (see its `check_labels`)."""
         self._batches.check_labels(check, what)
 
-    def _hooks_outside(self):
-        """Call a PyDataset's hooks here, around each epoch, not around each pass (`_marked`)."""
-        self._batches.hooks_outside()
-
     def _marked(self, batches):
         """`batches`, between a PyDataset's `on_epoch_begin` and `on_epoch_end`.
 
@@ -88,9 +84,8 @@ class StepsPerEpoch(FixedSteps):
         self.epochs = epochs  # the fit's `epochs`: the index after its last epoch, if known
         self.steps = options.check_count("steps_per_epoch", steps, 1)
         self.per_epoch = -(-self.steps // steps_per_execution) * steps_per_execution
-        self.exhausted = False
         self._batches = batches
-        self._hooks_outside()
+        batches.hooks_outside()  # a PyDataset's hooks around each epoch here (`_marked`)
         self._stream = None  # started by the first `epoch`
         self._states = {}  # a Grain source's state at each (epoch, steps), while recording
         self._warned = False
@@ -201,7 +196,7 @@ class FirstSteps(FixedSteps):
                 f"`steps` and `validation_steps` must be an int of at least 1. Received: {steps!r}."
             )
         self._batches = batches
-        self._hooks_outside()
+        batches.hooks_outside()  # a PyDataset's hooks around each epoch here (`_marked`)
         self.steps = int(steps) if batches.steps is None else min(int(steps), batches.steps)
         self._asked = int(steps)
 
