@@ -1,5 +1,6 @@
 """The host pipeline (`keras_dp.sources`): user data to host batches, in order, every row once."""
 
+import gc
 import warnings
 
 import keras
@@ -132,6 +133,33 @@ def test_steps_per_epoch_reads_an_endless_dataset_and_stops_a_short_generator(mn
         history = keras_dp.fit_sharded(model, exact, steps_per_epoch=5, epochs=4, verbose=0,
                                        devices=devices(2))
     assert int(model.optimizer.iterations.numpy()) == 10 and history.epoch == [0, 1]
+
+
+def test_a_stream_left_mid_pass_is_let_go_when_the_fit_returns(mnist):
+    # steps_per_epoch keeps one pass open across epochs. The fit lets it go
+    # as it returns, as model.fit's iterator is: the user's generator is
+    # closed (its `finally` runs) with no garbage collection, so its
+    # threads and files are not held until a full collection finds them.
+    (x, y), _ = mnist
+    events = []
+
+    def batches():
+        try:
+            for i in range(0, 640, 32):  # 20 batches, 7 of them read
+                events.append(i // 32)
+                yield x[i:i + 32], y[i:i + 32]
+        finally:
+            events.append("closed")
+
+    model = mlp()
+    gc.disable()
+    try:
+        keras_dp.fit_sharded(model, batches(), steps_per_epoch=3, epochs=2, verbose=0,
+                             devices=devices(2))
+        assert events == [0, 1, 2, 3, 4, 5, "closed"]  # 6 steps read, none ahead
+    finally:
+        gc.enable()
+    assert int(model.optimizer.iterations.numpy()) == 6
 
 
 @pytest.mark.parametrize("steps_per_execution, steps_per_epoch, ends, steps", [

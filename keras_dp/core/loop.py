@@ -157,6 +157,7 @@ def run_epochs(trainer, batches, val, callbacks, *, epochs, resume, validation_f
         raise
     finally:
         feed.close()  # no compile ahead for a fit that has ended
+        batches.close()  # a stream's open pass, and the threads reading it
         if run.profile is not None:
             run.profile.close()
         if epochs > 0 and not resume.stopped:  # a stopped run's checkpoint holds the end

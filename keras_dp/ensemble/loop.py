@@ -224,6 +224,8 @@ def fit(trainer, sources, val, callbacks, *, epochs, validation_freq):
                     break  # a one-shot stream that ran out stops, as under model.fit
         finally:
             live.finish()
+            for source in sources:  # a stream's open pass, and the threads reading it
+                source.close()
             if epochs.stop > 0:  # Keras's own end of fit: e.g. EMA weights into the model
                 for member in trainer.members:
                     state_lib.finalize_variable_values(member)

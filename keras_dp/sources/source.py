@@ -68,6 +68,9 @@ class Source:
     def hooks_outside(self):
         """Leave a PyDataset's hooks to whoever reads it for a count of steps (`epoch_hooks`)."""
 
+    def close(self):
+        """Let go of a pass left open (a stream's), and the iterators and threads it holds."""
+
     def order(self, epoch):
         """The row ids of arrays in epoch `epoch`'s order, or None (unshuffled, or not arrays)."""
         return None

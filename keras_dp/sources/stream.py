@@ -91,6 +91,17 @@ class StepsPerEpoch(FixedSteps):
         self._warned = False
         self._ahead = None  # a batch read ahead to see whether a one-shot iterator ended
 
+    def close(self):
+        """End the stream: the user's iterator it reads is let go now, not when garbage is collected.
+
+        The stream and this object refer to each other, so without this its
+        pass (a tf.data iterator and its threads, a PyDataset's workers)
+        stays open after the fit, until a full collection finds the cycle.
+        """
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+
     @property
     def resumable(self):
         """The stream's position for checkpoints, for a Grain source; else None."""
