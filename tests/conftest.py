@@ -4,7 +4,6 @@ XLA reads the device count when JAX first starts a backend, so the flag is set
 here, before anything imports JAX.
 """
 
-import gc
 import os
 import pathlib
 
@@ -63,18 +62,6 @@ def pytest_addoption(parser):
     parser.addoption(
         "--runslow", action="store_true", help="also run tests marked slow"
     )
-
-
-@pytest.hookimpl(trylast=True)  # after the module's fixtures are torn down
-def pytest_runtest_teardown(item, nextitem):
-    # What each module leaves alive (Keras's and JAX's caches, compiled
-    # programs) is frozen once its garbage is collected: Python's full
-    # collections then walk only the current module's objects, not the 1.5
-    # million the earlier modules left (about 1 s each, some 30 s a run).
-    # Garbage is collected before the freeze, so none is kept.
-    if nextitem is None or getattr(nextitem, "module", None) is not getattr(item, "module", None):
-        gc.collect()
-        gc.freeze()
 
 
 def pytest_collection_modifyitems(config, items):
