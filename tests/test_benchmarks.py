@@ -258,7 +258,7 @@ def test_fresh_clone_takes_both_set_up_commands_from_readme_and_splits_install_f
     assert commands["main_command"] == blocks[0]
     assert commands["main_command"].endswith(' && pip install -e ".[plot]" && keras-dp train')
     assert commands["test_command"] == blocks[1]
-    assert commands["test_command"].endswith(' && pip install -e ".[test]" && python -m pytest')
+    assert commands["test_command"].endswith(' && pip install -e ".[test]" && python -m pytest -n 2 --dist loadfile')
     # Its split at the last "&&" (bash's ${command% && *} and ${command##* && }).
     split = subprocess.run(
         ["bash", "-c", 'c=$1; echo "${c% && *}"; echo "${c##* && }"', "_",
