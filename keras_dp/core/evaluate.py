@@ -46,7 +46,9 @@ def evaluate(trainer, weights, batches, callbacks, before_end, programs=None):
         The final logs as python floats, in Keras's order.
     """
     if programs is None:  # its own: what it compiles ahead ends with it
-        programs = programs_lib.EvalPrograms(trainer, batches)
+        programs = programs_lib.EvalPrograms(
+            trainer.programs, batches, layout=trainer.layout,
+            steps_per_execution=trainer.steps_per_execution, ahead=trainer.hosts.compiles_ahead)
         with contextlib.closing(programs):
             return evaluate(trainer, weights, batches, callbacks, before_end, programs)
     labels_lib.check_data(trainer.model, (batches, "the data"))
@@ -111,7 +113,7 @@ def predict(trainer, weights, batches, callbacks):
             if cadence.begins(index):
                 callbacks.on_predict_batch_begin(index)
                 group = len(outputs)
-            output, non_trainable = trainer.programs.program("predict", steps)(
+            output, non_trainable = trainer.programs.predict(steps)(
                 (trainable, non_trainable), x_device)
             rows = hosts.local_rows if steps == 1 else hosts.stacked_local_rows
             outputs.append(jax.tree.map(lambda out: rows(out, x_device), output))  # noqa: B023

@@ -198,7 +198,7 @@ class HostFeed:
 
     def program(self, steps):
         """The jitted program of a call of `steps` steps, and its arguments before the batch."""
-        return self._programs.program("train", steps), ()
+        return self._programs.train(steps), ()
 
     def like(self, batch, steps, new_steps, rows, layout):
         """An abstract call argument of `new_steps` steps of `rows` rows, like `batch` (of `steps`)."""
@@ -434,7 +434,7 @@ class ResidentFeed:
 
     def program(self, steps):
         """The jitted program of a call of `steps` steps, and its arguments before `rows`."""
-        return self._programs.program("resident", steps), (self._arrays,)
+        return self._programs.resident(steps), (self._arrays,)
 
     def like(self, batch, steps, new_steps, rows, layout):
         """An abstract `Rows` of a call of `new_steps` steps of `rows` rows, like `batch`'s."""

@@ -203,7 +203,9 @@ def _validation_programs(trainer, val, epochs, validation_freq):
     """The `programs.EvalPrograms` of `val` if one of `epochs` validates, else None."""
     if val is None or not options.validations(epochs, validation_freq):
         return None
-    return programs_lib.EvalPrograms(trainer, val)
+    return programs_lib.EvalPrograms(trainer.programs, val, layout=trainer.layout,
+                                     steps_per_execution=trainer.steps_per_execution,
+                                     ahead=trainer.hosts.compiles_ahead)
 
 
 def stops_after(run, epoch, epochs):

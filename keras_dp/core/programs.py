@@ -59,8 +59,8 @@ class Programs:
     of its batch (`keras_dp.core.micro`). The train
     programs donate their state or keep it, as `use` chose last (a fit
     chooses: `ShardedTrainer.keeps_last_good`); each choice's programs are
-    made once. `program(kind, steps)` picks the program of a call of
-    `steps` steps.
+    made once. `train(steps)`, `resident(steps)`, `test(steps)` and
+    `predict(steps)` pick the program of a call of `steps` steps.
     """
 
     def __init__(self, model, layout, *, unroll, donate=True, micro_batches=1):
@@ -92,13 +92,21 @@ class Programs:
                                               ("resident_steps", True, True))}
         return self._train[donate]
 
-    def program(self, kind, steps):
-        """The `kind` program of a call of `steps` steps (one step, or K in one program).
+    def train(self, steps):
+        """The train program of a call of `steps` steps (one step, or K in one program)."""
+        return self.train_step if steps == 1 else self.train_steps
 
-        `kind`: `"train"`, `"resident"` (train over resident data), `"test"`
-        or `"predict"`: `<kind>_step` for one step, else `<kind>_steps`.
-        """
-        return getattr(self, f"{kind}_step" if steps == 1 else f"{kind}_steps")
+    def resident(self, steps):
+        """The train program over resident data of a call of `steps` steps."""
+        return self.resident_step if steps == 1 else self.resident_steps
+
+    def test(self, steps):
+        """The test program of a call of `steps` steps."""
+        return self.test_step if steps == 1 else self.test_steps
+
+    def predict(self, steps):
+        """The predict program of a call of `steps` steps."""
+        return self.predict_step if steps == 1 else self.predict_steps
 
 
 def run_call(feed, state, steps, batch):
@@ -229,19 +237,19 @@ class EvalPrograms:
     epoch for its validation (`CompilingFeed`), else after the first call.
 
     Args:
-        trainer: the `ShardedTrainer` whose test programs (`programs`) run,
-            on its `layout`, `steps_per_execution` steps per call; its hosts
-            say whether to compile the plan ahead (not across processes).
+        programs: the trainer's `Programs` (its test programs).
         batches: the evaluation's `Source`, for the plan (`eval_plan`).
+        layout: the `keras_dp.sharding.Layout`.
+        steps_per_execution: the trainer's K.
+        ahead: whether to compile the plan ahead (not across processes).
     """
 
     ahead = True  # False: each program compiles at its first call (`jax.jit`'s own way)
 
-    def __init__(self, trainer, batches):
-        self._programs, self._layout = trainer.programs, trainer.layout
-        self._template = batches.peek()
-        self._plan = None if not trainer.hosts.compiles_ahead or not self.ahead else eval_plan(
-            batches, trainer.steps_per_execution)
+    def __init__(self, programs, batches, *, layout, steps_per_execution, ahead=True):
+        self._programs, self._layout, self._template = programs, layout, batches.peek()
+        self._plan = None if not ahead or not self.ahead else eval_plan(
+            batches, steps_per_execution)
         self.programs = {}  # call key -> Compiled, a Future of one, or None (jax.jit's)
 
     def close(self):
@@ -253,7 +261,7 @@ class EvalPrograms:
         key = call_key(steps, batch)
         finished(self.programs, key)  # compiling ahead: wait for it
         self.programs.setdefault(key, None)
-        result = self._programs.program("test", steps)(weights, metrics, batch)
+        result = self._programs.test(steps)(weights, metrics, batch)
         if self._plan is not None:  # the first call: compile the rest ahead
             like = jax.tree.map(abstract, ((weights[0], result[0]), result[1]))
             try:
@@ -275,7 +283,7 @@ class EvalPrograms:
             key = call_key(steps, like)
             if key not in self.programs:
                 entries.append((self.programs, key,
-                                self._programs.program("test", steps).lower(
+                                self._programs.test(steps).lower(
                                     weights, metrics, like)))
         return entries
 
