@@ -6,7 +6,7 @@ step for one global batch against abstract arrays (`jax.ShapeDtypeStruct`s
 with their shardings), and reads XLA's own memory analysis of that
 program. Nothing is put on a device.
 
-`keep_last_good_of` decides, from the same numbers, whether a fit's steps
+`keep_last_good` decides, from the same numbers, whether a fit's steps
 keep the last completed state (see `ShardedTrainer`'s `keep_last_good`).
 """
 
@@ -305,6 +305,34 @@ def keeps_fit(state_bytes, steps_in_flight, *, free=None, peak=None, local_devic
     return (state_bytes if peak is None else peak) + extra <= KEEP_FRACTION * free
 
 
+def keep_last_good(choice, state, *, steps_in_flight, layout, hosts, plan=None):
+    """Whether a fit keeps the last completed state (True) or donates it.
+
+    `choice` (`keep_last_good`) if it is True or False; for `"auto"`, the
+    rule of `keeps_fit` on `state` (the built model's abstract state as
+    laid out), the devices' free memory now (so data already placed there
+    counts) and `plan` (a `MemoryPlan` of the donating step, where fit made
+    one). Across processes the answer decides the compiled programs, which
+    must be the same everywhere. On XLA:CPU the rule reads only what every
+    process computes alike (the state's layout, `steps_in_flight`, the
+    mesh's devices per process), so no exchange is needed; where free
+    memory is read, the state is kept only if every process would keep it
+    (`hosts.any_process`: one host round trip per fit across processes).
+    """
+    if choice != "auto":
+        return choice
+    devices = layout.devices
+    nbytes = sum(state_bytes(state).values())
+    free = least_free([device for device in devices
+                       if device.process_index == jax.process_index()])
+    if free is None:
+        processes = len({device.process_index for device in devices})
+        return keeps_fit(nbytes, steps_in_flight, local_devices=len(devices) // processes)
+    keep = keeps_fit(nbytes, steps_in_flight, free=free,
+                     peak=None if plan is None else plan.peak)
+    return not hosts.any_process(not keep)
+
+
 # -- The plans a trainer makes ------------------------------------------------
 
 
@@ -411,30 +439,11 @@ def remedies_of(trainer, batch, capacity, donate=True):
 
 
 def keep_last_good_of(trainer, plan=None):
-    """Whether `trainer`'s next fit keeps the last completed state (True) or donates it.
+    """Whether `trainer`'s next fit keeps the last completed state (`keep_last_good`).
 
-    `trainer.keep_last_good` if it is True or False; for `"auto"`, the
-    rule of `keeps_fit` on the built model's abstract state as laid out,
-    the devices' free memory now (so data already placed there counts) and
-    `plan` (the fit's `MemoryPlan` of the donating step, where it made
-    one). Across processes the answer decides the compiled programs, which
-    must be the same everywhere. On XLA:CPU the rule reads only what every
-    process computes alike (the state's layout, `steps_in_flight`, the
-    mesh's devices per process), so no exchange is needed; where free
-    memory is read, the state is kept only if every process would keep it
-    (`hosts.any_process`: one host round trip per fit across processes).
+    `plan`: the fit's `MemoryPlan` of the donating step, where it made one.
     """
-    if trainer.keep_last_good != "auto":
-        return trainer.keep_last_good
-    devices = trainer.layout.devices
-    state = TrainState.abstract_of(trainer.model, trainer.state_layout())
-    nbytes = sum(state_bytes(state).values())
-    free = least_free([device for device in devices
-                       if device.process_index == jax.process_index()])
-    if free is None:
-        processes = len({device.process_index for device in devices})
-        return keeps_fit(nbytes, trainer.steps_in_flight,
-                         local_devices=len(devices) // processes)
-    keep = keeps_fit(nbytes, trainer.steps_in_flight, free=free,
-                     peak=None if plan is None else plan.peak)
-    return not trainer.hosts.any_process(not keep)
+    return keep_last_good(
+        trainer.keep_last_good, TrainState.abstract_of(trainer.model, trainer.state_layout()),
+        steps_in_flight=trainer.steps_in_flight, layout=trainer.layout, hosts=trainer.hosts,
+        plan=plan)
