@@ -141,8 +141,9 @@ def run_epochs(trainer, batches, val, callbacks, *, epochs, resume, validation_f
                 skip = resume.steps if epoch == resume.epoch else 0
                 epoch_logs = run_epoch(run, epoch, skip, val if validate_now else None)
                 stop = stops_after(run, epoch, epochs)
-                stopped = Position(epoch + 1, 0, stopped=True) if stop else None
-                end_at(run, Position(epoch + 1, 0, stopped=stop))
+                end = Position(epoch + 1, 0, stopped=bool(stop))
+                stopped = end if stop else None
+                end_at(run, end)
                 if stop:
                     break
         if run.live.lost is not None:  # never silently: a state left unwritten
